@@ -1,0 +1,66 @@
+"""What every benchmark shares: machine facts, prompts, subprocess workers, results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    import justfit  # noqa: F401  (OpenBLAS first)
+    import mlx.core as mx
+    import psutil
+
+    from justfit.blas import active_blas
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    from importlib.metadata import version
+
+    return {
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(), "mlx_backend": str(mx.default_device()),
+        "blas": active_blas(), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
+        "python": platform.python_version(), "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def prompt_tokens(tokenizer, n: int) -> list[int]:
+    """n deterministic prompt tokens: the CPython LICENSE text, repeated as needed."""
+    path = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt"
+    text = path.read_text(encoding="utf-8") if path.exists() else "The quick brown fox jumps. " * 500
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def run_worker(module: str, args: list[str], timeout: float) -> dict:
+    """Run `python -m module --worker ...` in a fresh process; its last stdout line is JSON."""
+    cmd = [sys.executable, "-m", module, "--worker", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def save(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path

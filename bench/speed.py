@@ -1,0 +1,114 @@
+"""Prefill and decode speed, JustFit next to stock mlx-lm, each system in its own
+process on the same prompt tokens.
+
+    python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
+
+Systems: `justfit` (engine defaults: dense fp32 on CPU, OpenBLAS), `mlx-lm` (stock
+`generate_step` on the same converted model, as a user runs it: the wheel's own BLAS)
+and `mlx-lm+openblas` (stock, with OpenBLAS preloaded, to separate the two effects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SYSTEMS = ("justfit", "mlx-lm", "mlx-lm+openblas")
+
+
+def _worker(system: str, model: str, context: int, decode: int) -> dict:
+    if system != "mlx-lm":
+        import justfit  # noqa: F401  (preloads OpenBLAS)
+    import mlx.core as mx
+
+    from justfit.models import load as resolve_and_load
+
+    if system == "justfit":
+        from justfit import Engine, SamplingParams
+
+        engine = Engine(model)
+        tokens = _prompt(engine.tokenizer, context)
+        sp = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
+        start = time.perf_counter()
+        first = None
+        for chunk in engine.generate(tokens, sp):
+            if first is None:
+                first = time.perf_counter() - start
+        st = engine.last_stats
+        return {"prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "ttft_s": first,
+                "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20}
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    loaded = resolve_and_load(model)  # the same converted weights, mlx-lm's own model code
+    tokens = _prompt(loaded.tokenizer, context)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    steps = generate_step(mx.array(tokens), loaded.model, max_tokens=decode, sampler=make_sampler(0.0))
+    next(steps)
+    ttft = time.perf_counter() - start
+    for _ in range(decode - 1):
+        next(steps)
+    decode_s = time.perf_counter() - start - ttft
+    from justfit.memory import peak_rss_bytes
+
+    return {"prefill_tps": context / ttft, "decode_tps": (decode - 1) / decode_s, "ttft_s": ttft,
+            "peak_mib": mx.get_peak_memory() / 2**20, "rss_peak_mib": peak_rss_bytes() / 2**20}
+
+
+def _prompt(tokenizer, n):
+    from bench.common import prompt_tokens
+
+    return prompt_tokens(tokenizer, n)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        system, model, context, decode = args.worker
+        print(json.dumps(_worker(system, model, int(context), int(decode))))
+        return {}
+
+    from bench.common import machine_info, run_worker, save
+
+    rows = []
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for system in args.systems.split(","):
+            runs = [run_worker("bench.speed", [system, args.model, str(context), str(args.decode)], args.timeout)
+                    for _ in range(args.repeat)]
+            ok = [r for r in runs if "error" not in r]
+            row = {"system": system, "model": args.model, "context": context, "decode_tokens": args.decode}
+            if ok:
+                for key in ("prefill_tps", "decode_tps", "ttft_s", "peak_mib", "rss_peak_mib"):
+                    vals = sorted(r[key] for r in ok)
+                    row[key] = vals[len(vals) // 2]
+            else:
+                row["error"] = runs[-1]["error"]
+            rows.append(row)
+            if not args.json:
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    result = {"machine": machine_info(), "systems": rows}
+    path = save("speed", result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"saved {path}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,64 @@
+"""Pieces the subcommands share: user-facing errors, common options, engine loading."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from justfit.memory import parse_size
+
+
+class UserError(click.ClickException):
+    """A problem the user can fix: printed as one `error: ...` line, exit status 1."""
+
+    exit_code = 1
+
+    def show(self, file=None) -> None:  # noqa: D102 - click's signature
+        click.echo(f"error: {self.format_message()}", file=file or sys.stderr)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on a single line (its class name when it has none)."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, KeyError) and text.startswith("'"):
+        text = text.strip("'")
+    return text or type(exc).__name__
+
+
+def _parse_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from e
+
+
+model_option = click.option(
+    "--model", "-m", default=None, metavar="MODEL",
+    help="smollm2 (default, embedded), gemma3, a .gguf file, an mlx-lm folder or a Hugging Face id.",
+)
+budget_option = click.option(
+    "--budget", default=None, metavar="SIZE", callback=_parse_budget,
+    help="Memory budget, e.g. 2GiB; requests that would not fit are refused.",
+)
+
+
+def _parse_bits(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    return value if value == "exact" else int(value)
+
+
+gguf_bits_option = click.option(
+    "--gguf-bits", type=click.Choice(["2", "3", "4", "5", "6", "8", "exact"]), default="4",
+    show_default=True, callback=_parse_bits,
+    help="How a GGUF's K-quants are re-quantized; 'exact' keeps llama.cpp's values.",
+)
+
+
+def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = 4):
+    """Load the engine for a command (tests replace this to share one engine)."""
+    from justfit import Engine
+    from justfit.config import EngineConfig
+
+    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits))

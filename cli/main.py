@@ -1,0 +1,60 @@
+"""`justfit`: the command group. Thin on purpose: parse, call justfit, print."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import cli  # noqa: F401  (preloads OpenBLAS via `import justfit` before mlx loads)
+import click
+
+import justfit
+from cli.common import UserError, one_line
+from justfit.errors import JustFitError
+
+# Subcommands, imported on first use: name -> "module:attribute".
+# serve, fit and bench get their entries here when they exist.
+COMMANDS: dict[str, str] = {
+    "chat": "cli.chat:chat",
+}
+
+# What the engine raises for problems the user can act on: its own errors, a model
+# that is not there (ModelNotFound is a FileNotFoundError), or one it cannot run
+# (UnsupportedModel is a ValueError), and bad values.
+USER_ERRORS = (JustFitError, FileNotFoundError, ValueError)
+
+
+def debug() -> bool:
+    return os.environ.get("JUSTFIT_DEBUG", "") not in ("", "0")
+
+
+class JustFitGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in COMMANDS and name not in self.commands:
+            module, attr = COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as e:
+            if debug():
+                raise
+            raise UserError(one_line(e)) from e
+
+
+@click.group(cls=JustFitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(justfit.__version__, "--version", "-V", prog_name="justfit")
+def main() -> None:
+    """JustFit: a local long-context LLM engine on MLX.
+
+    Set JUSTFIT_DEBUG=1 to see full tracebacks instead of one-line errors.
+    """
+
+
+if __name__ == "__main__":
+    main(prog_name="justfit")

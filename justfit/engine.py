@@ -1,0 +1,242 @@
+"""The engine: one loaded model, a memory budget, and a conversation whose computed
+state is kept between requests so a growing chat only prefills what is new."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from justfit import blas
+from justfit.config import EngineConfig, SamplingParams
+from justfit.errors import BudgetExceeded, ContextTooLong
+from justfit.generate import ProgressFn, decode, prefill
+from justfit.gguf_import import RequantOptions
+from justfit.memory import MemoryReport, memory_report, parse_size
+from justfit.models import load
+from justfit.planner import Footprint, footprint
+from justfit.stops import StopMatcher
+from phaseswap import materialize_dense
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+# Used when a model ships no chat template (base models).
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+    "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n' }}"
+    "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the kept conversation state
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    memory: MemoryReport | None = None
+
+    @property
+    def prefill_tps(self) -> float:
+        new = self.prompt_tokens - self.cached_tokens
+        return new / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes from prefill's logits; the rest each cost one step.
+        steps = max(0, self.generated_tokens - 1)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        mem = f", peak {self.memory.mlx_peak / 2**20:.0f} MiB MLX / {self.memory.rss_peak / 2**20:.0f} MiB process" if self.memory else ""
+        return (f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached) at "
+                f"{self.prefill_tps:.1f} tok/s, {self.generated_tokens} generated at "
+                f"{self.decode_tps:.1f} tok/s{mem}")
+
+
+@dataclass
+class Chunk:
+    """One piece of streamed output; the last one carries finish_reason and stats."""
+
+    text: str
+    token: int | None = None
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class _Conversation:
+    cache: list | None = None
+    tokens: list[int] = field(default_factory=list)  # exactly what `cache` holds
+
+
+class Engine:
+    """A model behind a memory budget, generating from text, chat messages or tokens."""
+
+    def __init__(self, model: str | None = None, budget: int | str | None = None,
+                 config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        if budget is not None:
+            self.config.budget_bytes = parse_size(budget)
+        opts = RequantOptions(bits=self.config.gguf_bits, embed_bits=self.config.gguf_embed_bits)
+        loaded = load(model, opts)
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.name, self.path = loaded.name, loaded.path
+        self.compute = self._compute_mode()
+        if self.compute == "dense":
+            materialize_dense(self.model, mx.float32)
+        trained = self.model_config.get("max_position_embeddings") or 1 << 20
+        self.context_limit = self.config.context_limit or trained
+        self.blas = blas.active_blas()
+        self._conv = _Conversation()
+        self.last_stats: GenerationStats | None = None
+
+    def _compute_mode(self) -> str:
+        if self.config.compute != "auto":
+            return self.config.compute
+        return "quantized" if mx.default_device() == mx.gpu else "dense"
+
+    # -- prompts ---------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if prompt and isinstance(prompt[0], dict):
+            return self.apply_chat_template(prompt)
+        return [int(t) for t in prompt]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if not getattr(self.tokenizer, "chat_template", None):
+            kwargs["chat_template"] = FALLBACK_TEMPLATE
+        out = self.tokenizer.apply_chat_template(messages, **kwargs)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    # -- planning --------------------------------------------------------------
+    def footprint(self, positions: int) -> Footprint:
+        return footprint(self.model, self.model_config, positions, self.config.prefill_chunk)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, before any work, what the context or the budget cannot hold."""
+        if prompt_tokens + max_tokens > self.context_limit:
+            raise ContextTooLong(prompt_tokens, max_tokens, self.context_limit)
+        budget = self.config.budget_bytes
+        if budget is not None:
+            positions = prompt_tokens + max_tokens
+            fp = self.footprint(positions)
+            if fp.total > budget:
+                raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
+
+    # -- conversation state ------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the kept conversation state."""
+        self._conv = _Conversation()
+        self.last_stats = None
+
+    def _check_state(self) -> None:
+        """Drop the kept state if the cache holds other than exactly `tokens`."""
+        conv = self._conv
+        offsets = {getattr(c, "offset", len(conv.tokens)) for c in conv.cache or []}
+        if offsets - {len(conv.tokens)}:
+            self._conv = _Conversation()
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        return list(self._conv.tokens)
+
+    def _reuse(self, tokens: list[int]) -> int:
+        """Keep the longest usable prefix of the conversation state; return its length."""
+        conv = self._conv
+        common = 0
+        limit = min(len(conv.tokens), len(tokens) - 1)  # always compute >= 1 token
+        while common < limit and conv.tokens[common] == tokens[common]:
+            common += 1
+        if conv.cache is None or common == 0:
+            self._conv = _Conversation(cache=make_prompt_cache(self.model))
+            return 0
+        extra = len(conv.tokens) - common
+        if extra and not (can_trim_prompt_cache(conv.cache)
+                          and trim_prompt_cache(conv.cache, extra) == extra):
+            self._conv = _Conversation(cache=make_prompt_cache(self.model))
+            return 0
+        del conv.tokens[common:]
+        return common
+
+    # -- generation --------------------------------------------------------------
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                 progress: ProgressFn | None = None) -> Iterator[Chunk]:
+        """Stream the reply to `prompt`. Closing the iterator early cancels cleanly:
+        the kept state then holds exactly the tokens that were computed."""
+        sp = sampling or SamplingParams()
+        tokens = self.encode(prompt)
+        if not tokens:
+            raise ValueError("empty prompt")
+        self.check_fits(len(tokens), sp.max_tokens)
+        stats = GenerationStats(prompt_tokens=len(tokens))
+        mx.reset_peak_memory()
+        if sp.seed is not None:
+            mx.random.seed(sp.seed)
+        try:
+            yield from self._run(tokens, sp, stats, progress)
+        except BaseException:
+            self._check_state()  # e.g. Ctrl-C between a cache update and its record
+            raise
+        finally:
+            stats.memory = memory_report(self.model, self._conv.cache)
+            self.last_stats = stats
+
+    def _run(self, tokens: list[int], sp: SamplingParams, stats: GenerationStats,
+             progress: ProgressFn | None) -> Iterator[Chunk]:
+        cached = self._reuse(tokens)
+        stats.cached_tokens = cached
+        conv = self._conv
+        record: Callable[[list[int]], None] = conv.tokens.extend
+        if sp.max_tokens == 0:
+            stats.finish_reason = "length"
+            yield Chunk("", finish_reason="length", stats=stats)
+            return
+        start = time.perf_counter()
+        wrapped = (lambda done, total: progress(cached + done, len(tokens))) if progress else None
+        logits = prefill(self.model, tokens[cached:], conv.cache, self.config.prefill_chunk,
+                         wrapped, record)
+        stats.prefill_s = time.perf_counter() - start
+        sampler = make_sampler(sp.temperature, sp.top_p, sp.min_p, top_k=sp.top_k)
+        processors = make_logits_processors(
+            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
+            repetition_context_size=sp.repetition_context,
+        )
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stops = StopMatcher(sp.stop)
+        eos = set() if sp.ignore_eos else set(self.tokenizer.eos_token_ids)
+        start = time.perf_counter()
+        reason = "length"
+        for token in decode(self.model, logits, conv.cache, sampler, processors, tokens, record):
+            if token in eos:
+                reason = "stop"
+                break
+            stats.generated_tokens += 1
+            detok.add_token(token)
+            text, hit = stops.feed(detok.last_segment)
+            stats.decode_s = time.perf_counter() - start
+            yield Chunk(text, token)  # one per token, text may be "" (partial UTF-8)
+            if hit:
+                reason = "stop"
+                break
+            if stats.generated_tokens >= sp.max_tokens:
+                break
+        detok.finalize()
+        tail = stops.flush(detok.last_segment) if reason == "length" else ""
+        stats.decode_s = time.perf_counter() - start
+        stats.finish_reason = reason
+        yield Chunk(tail, finish_reason=reason, stats=stats)
+
+    def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
+        """The whole reply as one string."""
+        return "".join(c.text for c in self.generate(prompt, sampling))

@@ -1,0 +1,28 @@
+"""Errors the user can act on; their message is one readable line."""
+
+
+class JustFitError(Exception):
+    pass
+
+
+class ContextTooLong(JustFitError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+        super().__init__(
+            f"prompt too long: {prompt_tokens} prompt tokens + {max_tokens} to generate "
+            f"> {limit} positions this model supports; shorten the prompt or lower max_tokens "
+            f"to {max(0, limit - prompt_tokens)}"
+        )
+
+
+class BudgetExceeded(JustFitError):
+    def __init__(self, needed: int, budget: int, fits_positions: int, positions: int):
+        from justfit.memory import format_size
+
+        self.needed, self.budget = needed, budget
+        self.fits_positions, self.positions = fits_positions, positions
+        super().__init__(
+            f"does not fit the memory budget: {positions} positions need about "
+            f"{format_size(needed)} > budget {format_size(budget)}; at most {fits_positions} "
+            f"positions fit; raise --budget or shorten the prompt"
+        )

@@ -1,0 +1,91 @@
+"""The token loop: chunked prefill that computes logits only where they are used,
+then decode one token at a time with mlx-lm's samplers."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ProgressFn = Callable[[int, int], None]  # (processed, total)
+
+
+def _body(model: nn.Module) -> nn.Module | None:
+    """The transformer without its output head, when the model exposes one."""
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "layers"):
+        return inner
+    return None
+
+
+def _eval_cache(cache: list) -> None:
+    mx.eval([c.state for c in cache])
+
+
+def prefill(
+    model: nn.Module,
+    tokens: list[int],
+    cache: list,
+    chunk: int = 512,
+    progress: ProgressFn | None = None,
+    on_processed: Callable[[list[int]], None] | None = None,
+) -> mx.array:
+    """Feed `tokens` into `cache`; return the logits (fp32, shape [vocab]) after the last.
+
+    All but the last token go through the body only: the output head (vocab x hidden
+    per position) would be wasted work and a large transient on every chunk.
+    """
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    body = _body(model)
+    head, last = tokens[:-1], tokens[-1:]
+    total = len(tokens)
+    done = 0
+    if progress:
+        progress(0, total)
+    while done < len(head):
+        piece = head[done : done + chunk]
+        inputs = mx.array(piece)[None]
+        if body is not None:
+            body(inputs, cache=cache)
+        else:
+            model(inputs, cache=cache)
+        _eval_cache(cache)
+        done += len(piece)
+        if on_processed:
+            on_processed(piece)
+        if progress:
+            progress(done, total)
+    logits = model(mx.array(last)[None], cache=cache)[0, -1].astype(mx.float32)
+    mx.eval(logits)
+    if on_processed:
+        on_processed(last)
+    if progress:
+        progress(total, total)
+    return logits
+
+
+def decode(
+    model: nn.Module,
+    logits: mx.array,
+    cache: list,
+    sampler: Callable[[mx.array], mx.array],
+    processors: list,
+    history: list[int],
+    on_processed: Callable[[list[int]], None] | None = None,
+) -> Iterator[int]:
+    """Yield sampled tokens forever; the caller stops. Each token is yielded before
+    it is fed to the model, so stopping never computes a step nobody asked for."""
+    context = mx.array(history)
+    while True:
+        for proc in processors:
+            logits = proc(context, logits[None])[0]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = int(sampler(logprobs[None]).item())
+        yield token
+        context = mx.concatenate([context, mx.array([token])])
+        logits = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(logits)
+        if on_processed:
+            on_processed([token])

@@ -1,0 +1,83 @@
+"""Memory accounting: sizes, budgets and what the process is using right now."""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import psutil
+from mlx.utils import tree_flatten
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int | float) -> int:
+    """'2GiB', '1.5 GB', '512MiB', '1e9' -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (try 2GiB, 512MiB, 1.5GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int | float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def tree_bytes(tree) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return tree_bytes(model.parameters())
+
+
+def cache_bytes(cache: list | None) -> int:
+    return sum(getattr(c, "nbytes", 0) for c in cache or [])
+
+
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Whole-process high-water mark since start (ru_maxrss is KiB on Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class MemoryReport:
+    weights: int
+    kv: int
+    mlx_active: int
+    mlx_peak: int
+    transient_peak: int  # MLX peak above what weights + KV hold
+    rss: int
+    rss_peak: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (f"weights {format_size(self.weights)}, KV {format_size(self.kv)}, "
+                f"transient peak {format_size(self.transient_peak)}, "
+                f"MLX peak {format_size(self.mlx_peak)}, process peak {format_size(self.rss_peak)}")
+
+
+def memory_report(model: nn.Module, cache: list | None = None) -> MemoryReport:
+    weights, kv = weight_bytes(model), cache_bytes(cache)
+    peak = mx.get_peak_memory()
+    return MemoryReport(
+        weights=weights, kv=kv, mlx_active=mx.get_active_memory(), mlx_peak=peak,
+        transient_peak=max(0, peak - weights - kv), rss=rss_bytes(), rss_peak=peak_rss_bytes(),
+    )

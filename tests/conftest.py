@@ -1,0 +1,46 @@
+"""Shared fixtures: the real offline models, and tiny random models built per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
+import pytest
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp-parity.json"
+
+
+@pytest.fixture(scope="session")
+def parity() -> dict:
+    if not REFERENCE.exists():
+        pytest.skip(f"llama.cpp reference outputs not found at {REFERENCE}")
+    return json.loads(REFERENCE.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from justfit.models import EMBEDDED
+
+    return EMBEDDED["smollm2"]()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    from justfit.models import EMBEDDED
+
+    return EMBEDDED["gemma3"]()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from tests.tiny_models import write_mlx_folder
+
+    return write_mlx_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    from tests.tiny_models import write_mlx_folder
+
+    return write_mlx_folder(tmp_path_factory.mktemp("tiny") / "gemma3", "gemma3_text")

@@ -1,0 +1,161 @@
+"""Engine mechanics on tiny random models: streaming, kept conversation state,
+cancellation, stops, sampling, limits and memory accounting."""
+
+import mlx.core as mx
+import pytest
+
+from justfit import Engine, SamplingParams
+from justfit.config import EngineConfig
+from justfit.errors import BudgetExceeded, ContextTooLong
+from justfit.stops import StopMatcher
+from tests.tiny_models import write_mlx_folder
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return Engine(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_gemma3_dir):
+    return Engine(str(tiny_gemma3_dir))
+
+
+def _tokens(engine, prompt, sp=GREEDY):
+    return [c.token for c in engine.generate(prompt, sp) if c.token is not None]
+
+
+def _fresh_tokens(path, prompt, sp=GREEDY):
+    return _tokens(Engine(str(path)), prompt, sp)
+
+
+def test_stream_ends_with_stats(llama):
+    chunks = list(llama.generate("the cat sat on", SamplingParams(temperature=0, max_tokens=5)))
+    last = chunks[-1]
+    assert last.finish_reason in ("length", "stop") and last.stats is not None
+    st = last.stats
+    assert st.prompt_tokens == len(llama.encode("the cat sat on"))
+    assert 1 <= st.generated_tokens <= 5
+    assert st.prefill_s > 0 and st.memory.weights > 0 and st.memory.mlx_peak >= st.memory.weights
+    assert llama.compute == "dense" and st.memory.rss_peak > 0
+
+
+def test_conversation_state_is_reused_and_exact(llama, tiny_llama_dir):
+    llama.reset()
+    turn1 = [{"role": "user", "content": "hello there"}]
+    reply = llama.complete(turn1, GREEDY)
+    turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+    got = _tokens(llama, turn2)
+    assert llama.last_stats.cached_tokens > len(llama.encode(turn1)) // 2
+    assert got == _fresh_tokens(tiny_llama_dir, turn2)
+
+
+def test_diverging_prompt_trims_state(llama, tiny_llama_dir):
+    llama.reset()
+    _tokens(llama, "one two three four five six")
+    got = _tokens(llama, "one two three seven")
+    assert 0 < llama.last_stats.cached_tokens < len(llama.encode("one two three seven"))
+    assert got == _fresh_tokens(tiny_llama_dir, "one two three seven")
+
+
+def test_sliding_window_model_reuse_matches_fresh(gemma, tiny_gemma3_dir):
+    gemma.reset()
+    long_prompt = "the " * 40  # beyond the 16-token sliding window
+    _tokens(gemma, long_prompt)
+    extended = long_prompt + "and more words"
+    assert _tokens(gemma, extended) == _fresh_tokens(tiny_gemma3_dir, extended)
+    diverged = "the " * 30 + "other"
+    assert _tokens(gemma, diverged) == _fresh_tokens(tiny_gemma3_dir, diverged)
+
+
+def test_cancel_keeps_state_consistent(llama, tiny_llama_dir):
+    llama.reset()
+    prompt = "count with me"
+    stream = llama.generate(prompt, SamplingParams(temperature=0, max_tokens=50))
+    seen = [next(stream).token for _ in range(3)]
+    stream.close()
+    held = llama.cached_tokens
+    prompt_ids = llama.encode(prompt)
+    # The state holds the prompt and exactly the tokens that were fed back in.
+    assert held[: len(prompt_ids)] == prompt_ids
+    assert held[len(prompt_ids):] == seen[:2]  # the 3rd was sampled, not yet fed back
+    assert llama.last_stats is not None
+    again = "count with me, then stop"
+    assert _tokens(llama, again) == _fresh_tokens(tiny_llama_dir, again)
+
+
+def test_stop_string_truncates_output(llama):
+    llama.reset()
+    full = llama.complete("abc", SamplingParams(temperature=0, max_tokens=20))
+    if len(full) < 4:
+        pytest.skip("tiny model produced too little text to cut")
+    stop = full[2:4]
+    cut = llama.complete("abc", SamplingParams(temperature=0, max_tokens=20, stop=(stop,)))
+    assert cut == full[: full.index(stop)]
+    assert llama.last_stats.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(llama):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
+    llama.reset()
+    a = _tokens(llama, "random words", sp)
+    llama.reset()
+    b = _tokens(llama, "random words", sp)
+    assert a == b
+
+
+def test_context_limit_refused_before_work(llama):
+    llama.reset()
+    _tokens(llama, "keep this")
+    before = llama.cached_tokens
+    with pytest.raises(ContextTooLong, match="512 positions"):
+        list(llama.generate("hi", SamplingParams(max_tokens=10_000)))
+    assert llama.cached_tokens == before
+
+
+def test_budget_refused_with_numbers(tiny_llama_dir):
+    engine = Engine(str(tiny_llama_dir), budget="256KiB")
+    with pytest.raises(BudgetExceeded) as err:
+        list(engine.generate("hello", SamplingParams(max_tokens=4)))
+    assert "budget 256.00 KiB" in str(err.value) and err.value.needed > err.value.budget
+    assert engine.cached_tokens == []
+
+
+def test_planner_max_positions_is_tight(llama):
+    budget = llama.footprint(1).weights + 8 * 2**20
+    n = llama.footprint(1).max_positions(budget)
+    assert n > 0
+    assert llama.footprint(n).total <= budget < llama.footprint(n + 1).total
+
+
+def test_dense_and_quantized_compute_agree(tmp_path):
+    path = write_mlx_folder(tmp_path / "q8", "llama", seed=3, quantize_bits=8)
+    dense = Engine(str(path), config=EngineConfig(compute="dense"))
+    quant = Engine(str(path), config=EngineConfig(compute="quantized"))
+    assert dense.compute == "dense" and quant.compute == "quantized"
+    assert dense.footprint(1).weights > quant.footprint(1).weights
+    tokens = dense.encode("agree on this")
+    a = dense.model(mx.array(tokens)[None])[0, -1]
+    b = quant.model(mx.array(tokens)[None])[0, -1].astype(mx.float32)
+    assert mx.allclose(a, b, atol=0.05 * float(mx.abs(a).max()))
+
+
+@pytest.mark.parametrize("stops,chunks,expected", [
+    (("END",), ["hel", "lo E", "N", "D more"], ("hello ", True)),
+    (("END",), ["hello E", "NVY"], ("hello ENVY", False)),
+    (("\n\n", "###"), ["a\n", "b#", "##"], ("a\nb", True)),
+    ((), ["plain ", "text"], ("plain text", False)),
+])
+def test_stop_matcher(stops, chunks, expected):
+    m = StopMatcher(stops)
+    out, hit = "", False
+    for c in chunks:
+        text, hit = m.feed(c)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += m.flush()
+    assert (out, hit) == expected
