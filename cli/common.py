@@ -46,17 +46,18 @@ budget_option = click.option(
 
 
 def _parse_bits(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
-    return value if value == "exact" else int(value)
+    return value if value in ("exact", "native") else int(value)
 
 
 gguf_bits_option = click.option(
-    "--gguf-bits", type=click.Choice(["2", "3", "4", "5", "6", "8", "exact"]), default="4",
-    show_default=True, callback=_parse_bits,
-    help="How a GGUF's K-quants are re-quantized; 'exact' keeps llama.cpp's values.",
+    "--gguf-bits", type=click.Choice(["native", "exact", "2", "3", "4", "5", "6", "8"]),
+    default="native", show_default=True, callback=_parse_bits,
+    help="GGUF import precision: native keeps every affine block type exact (others at "
+         "8 bits), exact keeps all of llama.cpp's values, a number re-quantizes to it.",
 )
 
 
-def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = 4):
+def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native"):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig

@@ -44,7 +44,7 @@ class EngineConfig:
     budget_bytes: int | None = None
     compute: str = "auto"
     prefill_chunk: int = 512
-    gguf_bits: int | str = 4
+    gguf_bits: int | str = "native"  # see justfit.gguf_import
     gguf_embed_bits: int = 8
     context_limit: int | None = None  # defaults to the model's trained context
     extra: dict = field(default_factory=dict)

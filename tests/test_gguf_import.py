@@ -79,6 +79,13 @@ def test_gemma3_import_config_norms_and_weights(gemma3_gguf_tiny, tmp_path):
     assert cfg["quantization"]["model.layers.0.self_attn.v_proj"]["bits"] == 8  # Q8_0 kept
 
 
+def test_native_mode_keeps_affine_types_and_requantizes_the_rest(gemma3_gguf_tiny, tmp_path):
+    path, _ = gemma3_gguf_tiny
+    q = json.loads((convert(path, tmp_path / "m", RequantOptions()) / "config.json").read_text())["quantization"]
+    width = {m: q.get(f"model.layers.1.{m}", q)["bits"] for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")}
+    assert width == {"self_attn.q_proj": 5, "self_attn.o_proj": 4, "mlp.down_proj": 8}  # Q5_0, Q4_K, Q6_K
+
+
 def test_exact_mode_reproduces_gguf_dequantization(gemma3_gguf_tiny, tmp_path):
     """bits="exact": every weight equals what llama.cpp dequantizes, bit for bit."""
     path, ref = gemma3_gguf_tiny
@@ -98,7 +105,7 @@ def test_exact_mode_reproduces_gguf_dequantization(gemma3_gguf_tiny, tmp_path):
         np.testing.assert_array_equal(np.array(params[name]), expected.astype(np.float32), err_msg=name)
 
 
-@pytest.mark.parametrize("bits,atol", [("exact", 1e-4), (8, 0.05), (4, 0.3)])
+@pytest.mark.parametrize("bits,atol", [("exact", 1e-4), ("native", 0.05), (8, 0.05), (4, 0.3)])
 def test_gemma3_import_tracks_reference_logits(gemma3_gguf_tiny, tmp_path, bits, atol):
     path, ref = gemma3_gguf_tiny
     loaded = load(str(convert(path, tmp_path / "m", RequantOptions(bits=bits))))

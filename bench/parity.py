@@ -1,0 +1,87 @@
+"""Faithfulness of the GGUF import against llama.cpp's reference outputs: prompt
+tokens, greedy continuations (matching prefix length) and LICENSE perplexity.
+
+    python -m bench.parity [--gemma-bits exact]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp-parity.json"
+LICENSE = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "LICENSE.txt")
+KEYS = {"smollm2": "smollm2-135m-instruct-q4_1", "gemma3": "gemma3-270m-q4_k_m"}
+
+
+def greedy(model, tokens: list[int], n: int) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(tokens)[None], cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def greedy_matches(loaded, cases: list[dict], n: int = 24) -> list[int]:
+    """Per prompt: how many leading greedy tokens equal llama.cpp's continuation."""
+    out = []
+    for case in cases:
+        want = loaded.tokenizer.encode(case["continuation_24"], add_special_tokens=False)
+        out.append(matching_prefix(greedy(loaded.model, case["prompt_tokens"], n), want))
+    return out
+
+
+def license_perplexity(loaded, add_bos: bool):
+    from justfit.perplexity import perplexity
+
+    with open(LICENSE, encoding="utf-8") as f:
+        tokens = list(loaded.tokenizer.encode(f.read()))
+    return perplexity(loaded.model, tokens, 512, loaded.tokenizer.bos_token_id if add_bos else None)
+
+
+def load_dense(name: str, bits: int | str = "native"):
+    import justfit  # noqa: F401
+    from justfit.gguf_import import RequantOptions
+    from justfit.models import load
+    from phaseswap import materialize_dense
+
+    loaded = load(name, RequantOptions(bits=bits))
+    materialize_dense(loaded.model)
+    return loaded
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gemma-bits", default="native")
+    args = ap.parse_args()
+    ref = json.loads(REFERENCE.read_text())
+    for name, bits in (("smollm2", "native"), ("gemma3", args.gemma_bits)):
+        bits = bits if bits in ("exact", "native") else int(bits)
+        loaded = load_dense(name, bits)
+        r = ref["models"][KEYS[name]]
+        tokens_ok = [list(loaded.tokenizer.encode(c["prompt"])) == c["prompt_tokens"] for c in r["greedy"]]
+        ppl = license_perplexity(loaded, r["add_bos"])
+        want = r["perplexity_license_c512"]["ppl"]
+        print(json.dumps({"model": name, "gguf_bits": bits, "prompt_tokens_identical": tokens_ok,
+                          "greedy_matching_prefix_of_24": greedy_matches(loaded, r["greedy"]),
+                          "ppl": round(ppl.ppl, 4), "ppl_llamacpp": want, "chunks": ppl.chunks,
+                          "ppl_rel_diff": round(abs(ppl.ppl - want) / want, 4)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
