@@ -102,21 +102,9 @@ class ChatSession:
         pieces: list[str] = []
         interrupted = False
         guard = deferred_sigint(self.request_stop) if self.catch_interrupt else nullcontext()
-        gen = self.engine.generate(self.prompt_messages(), self.sampling, progress=on_progress)
         try:
             with guard:
-                try:
-                    for chunk in gen:
-                        bar.clear()
-                        if chunk.text:
-                            pieces.append(chunk.text)
-                            click.echo(chunk.text, file=self.out, nl=False)
-                        if self._stop:
-                            interrupted = True
-                            break
-                finally:
-                    gen.close()  # the engine keeps exactly the tokens it computed
-                    bar.clear()
+                interrupted = self.stream(bar, on_progress, pieces)
         except Stopped:
             interrupted = True
         except KeyboardInterrupt:
@@ -144,6 +132,23 @@ class ChatSession:
             if line:
                 self.notice(line)
         return reply
+
+    def stream(self, bar: PrefillBar, progress: Callable[[int, int], None], pieces: list[str]) -> bool:
+        """Generate the reply to the current conversation, echoing it to `out` and
+        collecting it in `pieces`; True when stopped by request_stop()."""
+        gen = self.engine.generate(self.prompt_messages(), self.sampling, progress=progress)
+        try:
+            for chunk in gen:
+                bar.clear()
+                if chunk.text:
+                    pieces.append(chunk.text)
+                    click.echo(chunk.text, file=self.out, nl=False)
+                if self._stop:
+                    return True
+        finally:
+            gen.close()  # the engine keeps exactly the tokens it computed
+            bar.clear()
+        return False
 
     # -- input -----------------------------------------------------------------
     def read_input(self) -> str | None:
@@ -356,16 +361,7 @@ def answer_once(session: ChatSession, question: str) -> str:
     session.messages.append({"role": "user", "content": question})
     bar = PrefillBar(session.err, session.progress, session.progress_min_tokens)
     pieces: list[str] = []
-    gen = session.engine.generate(session.prompt_messages(), session.sampling, progress=bar)
-    try:
-        for chunk in gen:
-            bar.clear()
-            if chunk.text:
-                pieces.append(chunk.text)
-                click.echo(chunk.text, file=session.out, nl=False)
-    finally:
-        gen.close()
-        bar.clear()
+    session.stream(bar, bar, pieces)
     click.echo("", file=session.out)
     reply = "".join(pieces)
     session.messages.append({"role": "assistant", "content": reply})

@@ -15,7 +15,7 @@ from justfit.gguf_blocks import pack
 from justfit.gguf_file import read_gguf
 from justfit.models import load
 from phaseswap import materialize_dense
-from tests.tiny_models import reference_model, write_gemma3_gguf, write_llama_gguf
+from tests.tiny_models import finish, reference_model, write_gemma3_gguf, write_llama_gguf
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     path = tmp_path / "odd.gguf"
     w = GGUFWriter(str(path), "mamba")
     w.add_tensor("x.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    finish(w)
     with pytest.raises(UnsupportedModel, match="mamba"):
         convert(path, tmp_path / "m", RequantOptions())
     assert not (tmp_path / "m").exists()

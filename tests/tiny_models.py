@@ -75,6 +75,14 @@ def _write_vocab(w: GGUFWriter, v: dict, template: str | None) -> None:
         w.add_chat_template(template)
 
 
+def finish(w: GGUFWriter) -> None:
+    """Write header, metadata and tensors, then close."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def random_blocks(rng: np.random.Generator, qtype: QT, rows: int, cols: int) -> np.ndarray:
     """Valid raw blocks of `qtype` (random codes, sane fp16 scales) for a rows x cols matrix."""
     from gguf.constants import GGML_QUANT_SIZES
@@ -148,10 +156,7 @@ def write_llama_gguf(path: Path, seed: int = 0, layers: int = 2) -> dict[str, np
         ref[p + "mlp.down_proj.weight"] = _add(w, b + "ffn_down.weight", rng.normal(0, 0.2, (hidden, ff)), QT.Q4_0)
         ref[p + "input_layernorm.weight"] = _add(w, b + "attn_norm.weight", rng.uniform(0.8, 1.2, hidden), QT.F32)
         ref[p + "post_attention_layernorm.weight"] = _add(w, b + "ffn_norm.weight", rng.uniform(0.8, 1.2, hidden), QT.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     ref["_config"] = dict(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
                           intermediate_size=ff, num_attention_heads=heads, num_key_value_heads=kv_heads,
                           rms_norm_eps=1e-5, vocab_size=n_vocab, rope_theta=10000.0,
@@ -208,10 +213,7 @@ def write_gemma3_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
             ("attn_q_norm", "self_attn.q_norm", head_dim), ("attn_k_norm", "self_attn.k_norm", head_dim),
         ]:
             ref[p + mlx_name + ".weight"] = add_norm(f"{b}{gguf_name}.weight", n)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     ref["_config"] = dict(model_type="gemma3_text", hidden_size=hidden, num_hidden_layers=layers,
                           intermediate_size=ff, num_attention_heads=heads, num_key_value_heads=kv_heads,
                           head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=n_vocab, rope_theta=1_000_000.0,
