@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvexec import KVConfig
+
 
 @dataclass
 class SamplingParams:
@@ -47,6 +49,7 @@ class EngineConfig:
     gguf_bits: int | str = "native"  # see justfit.gguf_import
     gguf_embed_bits: int = 8
     context_limit: int | None = None  # defaults to the model's trained context
+    kv: KVConfig | None = field(default_factory=KVConfig)  # None: mlx-lm's own KV cache
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from justfit import blas
@@ -20,6 +19,7 @@ from justfit.memory import MemoryReport, memory_report, parse_size
 from justfit.models import load
 from justfit.planner import Footprint, footprint
 from justfit.stops import StopMatcher
+import kvexec
 from phaseswap import materialize_dense
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -92,6 +92,8 @@ class Engine:
         self.compute = self._compute_mode()
         if self.compute == "dense":
             materialize_dense(self.model, mx.float32)
+        if self.config.kv is not None:
+            kvexec.install(self.model)
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.blas = blas.active_blas()
@@ -120,7 +122,8 @@ class Engine:
 
     # -- planning --------------------------------------------------------------
     def footprint(self, positions: int) -> Footprint:
-        return footprint(self.model, self.model_config, positions, self.config.prefill_chunk)
+        return footprint(self.model, self.model_config, positions, self.config.prefill_chunk,
+                         self.config.kv)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse, before any work, what the context or the budget cannot hold."""
@@ -134,6 +137,14 @@ class Engine:
                 raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
 
     # -- conversation state ------------------------------------------------------
+    def new_cache(self) -> list:
+        """Per-layer state for one sequence: KVExec pages, or mlx-lm's own caches."""
+        if self.config.kv is None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            return make_prompt_cache(self.model)
+        return kvexec.make_cache(self.model, self.config.kv)
+
     def reset(self) -> None:
         """Forget the kept conversation state."""
         self._conv = _Conversation()
@@ -157,13 +168,9 @@ class Engine:
         limit = min(len(conv.tokens), len(tokens) - 1)  # always compute >= 1 token
         while common < limit and conv.tokens[common] == tokens[common]:
             common += 1
-        if conv.cache is None or common == 0:
-            self._conv = _Conversation(cache=make_prompt_cache(self.model))
-            return 0
         extra = len(conv.tokens) - common
-        if extra and not (can_trim_prompt_cache(conv.cache)
-                          and trim_prompt_cache(conv.cache, extra) == extra):
-            self._conv = _Conversation(cache=make_prompt_cache(self.model))
+        if conv.cache is None or common == 0 or (extra and not kvexec.trim(conv.cache, extra)):
+            self._conv = _Conversation(cache=self.new_cache())
             return 0
         del conv.tokens[common:]
         return common

@@ -1,9 +1,10 @@
 """What a request will need in memory, before it runs.
 
-A first-order model: resident weights + KV bytes per retained position (attention
-layers grow with context, sliding-window layers stop at their window) + the largest
-transient of one prefill chunk (attention scores, MLP activations, last-position
-logits). KVExec and PhaseSwap will replace the KV and transient terms with their own.
+A first-order model: resident weights + KV bytes per retained position (pages in their
+format, the hot window and sinks in full precision; sliding-window layers stop at their
+window) + the largest transient of one prefill chunk: attention scores over one KVExec
+block (over the whole context with mlx-lm's own cache), MLP activations, and the
+last position's logits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
+from kvexec import KVConfig, get_format
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,10 @@ class _Shape:
     full_layers: int  # layers whose KV grows with every position
     windows: tuple[int, ...]  # window size of each sliding layer
     state_bytes: int  # constant per-sequence state (recurrent layers)
-    kv_row: int  # bytes of K+V for one position in one layer
+    kv_row: int  # bytes of K+V for one position in one layer, full precision
+    page_row: float  # the same in the page format (== kv_row without KVExec)
+    full_tokens: int  # positions per layer held in full precision (sinks, hot window)
+    block_tokens: int | None  # KVExec: keys per attention block; None: whole context
     heads: int
     hidden: int
     intermediate: int
@@ -58,17 +63,29 @@ class Footprint:
                 "transient": self.transient, "total": self.total}
 
 
+def _layer_kv(s: _Shape, held: int) -> float:
+    full = min(held, s.full_tokens)
+    return full * s.kv_row + (held - full) * s.page_row
+
+
 def _estimate(s: _Shape, positions: int) -> Footprint:
-    kv = s.kv_row * (s.full_layers * positions + sum(min(w, positions) for w in s.windows))
     chunk = min(s.chunk, max(positions, 1))
-    scores = chunk * s.heads * positions * s.act_bytes
+    kv = s.full_layers * _layer_kv(s, positions)
+    # A sliding layer holds its window plus at most one chunk, one page and the hot window.
+    kv += sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens)) for w in s.windows)
+    keys = positions if s.block_tokens is None else min(positions, s.block_tokens)
+    scores = chunk * s.heads * keys * 4 * 2  # scores and their exponentials
+    blocks = 0 if s.block_tokens is None else 2 * keys * s.kv_row
     mlp = chunk * s.intermediate * 3 * s.act_bytes
     hidden = chunk * s.hidden * 4 * s.act_bytes
     logits = s.vocab * 4
-    return Footprint(positions, s.weights, kv + s.state_bytes, scores + mlp + hidden + logits, s)
+    transient = scores + blocks + mlp + hidden + logits
+    return Footprint(positions, s.weights, int(kv) + s.state_bytes, int(transient), s)
 
 
-def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512) -> Footprint:
+def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
+              kv: KVConfig | None = None) -> Footprint:
+    """What `positions` retained positions need; `kv` None means mlx-lm's own cache."""
     args = getattr(model, "args", None)
     cfg = config.get("text_config", config)
 
@@ -88,9 +105,16 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512) 
             full += 1
         else:
             state += tree_bytes(getattr(c, "state", []))
+    kv_row = 2 * kv_heads * head_dim * act_bytes
+    if kv is None:
+        page_row, full_tokens, block = kv_row, 0, None
+    else:
+        page_row = 2 * get_format(kv.format).bytes_per_token(kv_heads, head_dim)
+        full_tokens, block = kv.sink_tokens + kv.hot_window + kv.page_size, kv.block_tokens
     shape = _Shape(
         weights=weight_bytes(model), full_layers=full, windows=tuple(windows), state_bytes=state,
-        kv_row=2 * kv_heads * head_dim * act_bytes, heads=heads, hidden=hidden,
+        kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, block_tokens=block,
+        heads=heads, hidden=hidden,
         intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
         chunk=chunk, act_bytes=act_bytes,
     )

@@ -1,0 +1,88 @@
+"""The KV cache object mlx-lm's models talk to, backed by a page store.
+
+`update_and_fetch` writes the new keys and values into the store and hands back
+placeholders; the attention call that follows reaches `attend` through the seam
+(kvexec/seam.py), which runs the blockwise executor on the store.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from kvexec.attention import blockwise_attention
+from kvexec.store import KVConfig, PageStore
+
+
+class PagedKVCache:
+    def __init__(self, config: KVConfig | None = None, window: int | None = None):
+        self.store = PageStore(config or KVConfig(), window)
+        self._new = 0  # tokens written by the last update
+
+    # -- mlx-lm cache protocol -------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.store.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._new = keys.shape[-2]
+        self.store.append(keys, values)
+        return keys, values  # unused: the seam routes attention to `attend`
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return None  # the executor knows positions and windows itself
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        q_start = self.store.offset - queries.shape[-2]
+        return blockwise_attention(queries, self.store.blocks(), q_start, scale, self.store.window, sinks)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.store.arrays()
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def can_trim(self, n: int) -> bool:
+        return self.store.can_trim(n)
+
+    def trim(self, n: int) -> int:
+        return self.store.trim(n)
+
+    def size(self) -> int:
+        return self.store.offset
+
+    def empty(self) -> bool:
+        return self.store.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+
+def make_cache(model: nn.Module, config: KVConfig | None = None) -> list:
+    """The model's own cache list with every attention cache replaced by a paged one
+    (sliding-window caches by windowed ones); recurrent-state caches stay as they are."""
+    caches = []
+    for c in make_prompt_cache(model):
+        if isinstance(c, RotatingKVCache):
+            caches.append(PagedKVCache(config, window=c.max_size))
+        elif isinstance(c, KVCache):
+            caches.append(PagedKVCache(config))
+        else:
+            caches.append(c)
+    return caches
+
+
+def can_trim(cache: list, n: int) -> bool:
+    return all(c.can_trim(n) if isinstance(c, PagedKVCache) else c.is_trimmable() for c in cache)
+
+
+def trim(cache: list, n: int) -> bool:
+    """Remove the last n positions from every layer, or from none (returns False)."""
+    if not can_trim(cache, n):
+        return False
+    for c in cache:
+        c.trim(n)
+    return True

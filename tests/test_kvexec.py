@@ -1,0 +1,219 @@
+"""KVExec: formats, page store, blockwise executor, and the seam into mlx-lm models."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes
+
+import kvexec
+from kvexec import FORMATS, KVConfig, PageStore, blockwise_attention, get_format
+
+SMALL = dict(page_size=16, hot_window=8, sink_tokens=2, block_tokens=32)
+
+
+def _reference(q, K, V, window=None, sinks=None):
+    L, S = q.shape[2], K.shape[2]
+    qpos, kpos = mx.arange(S - L, S)[:, None], mx.arange(S)[None]
+    mask = kpos <= qpos
+    if window:
+        mask = mask & (qpos - kpos < window)
+    return mx.fast.scaled_dot_product_attention(q, K, V, scale=q.shape[-1] ** -0.5, mask=mask, sinks=sinks)
+
+
+def _run(store, chunks, heads, sinks=None, seed=0, rel=False):
+    """Feed chunks through a store; the worst max-abs error against reference attention
+    (with rel=True: the worst relative RMS error)."""
+    rng = np.random.default_rng(seed)
+    B, kvh, D = 1, 3, 64
+    ks, vs, errs = [], [], []
+    for L in chunks:
+        k, v = (mx.array(rng.normal(size=(B, kvh, L, D)).astype(np.float32)) for _ in range(2))
+        q = mx.array(rng.normal(size=(B, heads, L, D)).astype(np.float32))
+        store.append(k, v)
+        ks.append(k)
+        vs.append(v)
+        out = blockwise_attention(q, store.blocks(), store.offset - L, D**-0.5, store.window, sinks)
+        ref = _reference(q, mx.concatenate(ks, 2), mx.concatenate(vs, 2), store.window, sinks)
+        if rel:
+            errs.append(float(mx.sqrt(((out - ref) ** 2).mean() / (ref**2).mean())))
+        else:
+            errs.append(float(mx.abs(out - ref).max()))
+    return max(errs)
+
+
+CHUNKS = [37, 1, 1, 16, 15, 1, 64, 1, 100, 1]  # odd lengths, exact page boundaries, decode
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("heads", [3, 9])  # MHA and GQA (3 KV heads)
+def test_fp32_pages_match_reference_attention(window, heads):
+    store = PageStore(KVConfig(format="fp32", **SMALL), window)
+    assert _run(store, CHUNKS, heads) < 1e-4
+    if window:
+        assert store.first_position() > 0  # a ring: old pages dropped
+    else:
+        assert len(store.pages) > 3
+
+
+def test_attention_sinks_logit():
+    sinks = mx.array(np.linspace(-1, 2, 9).astype(np.float32))
+    store = PageStore(KVConfig(format="fp32", **SMALL))
+    assert _run(store, [20, 1, 33], heads=9, sinks=sinks) < 1e-4
+
+
+# Documented error bounds: relative RMS error of the attention output against fp32
+# reference attention, unit-normal q, k, v, 32-value groups (bounds ~1.5x measured).
+BOUNDS = {"fp16": 1e-3, "q8": 0.01, "q4": 0.15, "q3": 0.3, "q2": 0.7}
+
+
+@pytest.mark.parametrize("fmt", sorted(BOUNDS))
+def test_quantized_formats_error_bounds(fmt):
+    store = PageStore(KVConfig(format=fmt, **SMALL))
+    assert _run(store, [64, 1, 40, 1], heads=9, rel=True) < BOUNDS[fmt]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_bytes_per_token_is_exact(name):
+    fmt = get_format(name)
+    store = PageStore(KVConfig(format=name, page_size=32, hot_window=0, sink_tokens=0, block_tokens=32))
+    x = mx.random.normal((1, 3, 32 * 4, 64))
+    store.append(x, x)
+    page_bytes = sum(p.nbytes for p in store.pages)
+    assert page_bytes == 2 * 4 * 32 * fmt.bytes_per_token(3, 64)
+
+
+def test_pages_are_written_once_and_window_layers_stay_bounded():
+    store = PageStore(KVConfig(format="q4", **SMALL), window=40)
+    x = mx.random.normal((1, 3, 16, 64))
+    store.append(x, x)
+    store.append(x, x)
+    first = store.pages[0].keys["w"] if store.pages else None
+    sizes = []
+    for _ in range(30):
+        store.append(x[..., :5, :], x[..., :5, :])
+        sizes.append(len(store.pages))
+    assert max(sizes) <= (40 + 5) // 16 + 2  # a ring: window + one chunk, in pages
+    full = PageStore(KVConfig(format="q4", **SMALL))
+    full.append(x, x)
+    full.append(x, x)
+    page0 = full.pages[0].keys["w"]
+    for _ in range(10):
+        full.append(x, x)
+    assert full.pages[0].keys["w"] is page0  # never copied or reallocated
+    assert first is not None
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_trim_then_continue_matches_fresh(window):
+    rng = np.random.default_rng(1)
+    cfg = KVConfig(format="fp32", **SMALL)
+    a, b = PageStore(cfg, window), PageStore(cfg, window)
+    x = mx.array(rng.normal(size=(1, 3, 70, 64)).astype(np.float32))
+    y = mx.array(rng.normal(size=(1, 3, 9, 64)).astype(np.float32))
+    a.append(x, x)
+    assert a.can_trim(30) and a.trim(30) == 30
+    a.append(y, y)
+    b.append(x[..., :40, :], x[..., :40, :])
+    b.append(y, y)
+    q = mx.array(rng.normal(size=(1, 9, 9, 64)).astype(np.float32))
+    oa = blockwise_attention(q, a.blocks(), a.offset - 9, 0.125, window)
+    ob = blockwise_attention(q, b.blocks(), b.offset - 9, 0.125, window)
+    assert a.offset == b.offset == 49
+    assert float(mx.abs(oa - ob).max()) < 1e-5
+
+
+def test_window_layer_refuses_trim_past_what_it_dropped():
+    store = PageStore(KVConfig(format="fp32", **SMALL), window=20)
+    x = mx.random.normal((1, 3, 20, 64))
+    for _ in range(10):
+        store.append(x, x)
+    assert store.can_trim(5)
+    assert not store.can_trim(150) and store.trim(150) == 0 and store.offset == 200
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(ValueError, match="unknown KV format"):
+        KVConfig(format="q5")
+
+
+# -- the seam, on tiny models of each supported layer kind ---------------------------
+
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97,
+                  rope_theta=10000.0, tie_word_embeddings=True),
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=96,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+                        vocab_size=97, sliding_window=24, sliding_window_pattern=6, query_pre_attn_scalar=32),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  vocab_size=97, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True),
+    "qwen3_next": dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                       vocab_size=97, rope_theta=10000.0, max_position_embeddings=512,
+                       linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0,
+                       num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=96,
+                       mlp_only_layers=[0, 1, 2, 3], moe_intermediate_size=32, partial_rotary_factor=0.5,
+                       full_attention_interval=2),
+}
+
+
+def _tiny(config):
+    mx.random.seed(0)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.apply(lambda a: a.astype(mx.float32))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_model_through_kvexec_matches_stock_cache(arch):
+    model = _tiny(TINY[arch])
+    kvexec.install(model)
+    stock, paged = make_prompt_cache(model), kvexec.make_cache(model, KVConfig(format="fp32", **SMALL))
+    assert any(isinstance(c, kvexec.PagedKVCache) for c in paged)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 97, 90)]
+    worst = 0.0
+    for piece in (tokens[:37], tokens[37:38], tokens[38:70], tokens[70:71], tokens[71:90]):
+        x = mx.array(piece)[None]
+        a, b = model(x, cache=stock), model(x, cache=paged)
+        worst = max(worst, float(mx.abs(a - b).max()))
+    assert worst < 1e-4, worst
+    assert sum(c.nbytes for c in paged) > 0
+
+
+# -- end to end ---------------------------------------------------------------------
+
+
+def test_engine_reuse_with_small_pages_matches_fresh(tiny_gemma3_dir):
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+
+    config = lambda: EngineConfig(kv=KVConfig(format="fp32", **SMALL))  # noqa: E731
+    engine = Engine(str(tiny_gemma3_dir), config=config())
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    first = "the " * 30
+    engine.complete(first, sp)
+    assert any(c.store.pages for c in engine._conv.cache)
+    for follow in (first + "and on", "the " * 25 + "x"):
+        got = engine.complete(follow, sp)
+        assert got == Engine(str(tiny_gemma3_dir), config=config()).complete(follow, sp)
+
+
+def test_smollm2_fp16_pages_greedy_identical_to_stock(smollm2_gguf):
+    from bench.common import prompt_tokens
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    paged = Engine(str(smollm2_gguf), config=EngineConfig(kv=KVConfig(format="fp16")))
+    tokens = prompt_tokens(paged.tokenizer, 700)  # > sinks + hot window: real pages
+    got = [c.token for c in paged.generate(tokens, sp) if c.token is not None]
+    assert sum(len(c.store.pages) for c in paged._conv.cache) > 0
+    stock = Engine(str(smollm2_gguf), config=EngineConfig(kv=None))
+    want = [c.token for c in stock.generate(tokens, sp) if c.token is not None]
+    assert len(got) == 64 and got == want
+    assert paged.last_stats.memory.kv < stock.last_stats.memory.kv
