@@ -64,3 +64,14 @@ def save(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
     return path
+
+
+def long_text() -> str:
+    """A long natural-language text available offline: the CPython LICENSE followed by
+    Debian's common licenses (~250 KB), or the LICENSE alone where those are absent."""
+    base = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt"
+    parts = [base.read_text(encoding="utf-8")] if base.exists() else []
+    common = Path("/usr/share/common-licenses")
+    if common.is_dir():
+        parts += [p.read_text(encoding="utf-8", errors="replace") for p in sorted(common.iterdir()) if p.is_file()]
+    return "\n\n".join(parts)

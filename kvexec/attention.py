@@ -1,8 +1,10 @@
 """Attention executed block by block over a page store, with an online softmax.
 
 Never materializes the whole KV in full precision nor a score matrix over the whole
-context: each block's keys and values are decoded, scored, folded into a running
-(max, sum, accumulator) and dropped. Grouped-query heads share their KV head's block.
+context: each block's scores are computed, folded into a running (max, sum,
+accumulator) and dropped. Few query rows (decode) are scored straight on the stored
+form (`quantized_matmul` for quantized pages); many rows (prefill chunks) decode the
+block once and use dense GEMMs. Grouped-query heads share their KV head's block.
 """
 
 from __future__ import annotations
@@ -11,12 +13,28 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kvexec.formats import KVFormat
+
+# Query rows (heads per KV head x queries) up to which blocks are scored in place.
+DIRECT_ROWS = 32
+# Score matrices at least this large are folded (evaluated) one block at a time.
+EVAL_EVERY_BLOCK = 1 << 20
+
 
 @dataclass
 class Block:
-    keys: mx.array  # [B, kv_heads, n, D] fp32
-    values: mx.array
+    keys: dict[str, mx.array]  # stored form, token axis -2: [B, kv_heads, n, ...]
+    values: dict[str, mx.array]
+    fmt: KVFormat
     start: int  # position of the first key
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.keys.values())).shape[-2]
+
+    @property
+    def kv_heads(self) -> int:
+        return next(iter(self.keys.values())).shape[1]
 
 
 def _visibility(q_start: int, L: int, k_start: int, n: int, window: int | None):
@@ -49,40 +67,49 @@ def blockwise_attention(
     """softmax(q k^T * scale + causal/window mask) v over `blocks`, for queries at
     positions q_start .. q_start + L - 1. queries: [B, H, L, D]."""
     B, H, L, D = queries.shape
-    dtype = queries.dtype
-    q = None
-    m = l = acc = None
+    q = m = l = acc = None
     for block in blocks:
-        n = block.keys.shape[-2]
+        n = block.length
         visible = _visibility(q_start, L, block.start, n, window)
         if visible is False:
             continue
-        kv_heads = block.keys.shape[1]
-        rep = H // kv_heads
+        kvh = block.kv_heads
+        rep = H // kvh
         if q is None:
-            q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, D)
-            m = mx.full((B, kv_heads, rep * L, 1), -mx.inf, dtype=mx.float32)
-            l = mx.zeros((B, kv_heads, rep * L, 1), dtype=mx.float32)
-            acc = mx.zeros((B, kv_heads, rep * L, D), dtype=mx.float32)
-        s = q @ block.keys.swapaxes(-1, -2)  # [B, kvh, rep*L, n]
+            q = (queries.astype(mx.float32) * scale).reshape(B, kvh, rep * L, D)
+            m = mx.full((B, kvh, rep * L, 1), -mx.inf, dtype=mx.float32)
+            l = mx.zeros((B, kvh, rep * L, 1), dtype=mx.float32)
+            acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
+        if rep * L <= DIRECT_ROWS:
+            s = block.fmt.scores(q, block.keys)
+        else:
+            k = block.fmt.decode(block.keys)
+            s = q @ k.swapaxes(-1, -2)
         if visible is not None:
-            s = mx.where(visible, s.reshape(B, kv_heads, rep, L, n), -mx.inf).reshape(s.shape)
+            s = mx.where(visible, s.reshape(B, kvh, rep, L, n), -mx.inf).reshape(s.shape)
         m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
         m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
         p = mx.exp(s - m_safe)
         corr = mx.exp(m - m_safe)
         l = l * corr + p.sum(axis=-1, keepdims=True)
-        acc = acc * corr + p @ block.values
+        if rep * L <= DIRECT_ROWS:
+            pv = block.fmt.weighted(p, block.values)
+        else:
+            pv = p @ block.fmt.decode(block.values)
+        acc = acc * corr + pv
         m = m_new
+        if s.size >= EVAL_EVERY_BLOCK:
+            # MLX would otherwise schedule every block's scores before folding any:
+            # evaluating here is what keeps the transient at one block.
+            mx.eval(m, l, acc)
     if q is None:
         raise ValueError("no key is visible to these queries")
     if sinks is not None:  # a per-head logit that takes probability mass, no value
-        kv_heads = acc.shape[1]
-        sink = sinks.astype(mx.float32).reshape(1, kv_heads, H // kv_heads, 1, 1)
-        sink = mx.broadcast_to(sink, (B, kv_heads, H // kv_heads, L, 1)).reshape(m.shape)
+        kvh = acc.shape[1]
+        sink = sinks.astype(mx.float32).reshape(1, kvh, H // kvh, 1, 1)
+        sink = mx.broadcast_to(sink, (B, kvh, H // kvh, L, 1)).reshape(m.shape)
         m_new = mx.maximum(m, sink)
         corr = mx.exp(m - m_new)
         l = l * corr + mx.exp(sink - m_new)
         acc = acc * corr
-    out = acc / l
-    return out.reshape(B, H, L, D).astype(dtype)
+    return (acc / l).reshape(B, H, L, D).astype(queries.dtype)

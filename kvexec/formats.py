@@ -33,6 +33,30 @@ class KVFormat:
         return mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
                              group_size=self.group_size, bits=self.bits)
 
+    def allocate(self, lead: tuple[int, ...], capacity: int, head_dim: int) -> dict[str, mx.array]:
+        """Zeroed storage for `capacity` tokens ([*lead, capacity, ...] per array)."""
+        if not self.quantized:
+            dtype = mx.float16 if self.bits == 16 else mx.float32
+            return {"x": mx.zeros((*lead, capacity, head_dim), dtype=dtype)}
+        groups = head_dim // self.group_size
+        return {"w": mx.zeros((*lead, capacity, head_dim * self.bits // 32), dtype=mx.uint32),
+                "scales": mx.zeros((*lead, capacity, groups), dtype=mx.float16),
+                "biases": mx.zeros((*lead, capacity, groups), dtype=mx.float16)}
+
+    def scores(self, q: mx.array, enc: dict[str, mx.array]) -> mx.array:
+        """q @ K^T straight on the stored form (no full-precision copy of K)."""
+        if not self.quantized:
+            return q @ enc["x"].astype(q.dtype).swapaxes(-1, -2)
+        return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=True,
+                                   group_size=self.group_size, bits=self.bits)
+
+    def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
+        """p @ V straight on the stored form."""
+        if not self.quantized:
+            return p @ enc["x"].astype(p.dtype)
+        return mx.quantized_matmul(p, enc["w"], enc["scales"], enc["biases"], transpose=False,
+                                   group_size=self.group_size, bits=self.bits)
+
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """Storage of one token's vectors for one of K or V in one layer."""
         if not self.quantized:

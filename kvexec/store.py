@@ -1,10 +1,12 @@
 """One attention layer's KV, kept as pages.
 
 Layout by position: pinned sink tokens (full precision) | pages of `page_size` tokens
-in the page format, each written once and never copied | a full-precision hot window
-of the most recent tokens. When the hot window holds `hot_window + page_size` tokens,
-its oldest `page_size` become a page. Sliding-window layers drop pages that no future
-query can see, so their store is a bounded ring.
+in the page format | a full-precision hot window of the most recent tokens. When the
+hot window holds `hot_window + page_size` tokens, its oldest `page_size` become a
+page, written in place into a preallocated segment (never copied, never reallocated;
+segment sizes double from one page up to `block_tokens`); a segment is also one
+attention block. Sliding-window layers
+drop segments that no future query can see, so their store is a bounded ring.
 """
 
 from __future__ import annotations
@@ -33,20 +35,27 @@ class KVConfig:
             raise ValueError("block_tokens must be at least one page")
 
 
+def _cat(a: mx.array | None, b: mx.array) -> mx.array:
+    return b if a is None else mx.concatenate([a, b], axis=-2)
+
+
 @dataclass
-class Page:
-    start: int
-    length: int
+class Segment:
+    """Preallocated storage for consecutive pages; pages are written in place."""
+
+    start: int  # position of its first token
+    capacity: int
     keys: dict[str, mx.array]
     values: dict[str, mx.array]
+    length: int = 0
+
+    def view(self, arrays: dict[str, mx.array], end: int | None = None) -> dict[str, mx.array]:
+        n = self.length if end is None else end
+        return {name: a[..., :n, :] for name, a in arrays.items()}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.keys.values(), *self.values.values()))
-
-
-def _cat(a: mx.array | None, b: mx.array) -> mx.array:
-    return b if a is None else mx.concatenate([a, b], axis=-2)
 
 
 @dataclass
@@ -56,9 +65,15 @@ class PageStore:
 
     def __post_init__(self) -> None:
         self.fmt: KVFormat = get_format(self.config.format)
+        self.full = get_format("fp32")  # how sinks and the hot window are read
+        P = self.config.page_size
         self.sinks = 0 if self.window else self.config.sink_tokens
+        cap = self.config.block_tokens // P * P
+        if self.window:  # a ring needs only about one window per segment
+            cap = min(cap, -(-self.window // P) * P)
+        self.segment_capacity = cap
         self.sink_k = self.sink_v = None
-        self.pages: list[Page] = []
+        self.segments: list[Segment] = []
         self.hot_k = self.hot_v = None
         self.offset = 0  # positions written so far
 
@@ -77,7 +92,7 @@ class PageStore:
         first_query = self.offset  # this call's queries start here
         self.offset += L
         self._flush()
-        self._drop_dead_pages(first_query)
+        self._drop_dead(first_query)
 
     def _hot_len(self) -> int:
         return 0 if self.hot_k is None else self.hot_k.shape[-2]
@@ -87,39 +102,48 @@ class PageStore:
         while self._hot_len() >= self.config.hot_window + P:
             start = self.offset - self._hot_len()
             k, v = self.hot_k[..., :P, :], self.hot_v[..., :P, :]
-            self.pages.append(Page(start, P, self.fmt.encode(k), self.fmt.encode(v)))
+            seg = self.segments[-1] if self.segments else None
+            if seg is None or seg.length + P > seg.capacity:
+                # Capacities double up to a block, so a short context wastes little.
+                held = sum(s.length for s in self.segments)
+                cap = min(self.segment_capacity, max(P, held // P * P))
+                lead, D = tuple(k.shape[:2]), k.shape[-1]
+                seg = Segment(start, cap, self.fmt.allocate(lead, cap, D), self.fmt.allocate(lead, cap, D))
+                self.segments.append(seg)
+            i = seg.length
+            for store, enc in ((seg.keys, self.fmt.encode(k)), (seg.values, self.fmt.encode(v))):
+                for name, arr in enc.items():
+                    store[name][..., i : i + P, :] = arr
+            seg.length += P
             # A slice: the flushed tokens' buffer goes with the next append's concatenate.
             self.hot_k, self.hot_v = self.hot_k[..., P:, :], self.hot_v[..., P:, :]
 
-    def _drop_dead_pages(self, first_query: int) -> None:
+    def _drop_dead(self, first_query: int) -> None:
         if self.window is None:
             return
         # No query from `first_query` on sees positions <= first_query - window.
-        while self.pages and self.pages[0].start + self.pages[0].length <= first_query - self.window:
-            self.pages.pop(0)
+        while self.segments and self.segments[0].start + self.segments[0].length <= first_query - self.window:
+            self.segments.pop(0)
 
     # -- reading -------------------------------------------------------------
+    @property
+    def pages(self) -> int:
+        return sum(s.length for s in self.segments) // self.config.page_size
+
     def first_position(self) -> int:
         """Oldest position still held (sinks aside)."""
-        if self.pages:
-            return self.pages[0].start
+        if self.segments:
+            return self.segments[0].start
         return self.offset - self._hot_len()
 
     def blocks(self):
-        """Full-precision blocks in position order, each at most block_tokens long."""
+        """Blocks in position order, in their stored form; each at most block_tokens."""
         if self.sink_k is not None:
-            yield Block(self.sink_k.astype(mx.float32), self.sink_v.astype(mx.float32), 0)
-        per_block = max(1, self.config.block_tokens // self.config.page_size)
-        for i in range(0, len(self.pages), per_block):
-            group = self.pages[i : i + per_block]
-            ks = [self.fmt.decode(p.keys) for p in group]
-            vs = [self.fmt.decode(p.values) for p in group]
-            k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=-2)
-            v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=-2)
-            yield Block(k, v, group[0].start)
-        if self.hot_k is not None and self._hot_len():
-            yield Block(self.hot_k.astype(mx.float32), self.hot_v.astype(mx.float32),
-                        self.offset - self._hot_len())
+            yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0)
+        for seg in self.segments:
+            yield Block(seg.view(seg.keys), seg.view(seg.values), self.fmt, seg.start)
+        if self._hot_len():
+            yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len())
 
     # -- trimming ------------------------------------------------------------
     def can_trim(self, n: int) -> bool:
@@ -136,14 +160,19 @@ class PageStore:
             return 0
         target = self.offset - n
         hot_start = self.offset - self._hot_len()
-        while target < hot_start and self.pages:
-            page = self.pages.pop()
+        dtype = self.hot_dtype()
+        while target < hot_start and self.segments:
+            seg = self.segments[-1]
+            keep = max(0, target - seg.start)
             # Back into the hot window as the values attention saw for them.
-            k = self.fmt.decode(page.keys).astype(self.hot_dtype())
-            v = self.fmt.decode(page.values).astype(self.hot_dtype())
-            self.hot_k = k if self.hot_k is None else mx.concatenate([k, self.hot_k], axis=-2)
-            self.hot_v = v if self.hot_v is None else mx.concatenate([v, self.hot_v], axis=-2)
-            hot_start = page.start
+            back = [self.fmt.decode({k: a[..., keep : seg.length, :] for k, a in part.items()}).astype(dtype)
+                    for part in (seg.keys, seg.values)]
+            self.hot_k = back[0] if self.hot_k is None else mx.concatenate([back[0], self.hot_k], axis=-2)
+            self.hot_v = back[1] if self.hot_v is None else mx.concatenate([back[1], self.hot_v], axis=-2)
+            hot_start = seg.start + keep
+            seg.length = keep
+            if keep == 0:
+                self.segments.pop()
         if target < self.sinks:
             self.sink_k = None if target == 0 else self.sink_k[..., :target, :]
             self.sink_v = None if target == 0 else self.sink_v[..., :target, :]
@@ -161,12 +190,13 @@ class PageStore:
     # -- accounting ----------------------------------------------------------
     @property
     def nbytes(self) -> int:
+        """Bytes held, allocated segment capacity included."""
         arrays = [a for a in (self.sink_k, self.sink_v, self.hot_k, self.hot_v) if a is not None]
-        return sum(a.nbytes for a in arrays) + sum(p.nbytes for p in self.pages)
+        return sum(a.nbytes for a in arrays) + sum(s.nbytes for s in self.segments)
 
     def arrays(self) -> list[mx.array]:
         out = [a for a in (self.sink_k, self.sink_v, self.hot_k, self.hot_v) if a is not None]
-        for p in self.pages:
-            out.extend(p.keys.values())
-            out.extend(p.values.values())
+        for s in self.segments:
+            out.extend(s.keys.values())
+            out.extend(s.values.values())
         return out
