@@ -65,7 +65,7 @@ def bytes_per_position(context: int) -> list[dict]:
         _fill(store, context)
         fmt = get_format(name)
         measured = store.nbytes / context
-        theory = 2 * fmt.bytes_per_token(KV_HEADS, D)
+        theory = fmt.bytes_per_token(KV_HEADS, D)
         rows.append({"format": name, "context": context, "bytes_per_position_per_layer": measured,
                      "theoretical": theory, "bits_per_value": 8 * measured / (2 * KV_HEADS * D)})
         print(json.dumps(rows[-1]), flush=True)

@@ -109,7 +109,7 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     if kv is None:
         page_row, full_tokens, block = kv_row, 0, None
     else:
-        page_row = 2 * get_format(kv.format).bytes_per_token(kv_heads, head_dim)
+        page_row = get_format(kv.format).bytes_per_token(kv_heads, head_dim)
         full_tokens, block = kv.sink_tokens + kv.hot_window + kv.page_size, kv.block_tokens
     shape = _Shape(
         weights=weight_bytes(model), full_layers=full, windows=tuple(windows), state_bytes=state,

@@ -23,14 +23,11 @@ EVAL_EVERY_BLOCK = 1 << 20
 
 @dataclass
 class Block:
-    keys: dict[str, mx.array]  # stored form, token axis -2: [B, kv_heads, n, ...]
+    keys: dict[str, mx.array]  # stored form: [B, kv_heads, ...]
     values: dict[str, mx.array]
     fmt: KVFormat
     start: int  # position of the first key
-
-    @property
-    def length(self) -> int:
-        return next(iter(self.keys.values())).shape[-2]
+    length: int
 
     @property
     def kv_heads(self) -> int:
@@ -81,9 +78,9 @@ def blockwise_attention(
             l = mx.zeros((B, kvh, rep * L, 1), dtype=mx.float32)
             acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
         if rep * L <= DIRECT_ROWS:
-            s = block.fmt.scores(q, block.keys)
+            s = block.fmt.keys.scores(q, block.keys)
         else:
-            k = block.fmt.decode(block.keys)
+            k = block.fmt.keys.decode(block.keys)
             s = q @ k.swapaxes(-1, -2)
         if visible is not None:
             s = mx.where(visible, s.reshape(B, kvh, rep, L, n), -mx.inf).reshape(s.shape)
@@ -93,9 +90,9 @@ def blockwise_attention(
         corr = mx.exp(m - m_safe)
         l = l * corr + p.sum(axis=-1, keepdims=True)
         if rep * L <= DIRECT_ROWS:
-            pv = block.fmt.weighted(p, block.values)
+            pv = block.fmt.values.weighted(p, block.values)
         else:
-            pv = p @ block.fmt.decode(block.values)
+            pv = p @ block.fmt.values.decode(block.values)
         acc = acc * corr + pv
         m = m_new
         if s.size >= EVAL_EVERY_BLOCK:

@@ -1,7 +1,10 @@
-"""How a page stores K or V: full precision or affine group quantization.
+"""How pages store K and V: full precision or affine group quantization.
 
-A format encodes a block of vectors [kv_heads, tokens, head_dim] into a dict of
-arrays and decodes it back to fp32. `bytes_per_token` is the exact storage cost.
+A codec stores vectors [B, kv_heads, tokens, head_dim]. Affine codecs group values
+along head_dim (per token), or, for keys, along tokens (per channel, as KIVI does:
+key outliers live in fixed channels). Either way `scores` and `weighted` compute
+q K^T and p V straight on the stored form with `quantized_matmul`, and
+`bytes_per_token` is the exact storage cost.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import mlx.core as mx
 
 
 @dataclass(frozen=True)
-class KVFormat:
-    name: str
-    bits: int  # 16 or 32 for full precision
-    group_size: int = 32  # affine: values per (scale, bias) pair along head_dim
+class Codec:
+    bits: int  # 16 or 32: full precision
+    group_size: int = 32
+    per_channel: bool = False  # groups run along tokens instead of head_dim
 
     @property
     def quantized(self) -> bool:
@@ -24,54 +27,110 @@ class KVFormat:
     def encode(self, x: mx.array) -> dict[str, mx.array]:
         if not self.quantized:
             return {"x": x.astype(mx.float16 if self.bits == 16 else mx.float32)}
-        w, scales, biases = mx.quantize(x.astype(mx.float32), group_size=self.group_size, bits=self.bits)
+        x = x.astype(mx.float32)
+        if self.per_channel:
+            x = x.swapaxes(-1, -2)
+        w, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
         return {"w": w, "scales": scales.astype(mx.float16), "biases": biases.astype(mx.float16)}
 
     def decode(self, enc: dict[str, mx.array]) -> mx.array:
         if not self.quantized:
             return enc["x"].astype(mx.float32)
-        return mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
-                             group_size=self.group_size, bits=self.bits)
+        x = mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
+                          group_size=self.group_size, bits=self.bits)
+        return x.swapaxes(-1, -2) if self.per_channel else x
+
+    # Storage along the token axis: -2 for per-token layouts, -1 (in packed units) per channel.
+    def _widths(self, head_dim: int) -> dict[str, tuple[mx.Dtype, int, int]]:
+        """name -> (dtype, per-token extent, units per group of tokens)."""
+        if not self.quantized:
+            return {"x": (mx.float16 if self.bits == 16 else mx.float32, head_dim, 1)}
+        if self.per_channel:  # [.., head_dim, tokens * bits / 32] and [.., head_dim, tokens / group]
+            g = self.group_size
+            return {"w": (mx.uint32, head_dim, g * self.bits // 32), "scales": (mx.float16, head_dim, 1),
+                    "biases": (mx.float16, head_dim, 1)}
+        groups = head_dim // self.group_size
+        return {"w": (mx.uint32, head_dim * self.bits // 32, 1), "scales": (mx.float16, groups, 1),
+                "biases": (mx.float16, groups, 1)}
 
     def allocate(self, lead: tuple[int, ...], capacity: int, head_dim: int) -> dict[str, mx.array]:
-        """Zeroed storage for `capacity` tokens ([*lead, capacity, ...] per array)."""
-        if not self.quantized:
-            dtype = mx.float16 if self.bits == 16 else mx.float32
-            return {"x": mx.zeros((*lead, capacity, head_dim), dtype=dtype)}
-        groups = head_dim // self.group_size
-        return {"w": mx.zeros((*lead, capacity, head_dim * self.bits // 32), dtype=mx.uint32),
-                "scales": mx.zeros((*lead, capacity, groups), dtype=mx.float16),
-                "biases": mx.zeros((*lead, capacity, groups), dtype=mx.float16)}
+        out = {}
+        for name, (dtype, extent, units) in self._widths(head_dim).items():
+            if self.per_channel and self.quantized:
+                out[name] = mx.zeros((*lead, extent, capacity // self.group_size * units), dtype=dtype)
+            else:
+                out[name] = mx.zeros((*lead, capacity, extent), dtype=dtype)
+        return out
+
+    def _span(self, name: str, start: int, end: int) -> tuple[int, int]:
+        if not (self.per_channel and self.quantized):
+            return start, end
+        units = self.group_size * self.bits // 32 if name == "w" else 1
+        return start // self.group_size * units, end // self.group_size * units
+
+    def write(self, storage: dict[str, mx.array], enc: dict[str, mx.array], start: int, n: int) -> None:
+        """Write n encoded tokens in place at token index `start` (a group boundary)."""
+        for name, arr in enc.items():
+            if self.per_channel and self.quantized:
+                a, b = self._span(name, start, start + n)
+                storage[name][..., a:b] = arr
+            else:
+                storage[name][..., start : start + n, :] = arr
+
+    def view(self, storage: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
+        if self.per_channel and self.quantized:
+            return {name: a[..., slice(*self._span(name, start, end))] for name, a in storage.items()}
+        return {name: a[..., start:end, :] for name, a in storage.items()}
 
     def scores(self, q: mx.array, enc: dict[str, mx.array]) -> mx.array:
-        """q @ K^T straight on the stored form (no full-precision copy of K)."""
+        """q @ K^T on the stored form."""
         if not self.quantized:
             return q @ enc["x"].astype(q.dtype).swapaxes(-1, -2)
-        return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=True,
+        return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=not self.per_channel,
                                    group_size=self.group_size, bits=self.bits)
 
     def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
-        """p @ V straight on the stored form."""
+        """p @ V on the stored form (values are stored per token)."""
         if not self.quantized:
             return p @ enc["x"].astype(p.dtype)
         return mx.quantized_matmul(p, enc["w"], enc["scales"], enc["biases"], transpose=False,
                                    group_size=self.group_size, bits=self.bits)
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
-        """Storage of one token's vectors for one of K or V in one layer."""
         if not self.quantized:
             return kv_heads * head_dim * self.bits / 8
-        groups = head_dim // self.group_size
-        return kv_heads * (head_dim * self.bits / 8 + groups * 2 * 2)  # fp16 scale + bias
+        return kv_heads * head_dim * (self.bits / 8 + 4 / self.group_size)  # fp16 scale + bias
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    keys: Codec
+    values: Codec
+
+    @property
+    def quantized(self) -> bool:
+        return self.keys.quantized or self.values.quantized
+
+    @property
+    def token_multiple(self) -> int:
+        """Pages must hold a multiple of this many tokens."""
+        return self.keys.group_size if self.keys.per_channel and self.keys.quantized else 1
+
+    def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
+        """K and V storage of one token in one layer."""
+        return self.keys.bytes_per_token(kv_heads, head_dim) + self.values.bytes_per_token(kv_heads, head_dim)
+
+
+def _affine(name: str, bits: int, per_channel_keys: bool = False) -> KVFormat:
+    return KVFormat(name, Codec(bits, per_channel=per_channel_keys), Codec(bits))
 
 
 FORMATS = {
-    "fp32": KVFormat("fp32", 32),
-    "fp16": KVFormat("fp16", 16),
-    "q8": KVFormat("q8", 8),
-    "q4": KVFormat("q4", 4),
-    "q3": KVFormat("q3", 3),
-    "q2": KVFormat("q2", 2),
+    "fp32": KVFormat("fp32", Codec(32), Codec(32)),
+    "fp16": KVFormat("fp16", Codec(16), Codec(16)),
+    **{f"q{b}": _affine(f"q{b}", b) for b in (8, 4, 3, 2)},
+    **{f"q{b}c": _affine(f"q{b}c", b, per_channel_keys=True) for b in (8, 4, 3, 2)},
 }
 
 

@@ -49,10 +49,6 @@ class Segment:
     values: dict[str, mx.array]
     length: int = 0
 
-    def view(self, arrays: dict[str, mx.array], end: int | None = None) -> dict[str, mx.array]:
-        n = self.length if end is None else end
-        return {name: a[..., :n, :] for name, a in arrays.items()}
-
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.keys.values(), *self.values.values()))
@@ -65,6 +61,8 @@ class PageStore:
 
     def __post_init__(self) -> None:
         self.fmt: KVFormat = get_format(self.config.format)
+        if self.config.page_size % self.fmt.token_multiple:
+            raise ValueError(f"{self.fmt.name} needs pages of a multiple of {self.fmt.token_multiple} tokens")
         self.full = get_format("fp32")  # how sinks and the hot window are read
         P = self.config.page_size
         self.sinks = 0 if self.window else self.config.sink_tokens
@@ -108,12 +106,11 @@ class PageStore:
                 held = sum(s.length for s in self.segments)
                 cap = min(self.segment_capacity, max(P, held // P * P))
                 lead, D = tuple(k.shape[:2]), k.shape[-1]
-                seg = Segment(start, cap, self.fmt.allocate(lead, cap, D), self.fmt.allocate(lead, cap, D))
+                seg = Segment(start, cap, self.fmt.keys.allocate(lead, cap, D),
+                              self.fmt.values.allocate(lead, cap, D))
                 self.segments.append(seg)
-            i = seg.length
-            for store, enc in ((seg.keys, self.fmt.encode(k)), (seg.values, self.fmt.encode(v))):
-                for name, arr in enc.items():
-                    store[name][..., i : i + P, :] = arr
+            self.fmt.keys.write(seg.keys, self.fmt.keys.encode(k), seg.length, P)
+            self.fmt.values.write(seg.values, self.fmt.values.encode(v), seg.length, P)
             seg.length += P
             # A slice: the flushed tokens' buffer goes with the next append's concatenate.
             self.hot_k, self.hot_v = self.hot_k[..., P:, :], self.hot_v[..., P:, :]
@@ -139,11 +136,13 @@ class PageStore:
     def blocks(self):
         """Blocks in position order, in their stored form; each at most block_tokens."""
         if self.sink_k is not None:
-            yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0)
+            yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0, self.sink_k.shape[-2])
         for seg in self.segments:
-            yield Block(seg.view(seg.keys), seg.view(seg.values), self.fmt, seg.start)
+            yield Block(self.fmt.keys.view(seg.keys, 0, seg.length), self.fmt.values.view(seg.values, 0, seg.length),
+                        self.fmt, seg.start, seg.length)
         if self._hot_len():
-            yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len())
+            yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len(),
+                        self._hot_len())
 
     # -- trimming ------------------------------------------------------------
     def can_trim(self, n: int) -> bool:
@@ -161,12 +160,13 @@ class PageStore:
         target = self.offset - n
         hot_start = self.offset - self._hot_len()
         dtype = self.hot_dtype()
+        P = self.config.page_size
         while target < hot_start and self.segments:
             seg = self.segments[-1]
-            keep = max(0, target - seg.start)
+            keep = max(0, target - seg.start) // P * P  # whole pages stay
             # Back into the hot window as the values attention saw for them.
-            back = [self.fmt.decode({k: a[..., keep : seg.length, :] for k, a in part.items()}).astype(dtype)
-                    for part in (seg.keys, seg.values)]
+            back = [codec.decode(codec.view(part, keep, seg.length)).astype(dtype)
+                    for codec, part in ((self.fmt.keys, seg.keys), (self.fmt.values, seg.values))]
             self.hot_k = back[0] if self.hot_k is None else mx.concatenate([back[0], self.hot_k], axis=-2)
             self.hot_v = back[1] if self.hot_v is None else mx.concatenate([back[1], self.hot_v], axis=-2)
             hot_start = seg.start + keep

@@ -159,3 +159,18 @@ def test_stop_matcher(stops, chunks, expected):
     if not hit:
         out += m.flush()
     assert (out, hit) == expected
+
+
+def test_planner_counts_kv_format_and_bounded_transient(tiny_llama_dir):
+    from justfit.planner import footprint
+    from kvexec import KVConfig
+
+    engine = Engine(str(tiny_llama_dir))
+    m, cfg = engine.model, engine.model_config
+    stock = footprint(m, cfg, 100_000, kv=None)
+    fp16 = footprint(m, cfg, 100_000, kv=KVConfig(format="fp16"))
+    q4 = footprint(m, cfg, 100_000, kv=KVConfig(format="q4"))
+    assert stock.kv > fp16.kv > q4.kv
+    # KVExec's attention transient stops growing at one block; stock's grows with context
+    assert footprint(m, cfg, 200_000, kv=KVConfig()).transient == fp16.transient
+    assert footprint(m, cfg, 200_000, kv=None).transient > stock.transient

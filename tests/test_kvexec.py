@@ -64,13 +64,36 @@ def test_attention_sinks_logit():
 
 # Documented error bounds: relative RMS error of the attention output against fp32
 # reference attention, unit-normal q, k, v, 32-value groups (bounds ~1.5x measured).
-BOUNDS = {"fp16": 1e-3, "q8": 0.01, "q4": 0.15, "q3": 0.3, "q2": 0.7}
+BOUNDS = {"fp16": 1e-3, "q8": 0.01, "q4": 0.15, "q3": 0.3, "q2": 0.7,
+          "q8c": 0.01, "q4c": 0.15, "q3c": 0.3, "q2c": 0.7}  # "c": keys grouped per channel
 
 
 @pytest.mark.parametrize("fmt", sorted(BOUNDS))
 def test_quantized_formats_error_bounds(fmt):
-    store = PageStore(KVConfig(format=fmt, **SMALL))
-    assert _run(store, [64, 1, 40, 1], heads=9, rel=True) < BOUNDS[fmt]
+    config = {**SMALL, "page_size": 32}  # per-channel keys group 32 tokens of a page
+    store = PageStore(KVConfig(format=fmt, **config))
+    assert _run(store, [64, 1, 40, 1, 33], heads=9, rel=True) < BOUNDS[fmt]
+    assert store.pages >= 3
+
+
+def test_per_channel_keys_need_whole_groups_per_page():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PageStore(KVConfig(format="q4c", page_size=16, block_tokens=32))
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q4c"])
+def test_quantized_trim_keeps_what_attention_saw(fmt):
+    """Trimming into a quantized page brings its tokens back as the values attention
+    already used, so attending after a trim equals attending before it."""
+    config = KVConfig(format=fmt, page_size=32, hot_window=8, sink_tokens=2, block_tokens=64)
+    store = PageStore(config)
+    x = mx.random.normal((1, 3, 150, 64))
+    store.append(x, x)
+    q = mx.random.normal((1, 9, 1, 64))
+    before = blockwise_attention(q, store.blocks(), 99, 0.125)  # position 99 sees 0..99
+    store.trim(50)
+    after = blockwise_attention(q, store.blocks(), 99, 0.125)
+    assert store.offset == 100 and float(mx.abs(before - after).max()) < 1e-4
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -80,7 +103,7 @@ def test_bytes_per_token_is_exact(name):
     x = mx.random.normal((1, 3, 32 * 4, 64))
     store.append(x, x)
     page_bytes = sum(s.nbytes for s in store.segments)
-    assert store.pages == 4 and page_bytes == 2 * 4 * 32 * fmt.bytes_per_token(3, 64)
+    assert store.pages == 4 and page_bytes == 4 * 32 * fmt.bytes_per_token(3, 64)
 
 
 def test_pages_are_written_in_place_and_window_layers_stay_bounded():
