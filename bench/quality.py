@@ -4,6 +4,10 @@ and perplexity, all from one lockstep pass (reference and every format on the sa
 chunks), so no logits are stored.
 
     python -m bench.quality --model smollm2 --tokens 8192 --formats fp16,q8,q4,q3,q2
+    python -m bench.quality --skip-teacher-forced --passkey-lengths 1024,2048,4096
+
+Pass-key retrieval: noise lines, one pass-key line at each depth, then the question;
+a hit is a greedy reply whose first integer is the key.
 
 The reference is mlx-lm's own KV cache in fp32 (the engine's compute dtype on CPU).
 """
@@ -67,16 +71,64 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
     return out
 
 
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
+    """~`length` tokens of noise lines with one pass-key line at `depth` (0..1)."""
+    noise = list(tokenizer.encode(NOISE, add_special_tokens=False))
+    line = list(tokenizer.encode(f"The pass key is {key}. Remember it. {key} is the pass key.\n",
+                                 add_special_tokens=False))
+    question = list(tokenizer.encode("What is the pass key? The pass key is", add_special_tokens=False))
+    n = max(1, (length - len(line) - len(question)) // len(noise))
+    before = int(round(n * depth))
+    return noise * before + line + noise * (n - before) + question
+
+
+def passkey(model_name: str, lengths: list[int], depths: list[float], formats: list[str]) -> list[dict]:
+    """Pass-key retrieval per format: hit = the first integer of the greedy reply is the key."""
+    import random
+    import re
+
+    from justfit import SamplingParams
+
+    rng = random.Random(0)
+    trials = [(n, d, rng.randrange(10000, 99999)) for n in lengths for d in depths]
+    rows = []
+    for f in ["reference", *formats]:
+        kv = None if f == "reference" else KVConfig(format=f)
+        engine = Engine(model_name, config=EngineConfig(kv=kv))
+        hits = {n: 0 for n in lengths}
+        for n, depth, key in trials:
+            engine.reset()
+            reply = engine.complete(passkey_prompt(engine.tokenizer, n, depth, key),
+                                    SamplingParams(temperature=0, max_tokens=8))
+            found = re.search(r"\d+", reply)
+            hits[n] += bool(found and int(found.group()) == key)
+        for n in lengths:
+            rows.append({"system": f"justfit-{f}" if kv else "reference-fp32", "model": model_name, "format": f,
+                         "context": n, "passkey_hits": hits[n], "passkey_trials": len(depths)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--formats", default="fp16,q8,q4,q3,q2")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--passkey-lengths", default="", help="e.g. 1024,2048,4096; empty: skip")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--skip-teacher-forced", action="store_true")
     args = ap.parse_args()
     from bench.common import machine_info, save
 
-    rows = evaluate(args.model, args.tokens, args.formats.split(","), args.chunk)
+    formats = args.formats.split(",")
+    rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk)
+    if args.passkey_lengths:
+        lengths = [int(n) for n in args.passkey_lengths.split(",")]
+        rows += passkey(args.model, lengths, [float(d) for d in args.depths.split(",")], formats)
     print("saved", save("quality", {"machine": machine_info(), "systems": rows}))
 
 

@@ -203,6 +203,7 @@ class Engine:
         cached = self._reuse(tokens)
         stats.cached_tokens = cached
         conv = self._conv
+        kvexec.pin(conv.cache, len(tokens))  # retention never evicts the prompt
         record: Callable[[list[int]], None] = conv.tokens.extend
         if sp.max_tokens == 0:
             stats.finish_reason = "length"

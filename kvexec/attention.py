@@ -28,6 +28,7 @@ class Block:
     fmt: KVFormat
     start: int  # position of the first key
     length: int
+    tag: object = None  # what the block came from (the store's segment)
 
     @property
     def kv_heads(self) -> int:
@@ -60,11 +61,14 @@ def blockwise_attention(
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
+    observe=None,
 ) -> mx.array:
     """softmax(q k^T * scale + causal/window mask) v over `blocks`, for queries at
-    positions q_start .. q_start + L - 1. queries: [B, H, L, D]."""
+    positions q_start .. q_start + L - 1. queries: [B, H, L, D]. `observe(block, mass)`,
+    if given, receives the attention probability each block got, summed over rows."""
     B, H, L, D = queries.shape
     q = m = l = acc = None
+    seen = []  # (block, row sums of p, running max then) for `observe`
     for block in blocks:
         n = block.length
         visible = _visibility(q_start, L, block.start, n, window)
@@ -77,11 +81,8 @@ def blockwise_attention(
             m = mx.full((B, kvh, rep * L, 1), -mx.inf, dtype=mx.float32)
             l = mx.zeros((B, kvh, rep * L, 1), dtype=mx.float32)
             acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
-        if rep * L <= DIRECT_ROWS:
-            s = block.fmt.keys.scores(q, block.keys)
-        else:
-            k = block.fmt.keys.decode(block.keys)
-            s = q @ k.swapaxes(-1, -2)
+        direct = rep * L <= DIRECT_ROWS
+        s = block.fmt.keys.scores(q, block.keys) if direct else q @ block.fmt.keys.decode(block.keys).swapaxes(-1, -2)
         if visible is not None:
             s = mx.where(visible, s.reshape(B, kvh, rep, L, n), -mx.inf).reshape(s.shape)
         m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
@@ -89,12 +90,11 @@ def blockwise_attention(
         p = mx.exp(s - m_safe)
         corr = mx.exp(m - m_safe)
         l = l * corr + p.sum(axis=-1, keepdims=True)
-        if rep * L <= DIRECT_ROWS:
-            pv = block.fmt.values.weighted(p, block.values)
-        else:
-            pv = p @ block.fmt.values.decode(block.values)
+        pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
         acc = acc * corr + pv
         m = m_new
+        if observe is not None:
+            seen.append((block, p.sum(axis=-1, keepdims=True), m_safe))
         if s.size >= EVAL_EVERY_BLOCK:
             # MLX would otherwise schedule every block's scores before folding any:
             # evaluating here is what keeps the transient at one block.
@@ -109,4 +109,8 @@ def blockwise_attention(
         corr = mx.exp(m - m_new)
         l = l * corr + mx.exp(sink - m_new)
         acc = acc * corr
+    if observe is not None:
+        m_final = mx.where(m == -mx.inf, 0.0, m)
+        for block, rows, m_then in seen:
+            observe(block, float((rows * mx.exp(m_then - m_final) / l).sum().item()))
     return (acc / l).reshape(B, H, L, D).astype(queries.dtype)

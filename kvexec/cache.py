@@ -34,8 +34,11 @@ class PagedKVCache:
         return None  # the executor knows positions and windows itself
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
-        q_start = self.store.offset - queries.shape[-2]
-        return blockwise_attention(queries, self.store.blocks(), q_start, scale, self.store.window, sinks)
+        store = self.store
+        q_start = store.offset - queries.shape[-2]
+        scoring = store.config.max_positions is not None and store.config.policy == "score"
+        return blockwise_attention(queries, store.blocks(queries), q_start, scale, store.window, sinks,
+                                   observe=store.observe if scoring else None)
 
     @property
     def state(self) -> list[mx.array]:
@@ -73,6 +76,13 @@ def make_cache(model: nn.Module, config: KVConfig | None = None) -> list:
         else:
             caches.append(c)
     return caches
+
+
+def pin(cache: list, positions: int) -> None:
+    """Retention never evicts positions below `positions` (the prompt)."""
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            c.store.pinned = max(c.store.pinned, positions)
 
 
 def can_trim(cache: list, n: int) -> bool:

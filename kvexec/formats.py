@@ -105,7 +105,7 @@ class Codec:
 @dataclass(frozen=True)
 class KVFormat:
     name: str
-    keys: Codec
+    keys: Codec  # or kvexec.rotated.RotatedCodec: the same interface
     values: Codec
 
     @property
@@ -126,11 +126,18 @@ def _affine(name: str, bits: int, per_channel_keys: bool = False) -> KVFormat:
     return KVFormat(name, Codec(bits, per_channel=per_channel_keys), Codec(bits))
 
 
+def _rotated(name: str, bits: int) -> KVFormat:
+    from kvexec.rotated import RotatedCodec
+
+    return KVFormat(name, RotatedCodec(bits), RotatedCodec(bits))
+
+
 FORMATS = {
     "fp32": KVFormat("fp32", Codec(32), Codec(32)),
     "fp16": KVFormat("fp16", Codec(16), Codec(16)),
     **{f"q{b}": _affine(f"q{b}", b) for b in (8, 4, 3, 2)},
     **{f"q{b}c": _affine(f"q{b}c", b, per_channel_keys=True) for b in (8, 4, 3, 2)},
+    **{f"r{b}": _rotated(f"r{b}", b) for b in (4, 3)},
 }
 
 

@@ -11,6 +11,7 @@ drop segments that no future query can see, so their store is a bounded ring.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -26,9 +27,16 @@ class KVConfig:
     hot_window: int = 256  # most recent tokens kept in full precision
     sink_tokens: int = 4  # first tokens kept in full precision (global layers)
     block_tokens: int = 2048  # tokens decoded per attention block: bounds the transient
+    max_positions: int | None = None  # retention: positions kept per layer (None: all)
+    policy: str = "score"  # what retention evicts first: "score" (least attended) or "random"
+    select_pages: int | None = None  # decode attends to the top-k pages by key bound (Quest)
 
     def __post_init__(self) -> None:
         get_format(self.format)
+        if self.policy not in ("score", "random"):
+            raise ValueError(f"retention policy must be score or random, not {self.policy!r}")
+        if self.max_positions is not None and self.max_positions < self.sink_tokens + self.hot_window + self.page_size:
+            raise ValueError("max_positions must hold the sinks, the hot window and one page")
         if self.page_size < 1 or self.hot_window < 0 or self.sink_tokens < 0:
             raise ValueError("page_size must be >= 1; hot_window and sink_tokens >= 0")
         if self.block_tokens < self.page_size:
@@ -48,6 +56,9 @@ class Segment:
     keys: dict[str, mx.array]
     values: dict[str, mx.array]
     length: int = 0
+    score: float = 0.0  # attention mass received (retention's "score" policy)
+    key_min: mx.array | None = None  # per-channel key bounds (page selection)
+    key_max: mx.array | None = None
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +80,12 @@ class PageStore:
         cap = self.config.block_tokens // P * P
         if self.window:  # a ring needs only about one window per segment
             cap = min(cap, -(-self.window // P) * P)
+        if self.config.max_positions is not None or self.config.select_pages:
+            cap = P  # one page per segment: pages are evicted and selected one by one
         self.segment_capacity = cap
+        self.pinned = 0  # positions below this (the prompt) are never evicted
+        self.evicted = 0
+        self._rng = random.Random(0)
         self.sink_k = self.sink_v = None
         self.segments: list[Segment] = []
         self.hot_k = self.hot_v = None
@@ -91,6 +107,7 @@ class PageStore:
         self.offset += L
         self._flush()
         self._drop_dead(first_query)
+        self._evict()
 
     def _hot_len(self) -> int:
         return 0 if self.hot_k is None else self.hot_k.shape[-2]
@@ -112,6 +129,8 @@ class PageStore:
             self.fmt.keys.write(seg.keys, self.fmt.keys.encode(k), seg.length, P)
             self.fmt.values.write(seg.values, self.fmt.values.encode(v), seg.length, P)
             seg.length += P
+            if self.config.select_pages:
+                seg.key_min, seg.key_max = k.min(axis=-2), k.max(axis=-2)
             # A slice: the flushed tokens' buffer goes with the next append's concatenate.
             self.hot_k, self.hot_v = self.hot_k[..., P:, :], self.hot_v[..., P:, :]
 
@@ -121,6 +140,30 @@ class PageStore:
         # No query from `first_query` on sees positions <= first_query - window.
         while self.segments and self.segments[0].start + self.segments[0].length <= first_query - self.window:
             self.segments.pop(0)
+
+    def retained(self) -> int:
+        sinks = 0 if self.sink_k is None else self.sink_k.shape[-2]
+        return sinks + sum(s.length for s in self.segments) + self._hot_len()
+
+    def _evict(self) -> None:
+        """Retention: drop generated (unpinned) pages until the budget holds."""
+        budget = self.config.max_positions
+        if budget is None:
+            return
+        while self.retained() > budget:
+            movable = [i for i, s in enumerate(self.segments) if s.start >= max(self.pinned, self.sinks)]
+            if not movable:
+                return  # only pinned tokens left; the planner refuses such requests up front
+            if self.config.policy == "random":
+                i = self._rng.choice(movable)
+            else:
+                i = min(movable, key=lambda j: (self.segments[j].score, j))
+            self.evicted += self.segments.pop(i).length
+
+    def observe(self, block: Block, mass: float) -> None:
+        """Attention mass a block received (summed over heads and queries)."""
+        if isinstance(block.tag, Segment):
+            block.tag.score += mass
 
     # -- reading -------------------------------------------------------------
     @property
@@ -133,13 +176,29 @@ class PageStore:
             return self.segments[0].start
         return self.offset - self._hot_len()
 
-    def blocks(self):
-        """Blocks in position order, in their stored form; each at most block_tokens."""
+    def _selected(self, queries: mx.array | None) -> list[Segment]:
+        """Quest-style page selection for one decode query: the k pages whose keys
+        could score highest (per-channel min/max bound), in position order."""
+        k = self.config.select_pages
+        if not k or queries is None or queries.shape[-2] != 1 or len(self.segments) <= k:
+            return self.segments
+        B, H, _, D = queries.shape
+        kvh = self.segments[0].key_min.shape[1]
+        q = queries.astype(mx.float32).reshape(B, kvh, H // kvh, D)[:, None]  # [B, 1, kvh, rep, D]
+        lo = mx.stack([s.key_min for s in self.segments], axis=1)[:, :, :, None]  # [B, n, kvh, 1, D]
+        hi = mx.stack([s.key_max for s in self.segments], axis=1)[:, :, :, None]
+        bound = mx.maximum(q * lo, q * hi).sum(axis=-1).max(axis=(0, 2, 3))  # [n]
+        top = sorted(mx.argsort(-bound)[:k].tolist())
+        return [self.segments[i] for i in top]
+
+    def blocks(self, queries: mx.array | None = None):
+        """Blocks in position order, in their stored form; each at most block_tokens.
+        Given decode `queries` and select_pages, only the selected pages come."""
         if self.sink_k is not None:
             yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0, self.sink_k.shape[-2])
-        for seg in self.segments:
+        for seg in self._selected(queries):
             yield Block(self.fmt.keys.view(seg.keys, 0, seg.length), self.fmt.values.view(seg.values, 0, seg.length),
-                        self.fmt, seg.start, seg.length)
+                        self.fmt, seg.start, seg.length, tag=seg)
         if self._hot_len():
             yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len(),
                         self._hot_len())
@@ -148,8 +207,8 @@ class PageStore:
     def can_trim(self, n: int) -> bool:
         """Whether the last n positions can be removed with everything a later query
         needs still held (sliding layers may have dropped it)."""
-        if n > self.offset:
-            return False
+        if n > self.offset or (self.evicted and n > self._hot_len()):
+            return False  # evicted pages cannot come back
         if self.window is None:
             return True
         return self.first_position() <= max(0, self.offset - n - self.window)

@@ -65,7 +65,8 @@ def test_attention_sinks_logit():
 # Documented error bounds: relative RMS error of the attention output against fp32
 # reference attention, unit-normal q, k, v, 32-value groups (bounds ~1.5x measured).
 BOUNDS = {"fp16": 1e-3, "q8": 0.01, "q4": 0.15, "q3": 0.3, "q2": 0.7,
-          "q8c": 0.01, "q4c": 0.15, "q3c": 0.3, "q2c": 0.7}  # "c": keys grouped per channel
+          "q8c": 0.01, "q4c": 0.15, "q3c": 0.3, "q2c": 0.7,  # "c": keys grouped per channel
+          "r4": 0.2, "r3": 0.35}  # rotated codebook
 
 
 @pytest.mark.parametrize("fmt", sorted(BOUNDS))
@@ -74,6 +75,16 @@ def test_quantized_formats_error_bounds(fmt):
     store = PageStore(KVConfig(format=fmt, **config))
     assert _run(store, [64, 1, 40, 1, 33], heads=9, rel=True) < BOUNDS[fmt]
     assert store.pages >= 3
+
+
+def test_rotation_is_orthogonal_and_levels_are_lloyd_max():
+    from kvexec.rotated import lloyd_max_gaussian, rotation
+
+    r = rotation(3, 64)
+    eye = r @ r.swapaxes(-1, -2)
+    assert float(mx.abs(eye - mx.eye(64)).max()) < 1e-5
+    levels = lloyd_max_gaussian(2)  # the classic 4-level Gaussian quantizer
+    assert np.allclose(levels, [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-3)
 
 
 def test_per_channel_keys_need_whole_groups_per_page():
@@ -241,3 +252,76 @@ def test_smollm2_fp16_pages_greedy_identical_to_stock(smollm2_gguf):
     want = [c.token for c in stock.generate(tokens, sp) if c.token is not None]
     assert len(got) == 64 and got == want
     assert paged.last_stats.memory.kv < stock.last_stats.memory.kv
+
+
+# -- retention and page selection ---------------------------------------------------
+
+RETAIN = dict(page_size=16, hot_window=8, sink_tokens=2, block_tokens=32)
+
+
+def _decode_steps(store, n, heads=9, key=None, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        k = mx.array(rng.normal(size=(1, 3, 1, 64)).astype(np.float32)) if key is None else key
+        store.append(k, k)
+        q = mx.array(rng.normal(size=(1, heads, 1, 64)).astype(np.float32))
+        cache_like = kvexec.PagedKVCache.__new__(kvexec.PagedKVCache)
+        cache_like.store = store
+        mx.eval(cache_like.attend(q, 0.125))
+
+
+@pytest.mark.parametrize("policy", ["random", "score"])
+def test_retention_holds_budget_and_keeps_prompt_sinks_and_hot(policy):
+    store = PageStore(KVConfig(format="q4", max_positions=80, policy=policy, **RETAIN))
+    prompt = mx.random.normal((1, 3, 40, 64))
+    store.append(prompt, prompt)
+    store.pinned = 40
+    _decode_steps(store, 150)
+    assert store.offset == 190 and store.retained() <= 80 and store.evicted > 0
+    assert store.sink_k.shape[-2] == 2 and store._hot_len() >= 8
+    kept = [s.start for s in store.segments]
+    assert 2 in kept and 18 in kept  # the prompt's pages (positions 2..33) were never evicted
+    assert not store.can_trim(50)  # evicted pages cannot come back
+
+
+def test_score_policy_keeps_the_attended_page():
+    store = PageStore(KVConfig(format="fp32", max_positions=70, policy="score", **RETAIN))
+    store.pinned = 0
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.normal(size=(1, 9, 1, 64)).astype(np.float32))
+    magnet = mx.broadcast_to(q.reshape(1, 3, 3, 64).mean(axis=2, keepdims=True) * 4, (1, 3, 16, 64))
+    noise = lambda n: mx.array(rng.normal(size=(1, 3, n, 64)).astype(np.float32)) * 0.1  # noqa: E731
+    store.append(noise(18), noise(18))  # sinks + a first page
+    store.append(magnet, magnet)  # positions 18..33: what the queries look for
+    cache = kvexec.PagedKVCache.__new__(kvexec.PagedKVCache)
+    cache.store = store
+    for _ in range(120):
+        x = noise(1)
+        store.append(x, x)
+        mx.eval(cache.attend(q, 0.125))
+    assert store.evicted > 0
+    assert any(s.start == 18 for s in store.segments)  # the attended page survived
+
+
+def test_retention_budget_below_minimum_is_refused():
+    with pytest.raises(ValueError, match="max_positions"):
+        KVConfig(max_positions=10, page_size=16, hot_window=8, sink_tokens=2)
+
+
+def test_page_selection_attends_to_the_pages_that_matter():
+    rng = np.random.default_rng(5)
+    cfg = dict(format="fp32", **RETAIN)
+    full, picked = PageStore(KVConfig(**cfg)), PageStore(KVConfig(select_pages=2, **cfg))
+    q = mx.array(rng.normal(size=(1, 9, 1, 64)).astype(np.float32))
+    target = mx.broadcast_to(q.reshape(1, 3, 3, 64).mean(axis=2, keepdims=True) * 4, (1, 3, 16, 64))
+    for i in range(12):
+        x = target if i == 5 else mx.array(rng.normal(size=(1, 3, 16, 64)).astype(np.float32)) * 0.3
+        v = mx.array(rng.normal(size=(1, 3, 16, 64)).astype(np.float32))
+        full.append(x, v)
+        picked.append(x, v)
+    blocks = list(picked.blocks(q))
+    assert len(blocks) < len(list(full.blocks(q)))
+    assert any(b.start <= 88 < b.start + b.length for b in blocks)  # inside the target chunk
+    a = blockwise_attention(q, full.blocks(q), full.offset - 1, 0.125)
+    b = blockwise_attention(q, picked.blocks(q), picked.offset - 1, 0.125)
+    assert float(mx.abs(a - b).max()) < 0.05
