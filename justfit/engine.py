@@ -129,6 +129,9 @@ class Engine:
         """Refuse, before any work, what the context or the budget cannot hold."""
         if prompt_tokens + max_tokens > self.context_limit:
             raise ContextTooLong(prompt_tokens, max_tokens, self.context_limit)
+        retain = self.config.kv.max_positions if self.config.kv is not None else None
+        if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
+            raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
         budget = self.config.budget_bytes
         if budget is not None:
             positions = prompt_tokens + max_tokens

@@ -6,11 +6,12 @@ class JustFitError(Exception):
 
 
 class ContextTooLong(JustFitError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int,
+                 what: str = "positions this model supports"):
         self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
         super().__init__(
             f"prompt too long: {prompt_tokens} prompt tokens + {max_tokens} to generate "
-            f"> {limit} positions this model supports; shorten the prompt or lower max_tokens "
+            f"> {limit} {what}; shorten the prompt or lower max_tokens "
             f"to {max(0, limit - prompt_tokens)}"
         )
 

@@ -28,6 +28,7 @@ class _Shape:
     page_row: float  # the same in the page format (== kv_row without KVExec)
     full_tokens: int  # positions per layer held in full precision (sinks, hot window)
     block_tokens: int | None  # KVExec: keys per attention block; None: whole context
+    retain: int | None  # KVExec retention: positions kept per layer
     heads: int
     hidden: int
     intermediate: int
@@ -70,7 +71,7 @@ def _layer_kv(s: _Shape, held: int) -> float:
 
 def _estimate(s: _Shape, positions: int) -> Footprint:
     chunk = min(s.chunk, max(positions, 1))
-    kv = s.full_layers * _layer_kv(s, positions)
+    kv = s.full_layers * _layer_kv(s, positions if s.retain is None else min(positions, s.retain))
     # A sliding layer holds its window plus at most one chunk, one page and the hot window.
     kv += sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens)) for w in s.windows)
     keys = positions if s.block_tokens is None else min(positions, s.block_tokens)
@@ -107,13 +108,14 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
             state += tree_bytes(getattr(c, "state", []))
     kv_row = 2 * kv_heads * head_dim * act_bytes
     if kv is None:
-        page_row, full_tokens, block = kv_row, 0, None
+        page_row, full_tokens, block, retain = kv_row, 0, None, None
     else:
         page_row = get_format(kv.format).bytes_per_token(kv_heads, head_dim)
         full_tokens, block = kv.sink_tokens + kv.hot_window + kv.page_size, kv.block_tokens
+        retain = kv.max_positions
     shape = _Shape(
         weights=weight_bytes(model), full_layers=full, windows=tuple(windows), state_bytes=state,
-        kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, block_tokens=block,
+        kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
         intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
         chunk=chunk, act_bytes=act_bytes,

@@ -94,7 +94,10 @@ class PageStore:
     # -- writing -------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add [B, kv_heads, L, D] keys/values at positions offset .. offset + L - 1."""
-        L = keys.shape[-2]
+        L, D = keys.shape[-2], keys.shape[-1]
+        for codec in (self.fmt.keys, self.fmt.values):
+            if codec.quantized and not codec.per_channel and D % max(codec.group_size, 32):
+                raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
         have = 0 if self.sink_k is None else self.sink_k.shape[-2]
         take = min(L, self.sinks - have)
         if take > 0:

@@ -174,3 +174,17 @@ def test_planner_counts_kv_format_and_bounded_transient(tiny_llama_dir):
     # KVExec's attention transient stops growing at one block; stock's grows with context
     assert footprint(m, cfg, 200_000, kv=KVConfig()).transient == fp16.transient
     assert footprint(m, cfg, 200_000, kv=None).transient > stock.transient
+
+
+def test_retention_generates_past_its_budget_but_refuses_longer_prompts(tiny_gemma3_dir):
+    from kvexec import KVConfig
+
+    kv = KVConfig(format="q4", page_size=32, hot_window=32, sink_tokens=4, max_positions=128)
+    engine = Engine(str(tiny_gemma3_dir), config=EngineConfig(kv=kv))
+    list(engine.generate("a short prompt", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)))
+    assert engine.last_stats.generated_tokens == 300
+    stores = [c.store for c in engine._conv.cache]
+    assert all(s.retained() <= 128 for s in stores)
+    assert any(s.evicted > 0 for s in stores if s.window is None)  # global layers evicted
+    with pytest.raises(ContextTooLong, match="retention budget"):
+        list(engine.generate("x " * 200, SamplingParams(max_tokens=1)))

@@ -325,3 +325,9 @@ def test_page_selection_attends_to_the_pages_that_matter():
     a = blockwise_attention(q, full.blocks(q), full.offset - 1, 0.125)
     b = blockwise_attention(q, picked.blocks(q), picked.offset - 1, 0.125)
     assert float(mx.abs(a - b).max()) < 0.05
+
+
+def test_head_dim_too_small_for_groups_is_a_clear_error():
+    store = PageStore(KVConfig(format="q4"))
+    with pytest.raises(ValueError, match="head_dim divisible by 32"):
+        store.append(mx.zeros((1, 2, 4, 16)), mx.zeros((1, 2, 4, 16)))
