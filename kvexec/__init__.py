@@ -6,10 +6,10 @@ Public API: `KVConfig`, `make_cache(model, config)`, `install(model)`, `trim(cac
 """
 
 from kvexec.attention import Block, blockwise_attention
-from kvexec.cache import PagedKVCache, can_trim, make_cache, pin, trim
+from kvexec.cache import PagedKVCache, can_trim, for_head_dim, make_cache, pin, trim
 from kvexec.formats import FORMATS, KVFormat, get_format
 from kvexec.seam import install
 from kvexec.store import KVConfig, PageStore
 
 __all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache",
-           "blockwise_attention", "can_trim", "get_format", "install", "make_cache", "pin", "trim"]
+           "blockwise_attention", "can_trim", "for_head_dim", "get_format", "install", "make_cache", "pin", "trim"]

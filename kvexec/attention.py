@@ -54,6 +54,19 @@ def _visibility(q_start: int, L: int, k_start: int, n: int, window: int | None):
     return mask
 
 
+def _softmax_step(s: mx.array, m: mx.array):
+    """Unnormalized block probabilities against the running max. (mx.compile with
+    shapeless=True crashed MLX 0.32's CPU backend here; per-shape compiles would
+    recompile on every decode step, as the hot window grows.)"""
+    m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+    m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
+    return mx.exp(s - m_safe), mx.exp(m - m_safe), m_new, m_safe
+
+
+def _fold(l: mx.array, acc: mx.array, corr: mx.array, p: mx.array, pv: mx.array):
+    return l * corr + p.sum(axis=-1, keepdims=True), acc * corr + pv
+
+
 def blockwise_attention(
     queries: mx.array,
     blocks,
@@ -85,13 +98,9 @@ def blockwise_attention(
         s = block.fmt.keys.scores(q, block.keys) if direct else q @ block.fmt.keys.decode(block.keys).swapaxes(-1, -2)
         if visible is not None:
             s = mx.where(visible, s.reshape(B, kvh, rep, L, n), -mx.inf).reshape(s.shape)
-        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-        m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
-        p = mx.exp(s - m_safe)
-        corr = mx.exp(m - m_safe)
-        l = l * corr + p.sum(axis=-1, keepdims=True)
+        p, corr, m_new, m_safe = _softmax_step(s, m)
         pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
-        acc = acc * corr + pv
+        l, acc = _fold(l, acc, corr, p, pv)
         m = m_new
         if observe is not None:
             seen.append((block, p.sum(axis=-1, keepdims=True), m_safe))

@@ -7,12 +7,15 @@ placeholders; the attention call that follows reaches `attend` through the seam
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from kvexec.attention import blockwise_attention
-from kvexec.store import KVConfig, PageStore
+from kvexec.formats import get_format
+from kvexec.store import KVConfig, PageStore, supports_head_dim
 
 
 class PagedKVCache:
@@ -62,6 +65,13 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.store.nbytes
+
+
+def for_head_dim(config: KVConfig, head_dim: int) -> KVConfig:
+    """`config`, or the same in fp16 where its format cannot store this head_dim."""
+    if supports_head_dim(get_format(config.format), head_dim):
+        return config
+    return replace(config, format="fp16")
 
 
 def make_cache(model: nn.Module, config: KVConfig | None = None) -> list:

@@ -138,6 +138,9 @@ FORMATS = {
     **{f"q{b}": _affine(f"q{b}", b) for b in (8, 4, 3, 2)},
     **{f"q{b}c": _affine(f"q{b}c", b, per_channel_keys=True) for b in (8, 4, 3, 2)},
     **{f"r{b}": _rotated(f"r{b}", b) for b in (4, 3)},
+    # Keys carry the outliers and the softmax's sensitivity; values average out.
+    "k8v4": KVFormat("k8v4", Codec(8), Codec(4)),
+    "k8v3": KVFormat("k8v3", Codec(8), Codec(3)),
 }
 
 

@@ -20,9 +20,16 @@ from kvexec.attention import Block
 from kvexec.formats import KVFormat, get_format
 
 
+def supports_head_dim(fmt: KVFormat, head_dim: int) -> bool:
+    """Affine groups along head_dim need it to hold whole groups of 32."""
+    return all(not c.quantized or c.per_channel or head_dim % 32 == 0 for c in (fmt.keys, fmt.values))
+
+
 @dataclass(frozen=True)
 class KVConfig:
-    format: str = "fp16"
+    # q8: the most compact format with no measurable loss on SmolLM2 and Gemma 3
+    # (bench/quality.py; see the README's KVExec table).
+    format: str = "q8"
     page_size: int = 256
     hot_window: int = 256  # most recent tokens kept in full precision
     sink_tokens: int = 4  # first tokens kept in full precision (global layers)
@@ -95,9 +102,8 @@ class PageStore:
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add [B, kv_heads, L, D] keys/values at positions offset .. offset + L - 1."""
         L, D = keys.shape[-2], keys.shape[-1]
-        for codec in (self.fmt.keys, self.fmt.values):
-            if codec.quantized and not codec.per_channel and D % max(codec.group_size, 32):
-                raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
+        if not supports_head_dim(self.fmt, D):
+            raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
         have = 0 if self.sink_k is None else self.sink_k.shape[-2]
         take = min(L, self.sinks - have)
         if take > 0:

@@ -188,3 +188,11 @@ def test_retention_generates_past_its_budget_but_refuses_longer_prompts(tiny_gem
     assert any(s.evicted > 0 for s in stores if s.window is None)  # global layers evicted
     with pytest.raises(ContextTooLong, match="retention budget"):
         list(engine.generate("x " * 200, SamplingParams(max_tokens=1)))
+
+
+def test_kv_format_falls_back_to_fp16_for_small_heads(tiny_llama_dir):
+    from kvexec import KVConfig
+
+    engine = Engine(str(tiny_llama_dir), config=EngineConfig(kv=KVConfig(format="q4")))
+    assert engine.config.kv.format == "fp16"  # head_dim 16 holds no 32-value group
+    assert engine.complete("hello", SamplingParams(temperature=0, max_tokens=3)) is not None
