@@ -259,7 +259,8 @@ class ChatSession:
     def stats_text(self) -> str:
         e = self.engine
         lines = [
-            f"model: {e.name} · compute {e.compute} · BLAS {e.blas}",
+            f"model: {e.name} · compute {e.compute} · KV {e.config.kv.format if e.config.kv else 'mlx-lm'}"
+            f" · BLAS {e.blas}",
             f"conversation: {len(self.messages)} messages, {len(e.cached_tokens)} tokens kept "
             f"of {e.context_limit} context",
         ]
@@ -324,7 +325,8 @@ class ChatSession:
 @click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
 @common.budget_option
 @common.gguf_bits_option
-def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits) -> None:
+@common.kv_format_option
+def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits, kv_format) -> None:
     """Chat with a model.
 
     In a terminal: an interactive session (/help lists its commands). With stdin
@@ -342,7 +344,7 @@ def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits)
             raise common.UserError("nothing to answer: stdin was empty")
     if interactive and stderr.isatty():
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
-    engine = common.load_engine(model, budget, gguf_bits)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format)
     session = ChatSession(engine, tty_reader() if interactive else [], stdout, stderr,
                           sampling=sampling, system=system, progress=stderr.isatty(),
                           show_stats=interactive, catch_interrupt=interactive)

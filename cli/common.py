@@ -57,9 +57,24 @@ gguf_bits_option = click.option(
 )
 
 
-def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native"):
+def _kv_formats() -> list[str]:
+    from kvexec import FORMATS
+
+    return [*FORMATS, "none"]
+
+
+kv_format_option = click.option(
+    "--kv-format", type=click.Choice(_kv_formats()), default="q8", show_default=True,
+    help="KV page format (see README: KVExec); none uses mlx-lm's own KV cache.",
+)
+
+
+def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",
+                kv_format: str = "q8"):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig
+    from kvexec import KVConfig
 
-    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits))
+    kv = None if kv_format == "none" else KVConfig(format=kv_format)
+    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits, kv=kv))
