@@ -64,13 +64,13 @@ def _kv_formats() -> list[str]:
 
 
 kv_format_option = click.option(
-    "--kv-format", type=click.Choice(_kv_formats()), default="q8", show_default=True,
+    "--kv-format", type=click.Choice(_kv_formats()), default="q8c", show_default=True,
     help="KV page format (see README: KVExec); none uses mlx-lm's own KV cache.",
 )
 
 
 def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",
-                kv_format: str = "q8"):
+                kv_format: str = "q8c"):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig

@@ -141,6 +141,7 @@ FORMATS = {
     # Keys carry the outliers and the softmax's sensitivity; values average out.
     "k8v4": KVFormat("k8v4", Codec(8), Codec(4)),
     "k8v3": KVFormat("k8v3", Codec(8), Codec(3)),
+    "k8cv4": KVFormat("k8cv4", Codec(8, per_channel=True), Codec(4)),
 }
 
 

@@ -27,9 +27,9 @@ def supports_head_dim(fmt: KVFormat, head_dim: int) -> bool:
 
 @dataclass(frozen=True)
 class KVConfig:
-    # q8: the most compact format with no measurable loss on SmolLM2 and Gemma 3
-    # (bench/quality.py; see the README's KVExec table).
-    format: str = "q8"
+    # q8c: the most compact format with no measurable loss on SmolLM2 and Gemma 3, and
+    # the fastest to decode on CPU (bench/quality.py, bench/kv.py; README's KVExec part).
+    format: str = "q8c"
     page_size: int = 256
     hot_window: int = 256  # most recent tokens kept in full precision
     sink_tokens: int = 4  # first tokens kept in full precision (global layers)

@@ -67,7 +67,7 @@ def test_attention_sinks_logit():
 BOUNDS = {"fp16": 1e-3, "q8": 0.01, "q4": 0.15, "q3": 0.3, "q2": 0.7,
           "q8c": 0.01, "q4c": 0.15, "q3c": 0.3, "q2c": 0.7,  # "c": keys grouped per channel
           "r4": 0.2, "r3": 0.35,  # rotated codebook
-          "k8v4": 0.15, "k8v3": 0.3}  # mixed widths
+          "k8v4": 0.15, "k8v3": 0.3, "k8cv4": 0.15}  # mixed widths
 
 
 @pytest.mark.parametrize("fmt", sorted(BOUNDS))
