@@ -24,6 +24,11 @@ class Codec:
     def quantized(self) -> bool:
         return self.bits < 16
 
+    @property
+    def tokens_last(self) -> bool:
+        """Stored [.., head_dim, tokens]: per-channel groups run along the last axis."""
+        return self.per_channel and self.quantized
+
     def encode(self, x: mx.array) -> dict[str, mx.array]:
         if not self.quantized:
             return {"x": x.astype(mx.float16 if self.bits == 16 else mx.float32)}
@@ -56,14 +61,14 @@ class Codec:
     def allocate(self, lead: tuple[int, ...], capacity: int, head_dim: int) -> dict[str, mx.array]:
         out = {}
         for name, (dtype, extent, units) in self._widths(head_dim).items():
-            if self.per_channel and self.quantized:
+            if self.tokens_last:
                 out[name] = mx.zeros((*lead, extent, capacity // self.group_size * units), dtype=dtype)
             else:
                 out[name] = mx.zeros((*lead, capacity, extent), dtype=dtype)
         return out
 
     def _span(self, name: str, start: int, end: int) -> tuple[int, int]:
-        if not (self.per_channel and self.quantized):
+        if not self.tokens_last:
             return start, end
         units = self.group_size * self.bits // 32 if name == "w" else 1
         return start // self.group_size * units, end // self.group_size * units
@@ -71,14 +76,14 @@ class Codec:
     def write(self, storage: dict[str, mx.array], enc: dict[str, mx.array], start: int, n: int) -> None:
         """Write n encoded tokens in place at token index `start` (a group boundary)."""
         for name, arr in enc.items():
-            if self.per_channel and self.quantized:
+            if self.tokens_last:
                 a, b = self._span(name, start, start + n)
                 storage[name][..., a:b] = arr
             else:
                 storage[name][..., start : start + n, :] = arr
 
     def view(self, storage: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
-        if self.per_channel and self.quantized:
+        if self.tokens_last:
             return {name: a[..., slice(*self._span(name, start, end))] for name, a in storage.items()}
         return {name: a[..., start:end, :] for name, a in storage.items()}
 
@@ -115,7 +120,7 @@ class KVFormat:
     @property
     def token_multiple(self) -> int:
         """Pages must hold a multiple of this many tokens."""
-        return self.keys.group_size if self.keys.per_channel and self.keys.quantized else 1
+        return self.keys.group_size if self.keys.tokens_last else 1
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """K and V storage of one token in one layer."""

@@ -66,8 +66,7 @@ def _unpack(words: mx.array, bits: int, d: int) -> mx.array:
 @dataclass(frozen=True)
 class RotatedCodec:
     bits: int
-    per_channel: bool = False
-    group_size: int = 1
+    tokens_last = False  # stored [.., tokens, ..] like per-token affine codes
 
     @property
     def quantized(self) -> bool:

@@ -22,7 +22,7 @@ from kvexec.formats import KVFormat, get_format
 
 def supports_head_dim(fmt: KVFormat, head_dim: int) -> bool:
     """Affine groups along head_dim need it to hold whole groups of 32."""
-    return all(not c.quantized or c.per_channel or head_dim % 32 == 0 for c in (fmt.keys, fmt.values))
+    return all(not c.quantized or c.tokens_last or head_dim % 32 == 0 for c in (fmt.keys, fmt.values))
 
 
 @dataclass(frozen=True)
