@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kvexec.formats import KVFormat
+from kvexec.formats import Codec, KVFormat
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
@@ -54,6 +54,36 @@ def _visibility(q_start: int, L: int, k_start: int, n: int, window: int | None):
     return mask
 
 
+_FULL = KVFormat("fp32", Codec(32), Codec(32))
+
+
+def _merged(blocks, rows: int, limit: int):
+    """For many query rows (prefill), fold adjacent small blocks into decoded blocks of
+    up to `limit` keys: fewer, larger GEMMs, and the same per-call transient whatever
+    the context (the largest block is `limit` once the context is that long)."""
+    pending: list[Block] = []
+
+    def flush():
+        if len(pending) == 1:
+            return pending[0]
+        keys = mx.concatenate([b.fmt.keys.decode(b.keys) for b in pending], axis=-2)
+        values = mx.concatenate([b.fmt.values.decode(b.values) for b in pending], axis=-2)
+        return Block({"x": keys}, {"x": values}, _FULL, pending[0].start, keys.shape[-2])
+
+    for block in blocks:
+        if rows // block.kv_heads <= DIRECT_ROWS:
+            yield block
+            continue
+        fits = pending and pending[-1].start + pending[-1].length == block.start and \
+            sum(b.length for b in pending) + block.length <= limit
+        if pending and not fits:
+            yield flush()
+            pending = []
+        pending.append(block)
+    if pending:
+        yield flush()
+
+
 def _softmax_step(s: mx.array, m: mx.array):
     """Unnormalized block probabilities against the running max. (mx.compile with
     shapeless=True crashed MLX 0.32's CPU backend here; per-shape compiles would
@@ -75,6 +105,7 @@ def blockwise_attention(
     window: int | None = None,
     sinks: mx.array | None = None,
     observe=None,
+    block_tokens: int = 2048,
 ) -> mx.array:
     """softmax(q k^T * scale + causal/window mask) v over `blocks`, for queries at
     positions q_start .. q_start + L - 1. queries: [B, H, L, D]. `observe(block, mass)`,
@@ -82,6 +113,8 @@ def blockwise_attention(
     B, H, L, D = queries.shape
     q = m = l = acc = None
     seen = []  # (block, row sums of p, running max then) for `observe`
+    if observe is None:
+        blocks = _merged(blocks, H * L, block_tokens)
     for block in blocks:
         n = block.length
         visible = _visibility(q_start, L, block.start, n, window)

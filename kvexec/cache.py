@@ -41,7 +41,8 @@ class PagedKVCache:
         q_start = store.offset - queries.shape[-2]
         scoring = store.config.max_positions is not None and store.config.policy == "score"
         return blockwise_attention(queries, store.blocks(queries), q_start, scale, store.window, sinks,
-                                   observe=store.observe if scoring else None)
+                                   observe=store.observe if scoring else None,
+                                   block_tokens=store.config.block_tokens)
 
     @property
     def state(self) -> list[mx.array]:
