@@ -34,8 +34,8 @@ def _worker() -> dict:
     return {"blas": active_blas(), "matmul_2048_s": min(times), "prefill_1k_tps": engine.last_stats.prefill_tps}
 
 
-def main() -> dict:
-    if "--worker" in sys.argv:
+def main(argv: list[str] | None = None) -> dict:
+    if "--worker" in (sys.argv if argv is None else argv):
         print(json.dumps(_worker()))
         return {}
     rows = []

@@ -107,7 +107,7 @@ def decode(context: int, formats: list[str], steps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     t = sub.add_parser("transient")
@@ -120,7 +120,7 @@ def main() -> None:
     d.add_argument("--context", type=int, default=8192)
     d.add_argument("--formats", default="fp16,q8,q4")
     d.add_argument("--steps", type=int, default=16)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from bench.common import machine_info, save
 
     if args.what == "transient":

@@ -65,10 +65,10 @@ def load_dense(name: str, bits: int | str = "native"):
     return loaded
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gemma-bits", default="native")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ref = json.loads(REFERENCE.read_text())
     for name, bits in (("smollm2", "native"), ("gemma3", args.gemma_bits)):
         bits = bits if bits in ("exact", "native") else int(bits)

@@ -118,7 +118,7 @@ def passkey(model_name: str, lengths: list[int], depths: list[float], formats: l
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=8192)
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--passkey-lengths", default="", help="e.g. 1024,2048,4096; empty: skip")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--skip-teacher-forced", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from bench.common import machine_info, save
 
     formats = args.formats.split(",")

@@ -16,6 +16,7 @@ from justfit.errors import JustFitError
 # serve, fit and bench get their entries here when they exist.
 COMMANDS: dict[str, str] = {
     "chat": "cli.chat:chat",
+    "bench": "cli.bench:bench",
 }
 
 # What the engine raises for problems the user can act on: its own errors, a model

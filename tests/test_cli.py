@@ -333,3 +333,14 @@ def test_stats_line_after_a_reply(engine):
     line = stats_line(engine)
     s = engine.last_stats
     assert f"{s.generated_tokens} tokens at" in line and "tok/s" in line and "peak" in line
+
+
+def test_bench_runs_a_suite_through_the_cli(tmp_path, monkeypatch):
+    import bench.common
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    result = CliRunner().invoke(main, ["bench", "kv", "bytes", "--context", "1024"])
+    assert result.exit_code == 0, result.output
+    assert '"format": "q8c"' in result.output and list(tmp_path.glob("kv-bytes-*.json"))
+    bad = CliRunner().invoke(main, ["bench", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output

@@ -1,0 +1,25 @@
+"""`justfit bench SUITE [ARGS]`: run one of the benchmark scripts in bench/."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+SUITES = ("blas", "kv", "parity", "quality", "speed")  # modules of bench/, each with main(argv)
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("suite", type=click.Choice(SUITES))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(suite: str, args: tuple[str, ...]) -> None:
+    """Run a benchmark suite; ARGS go to it (`justfit bench SUITE --help` lists them).
+
+    \b
+    speed    prefill/decode speed next to stock mlx-lm
+    quality  KV format fidelity: top-1, KL, perplexity, pass-key
+    kv       KV transient, bytes per position, decode speed at a context
+    parity   GGUF import against llama.cpp's reference outputs
+    blas     the OpenBLAS preload's effect
+    """
+    importlib.import_module(f"bench.{suite}").main(list(args))
