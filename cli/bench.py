@@ -9,7 +9,7 @@ import click
 SUITES = ("blas", "kv", "parity", "quality", "speed")  # modules of bench/, each with main(argv)
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("suite", type=click.Choice(SUITES))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(suite: str, args: tuple[str, ...]) -> None:
