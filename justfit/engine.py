@@ -17,7 +17,7 @@ from justfit.generate import ProgressFn, decode, prefill
 from justfit.gguf_import import RequantOptions
 from justfit.memory import MemoryReport, memory_report, parse_size
 from justfit.models import load
-from justfit.planner import Footprint, footprint
+from justfit.planner import Footprint, attention_shape, footprint
 from justfit.stops import StopMatcher
 import kvexec
 from phaseswap import materialize_dense
@@ -94,19 +94,13 @@ class Engine:
             materialize_dense(self.model, mx.float32)
         if self.config.kv is not None:
             kvexec.install(self.model)
-            self.config.kv = kvexec.for_head_dim(self.config.kv, self._head_dim())
+            head_dim = attention_shape(self.model, self.model_config)[2]
+            self.config.kv = kvexec.for_head_dim(self.config.kv, head_dim)
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.blas = blas.active_blas()
         self._conv = _Conversation()
         self.last_stats: GenerationStats | None = None
-
-    def _head_dim(self) -> int:
-        cfg = self.model_config.get("text_config", self.model_config)
-        args = getattr(self.model, "args", None)
-        hidden = getattr(args, "hidden_size", None) or cfg["hidden_size"]
-        heads = getattr(args, "num_attention_heads", None) or cfg["num_attention_heads"]
-        return getattr(args, "head_dim", None) or cfg.get("head_dim") or hidden // heads
 
     def _compute_mode(self) -> str:
         if self.config.compute != "auto":

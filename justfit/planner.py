@@ -84,19 +84,29 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     return Footprint(positions, s.weights, int(kv) + s.state_bytes, int(transient), s)
 
 
-def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
-              kv: KVConfig | None = None) -> Footprint:
-    """What `positions` retained positions need; `kv` None means mlx-lm's own cache."""
+def _arg_reader(model: nn.Module, config: dict):
     args = getattr(model, "args", None)
     cfg = config.get("text_config", config)
 
     def arg(name: str, default=None):
         return getattr(args, name, None) or cfg.get(name, default)
 
-    hidden = arg("hidden_size")
+    return arg
+
+
+def attention_shape(model: nn.Module, config: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) from the model's args or its config."""
+    arg = _arg_reader(model, config)
     heads = arg("num_attention_heads")
-    kv_heads = arg("num_key_value_heads", heads)
-    head_dim = arg("head_dim") or hidden // heads
+    return heads, arg("num_key_value_heads", heads), arg("head_dim") or arg("hidden_size") // heads
+
+
+def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
+              kv: KVConfig | None = None) -> Footprint:
+    """What `positions` retained positions need; `kv` None means mlx-lm's own cache."""
+    arg = _arg_reader(model, config)
+    hidden = arg("hidden_size")
+    heads, kv_heads, head_dim = attention_shape(model, config)
     act_bytes = 4 if _is_fp32(model) else 2
     full, windows, state = 0, [], 0
     for c in make_prompt_cache(model):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kvexec.formats import Codec, KVFormat
+from kvexec.formats import KVFormat, get_format
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
@@ -54,9 +54,6 @@ def _visibility(q_start: int, L: int, k_start: int, n: int, window: int | None):
     return mask
 
 
-_FULL = KVFormat("fp32", Codec(32), Codec(32))
-
-
 def _merged(blocks, rows: int, limit: int):
     """For many query rows (prefill), fold adjacent small blocks into decoded blocks of
     up to `limit` keys: fewer, larger GEMMs, and the same per-call transient whatever
@@ -68,7 +65,7 @@ def _merged(blocks, rows: int, limit: int):
             return pending[0]
         keys = mx.concatenate([b.fmt.keys.decode(b.keys) for b in pending], axis=-2)
         values = mx.concatenate([b.fmt.values.decode(b.values) for b in pending], axis=-2)
-        return Block({"x": keys}, {"x": values}, _FULL, pending[0].start, keys.shape[-2])
+        return Block({"x": keys}, {"x": values}, get_format("fp32"), pending[0].start, keys.shape[-2])
 
     for block in blocks:
         if rows // block.kv_heads <= DIRECT_ROWS:

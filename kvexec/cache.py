@@ -15,13 +15,12 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from kvexec.attention import blockwise_attention
 from kvexec.formats import get_format
-from kvexec.store import KVConfig, PageStore, supports_head_dim
+from kvexec.store import KVConfig, PageStore
 
 
 class PagedKVCache:
     def __init__(self, config: KVConfig | None = None, window: int | None = None):
         self.store = PageStore(config or KVConfig(), window)
-        self._new = 0  # tokens written by the last update
 
     # -- mlx-lm cache protocol -------------------------------------------------
     @property
@@ -29,7 +28,6 @@ class PagedKVCache:
         return self.store.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self._new = keys.shape[-2]
         self.store.append(keys, values)
         return keys, values  # unused: the seam routes attention to `attend`
 
@@ -70,7 +68,7 @@ class PagedKVCache:
 
 def for_head_dim(config: KVConfig, head_dim: int) -> KVConfig:
     """`config`, or the same in fp16 where its format cannot store this head_dim."""
-    if supports_head_dim(get_format(config.format), head_dim):
+    if get_format(config.format).supports_head_dim(head_dim):
         return config
     return replace(config, format="fp16")
 

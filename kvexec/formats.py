@@ -122,6 +122,10 @@ class KVFormat:
         """Pages must hold a multiple of this many tokens."""
         return self.keys.group_size if self.keys.tokens_last else 1
 
+    def supports_head_dim(self, head_dim: int) -> bool:
+        """Groups along head_dim need it to hold whole groups of 32."""
+        return all(not c.quantized or c.tokens_last or head_dim % 32 == 0 for c in (self.keys, self.values))
+
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """K and V storage of one token in one layer."""
         return self.keys.bytes_per_token(kv_heads, head_dim) + self.values.bytes_per_token(kv_heads, head_dim)

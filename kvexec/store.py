@@ -20,11 +20,6 @@ from kvexec.attention import Block
 from kvexec.formats import KVFormat, get_format
 
 
-def supports_head_dim(fmt: KVFormat, head_dim: int) -> bool:
-    """Affine groups along head_dim need it to hold whole groups of 32."""
-    return all(not c.quantized or c.tokens_last or head_dim % 32 == 0 for c in (fmt.keys, fmt.values))
-
-
 @dataclass(frozen=True)
 class KVConfig:
     # q8c: the most compact format with no measurable loss on SmolLM2 and Gemma 3, and
@@ -102,7 +97,7 @@ class PageStore:
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add [B, kv_heads, L, D] keys/values at positions offset .. offset + L - 1."""
         L, D = keys.shape[-2], keys.shape[-1]
-        if not supports_head_dim(self.fmt, D):
+        if not self.fmt.supports_head_dim(D):
             raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
         have = 0 if self.sink_k is None else self.sink_k.shape[-2]
         take = min(L, self.sinks - have)
