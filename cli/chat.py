@@ -29,7 +29,7 @@ HELP = """\
 commands:
   /reset         forget the conversation
   /system [TEXT] show, or set, the system prompt (setting it starts over)
-  /stats         last request's speed and memory, BLAS and compute mode
+  /stats         last request's speed and memory, BLAS and PhaseSwap policy
   /save FILE     write the conversation to FILE (JSON)
   /load FILE     read a conversation saved with /save; the next turn continues it
   /quit          leave (also Ctrl-D)
@@ -259,7 +259,7 @@ class ChatSession:
     def stats_text(self) -> str:
         e = self.engine
         lines = [
-            f"model: {e.name} · compute {e.compute} · KV {e.config.kv.format if e.config.kv else 'mlx-lm'}"
+            f"model: {e.name} · policy {e.policy.name} · KV {e.config.kv.format if e.config.kv else 'mlx-lm'}"
             f" · BLAS {e.blas}",
             f"conversation: {len(self.messages)} messages, {len(e.cached_tokens)} tokens kept "
             f"of {e.context_limit} context",
@@ -350,7 +350,7 @@ def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits,
                           show_stats=interactive, catch_interrupt=interactive)
     if interactive:
         click.echo(click.style(
-            f"{engine.name} · {engine.compute} · context {engine.context_limit} · "
+            f"{engine.name} · {engine.policy.name} · context {engine.context_limit} · "
             f"/help for commands, /quit or Ctrl-D to leave", dim=True), file=stderr)
         session.run()
         return

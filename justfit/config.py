@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvexec import KVConfig
+from phaseswap.policy import get_policy
 
 
 @dataclass
@@ -38,13 +39,14 @@ class SamplingParams:
 class EngineConfig:
     """How the engine runs a model.
 
-    compute: "dense" materializes fp32 weights (fast GEMM on the CPU backend),
-    "quantized" keeps the stored quantized weights (compact; Metal kernels are fast),
-    "auto" picks dense on CPU and quantized on GPU.
+    policy: PhaseSwap's named policy (phaseswap.POLICIES): "cpu" keeps 8-bit decode
+    weights and materializes each layer in fp32 for prefill, "dense" keeps all fp32,
+    "quantized" the stored weights (Metal), "auto" picks cpu or quantized by backend.
+    budget_bytes bounds the memory the engine manages (weights, KV, transients).
     """
 
     budget_bytes: int | None = None
-    compute: str = "auto"
+    policy: str = "auto"
     prefill_chunk: int = 512
     gguf_bits: int | str = "native"  # see justfit.gguf_import
     gguf_embed_bits: int = 8
@@ -53,7 +55,6 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.compute not in ("auto", "dense", "quantized"):
-            raise ValueError(f"compute must be auto, dense or quantized, not {self.compute!r}")
+        get_policy(self.policy)  # raises on an unknown name
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")

@@ -3,8 +3,10 @@ state is kept between requests so a growing chat only prefills what is new."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -14,13 +16,14 @@ from justfit import blas
 from justfit.config import EngineConfig, SamplingParams
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.generate import ProgressFn, decode, prefill
-from justfit.gguf_import import RequantOptions
+from justfit.gguf_import import RequantOptions, cache_root
 from justfit.memory import MemoryReport, memory_report, parse_size
-from justfit.models import load
+from justfit.models import LoadedModel, load
 from justfit.planner import Footprint, attention_shape, footprint
 from justfit.stops import StopMatcher
 import kvexec
-from phaseswap import materialize_dense
+from phaseswap import PhaseStats, PhaseSwap
+from phaseswap.policy import Policy, get_policy
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -42,6 +45,7 @@ class GenerationStats:
     decode_s: float = 0.0
     finish_reason: str | None = None
     memory: MemoryReport | None = None
+    phases: list[PhaseStats] = field(default_factory=list)
 
     @property
     def prefill_tps(self) -> float:
@@ -86,12 +90,10 @@ class Engine:
         if budget is not None:
             self.config.budget_bytes = parse_size(budget)
         opts = RequantOptions(bits=self.config.gguf_bits, embed_bits=self.config.gguf_embed_bits)
-        loaded = load(model, opts)
+        loaded = load(model, opts, lazy=True)  # PhaseSwap reads it one component at a time
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.name, self.path = loaded.name, loaded.path
-        self.compute = self._compute_mode()
-        if self.compute == "dense":
-            materialize_dense(self.model, mx.float32)
+        self.policy: Policy = get_policy(self.config.policy)
         if self.config.kv is not None:
             kvexec.install(self.model)
             head_dim = attention_shape(self.model, self.model_config)[2]
@@ -99,13 +101,19 @@ class Engine:
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.blas = blas.active_blas()
+        budget = self.config.budget_bytes
+        weight_limit = None
+        if budget is not None:
+            _set_metal_limits(budget)
+            # What the smallest request needs besides weights; the rest may hold weights.
+            need = self._footprint(1, 0, 0)
+            weight_limit = budget - need.total
+            if weight_limit <= 0:
+                raise BudgetExceeded(need.total, budget, 0, need.positions)
+        self.swap = PhaseSwap(self.model, self.policy, _stream_dir(loaded, self.policy), weight_limit)
+        self.swap.registry.strict = budget is not None  # give freed memory back at once
         self._conv = _Conversation()
         self.last_stats: GenerationStats | None = None
-
-    def _compute_mode(self) -> str:
-        if self.config.compute != "auto":
-            return self.config.compute
-        return "quantized" if mx.default_device() == mx.gpu else "dense"
 
     # -- prompts ---------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -123,23 +131,41 @@ class Engine:
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
     # -- planning --------------------------------------------------------------
-    def footprint(self, positions: int) -> Footprint:
+    def _footprint(self, positions: int, weights: int | None, working: int) -> Footprint:
         return footprint(self.model, self.model_config, positions, self.config.prefill_chunk,
-                         self.config.kv)
+                         self.config.kv, weights, working, 4 if self.policy.fp32 else 2)
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse, before any work, what the context or the budget cannot hold."""
+    def footprint(self, positions: int, streamed: tuple[str, ...] = ()) -> Footprint:
+        """Memory for `positions` retained positions with `streamed` components on disk."""
+        reg = self.swap.registry
+        weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in streamed)
+        return self._footprint(positions, weights, self.swap.working_bytes(streamed))
+
+    def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
+        """The fewest components to stream from disk so `positions` fit the budget, and
+        the footprint with them streamed (the last tried, when nothing fits)."""
+        order = self.swap.offload_order()
+        budget = self.config.budget_bytes
+        for k in range(len(order) + 1):
+            fp = self.footprint(positions, tuple(order[:k]))
+            if budget is None or fp.total <= budget:
+                return tuple(order[:k]), fp
+        return tuple(order), fp
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> tuple[str, ...]:
+        """Refuse, before any work, what the context or the budget cannot hold; return
+        the components the request must stream from disk to fit."""
         if prompt_tokens + max_tokens > self.context_limit:
             raise ContextTooLong(prompt_tokens, max_tokens, self.context_limit)
         retain = self.config.kv.max_positions if self.config.kv is not None else None
         if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
             raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
+        positions = prompt_tokens + max_tokens
+        streamed, fp = self.plan(positions)
         budget = self.config.budget_bytes
-        if budget is not None:
-            positions = prompt_tokens + max_tokens
-            fp = self.footprint(positions)
-            if fp.total > budget:
-                raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
+        if budget is not None and fp.total > budget:
+            raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
+        return streamed
 
     # -- conversation state ------------------------------------------------------
     def new_cache(self) -> list:
@@ -189,9 +215,9 @@ class Engine:
         tokens = self.encode(prompt)
         if not tokens:
             raise ValueError("empty prompt")
-        self.check_fits(len(tokens), sp.max_tokens)
+        streamed = self.check_fits(len(tokens), sp.max_tokens)
+        self.swap.stream(streamed)
         stats = GenerationStats(prompt_tokens=len(tokens))
-        mx.reset_peak_memory()
         if sp.seed is not None:
             mx.random.seed(sp.seed)
         try:
@@ -200,7 +226,7 @@ class Engine:
             self._check_state()  # e.g. Ctrl-C between a cache update and its record
             raise
         finally:
-            stats.memory = memory_report(self.model, self._conv.cache)
+            stats.memory = self._memory(stats)
             self.last_stats = stats
 
     def _run(self, tokens: list[int], sp: SamplingParams, stats: GenerationStats,
@@ -214,16 +240,30 @@ class Engine:
             stats.finish_reason = "length"
             yield Chunk("", finish_reason="length", stats=stats)
             return
-        start = time.perf_counter()
         wrapped = (lambda done, total: progress(cached + done, len(tokens))) if progress else None
-        logits = prefill(self.model, tokens[cached:], conv.cache, self.config.prefill_chunk,
-                         wrapped, record)
-        stats.prefill_s = time.perf_counter() - start
+        with self.swap.phase("prefill") as phase:
+            stats.phases.append(phase)
+            logits = prefill(self.model, tokens[cached:], conv.cache, self.config.prefill_chunk,
+                             wrapped, record)
+        stats.prefill_s = phase.seconds
         sampler = make_sampler(sp.temperature, sp.top_p, sp.min_p, top_k=sp.top_k)
         processors = make_logits_processors(
             repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
             repetition_context_size=sp.repetition_context,
         )
+        with self.swap.phase("decode") as phase:
+            stats.phases.append(phase)
+            tail = yield from self._decode(logits, tokens, sp, stats, sampler, processors, record)
+        stats.memory = self._memory(stats)  # the last chunk carries complete stats
+        yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
+
+    def _memory(self, stats: GenerationStats) -> MemoryReport:
+        peak = max([p.peak_bytes for p in stats.phases] + [mx.get_peak_memory()])
+        return memory_report(self.swap.registry.resident_bytes(), self._conv.cache, peak)
+
+    def _decode(self, logits, tokens, sp, stats, sampler, processors, record):
+        """Yield a chunk per token; return the text held back at the end."""
+        conv = self._conv
         detok = self.tokenizer.detokenizer
         detok.reset()
         stops = StopMatcher(sp.stop)
@@ -248,8 +288,28 @@ class Engine:
         tail = stops.flush(detok.last_segment) if reason == "length" else ""
         stats.decode_s = time.perf_counter() - start
         stats.finish_reason = reason
-        yield Chunk(tail, finish_reason=reason, stats=stats)
+        return tail
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
         """The whole reply as one string."""
         return "".join(c.text for c in self.generate(prompt, sampling))
+
+
+def _stream_dir(loaded: LoadedModel, policy: Policy) -> Path:
+    """Where streamed components of this model, in this policy's form, are kept."""
+    source = f"{loaded.path or loaded.name}"
+    if loaded.path is not None:
+        files = sorted(loaded.path.glob("*.safetensors"))
+        source += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    key = hashlib.sha256(f"{source}|{policy.resident}|{policy.fp32}".encode()).hexdigest()[:16]
+    return cache_root() / "stream" / key
+
+
+def _set_metal_limits(budget: int) -> None:
+    """On Metal, make MLX itself hold to the budget; the CPU backend has no such knobs
+    worth setting (its allocations are plain process memory, accounted by the planner)."""
+    if mx.default_device() != mx.gpu or not mx.metal.is_available():
+        return
+    mx.set_memory_limit(budget)
+    mx.set_cache_limit(budget // 8)
+    mx.set_wired_limit(min(budget, mx.metal.device_info().get("max_recommended_working_set_size", budget)))

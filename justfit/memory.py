@@ -74,9 +74,12 @@ class MemoryReport:
                 f"MLX peak {format_size(self.mlx_peak)}, process peak {format_size(self.rss_peak)}")
 
 
-def memory_report(model: nn.Module, cache: list | None = None) -> MemoryReport:
-    weights, kv = weight_bytes(model), cache_bytes(cache)
-    peak = mx.get_peak_memory()
+def memory_report(weights: nn.Module | int, cache: list | None = None,
+                  peak: int | None = None) -> MemoryReport:
+    """`weights`: a model (all its parameters count) or the bytes resident."""
+    weights = weights if isinstance(weights, int) else weight_bytes(weights)
+    kv = cache_bytes(cache)
+    peak = mx.get_peak_memory() if peak is None else peak
     return MemoryReport(
         weights=weights, kv=kv, mlx_active=mx.get_active_memory(), mlx_peak=peak,
         transient_peak=max(0, peak - weights - kv), rss=rss_bytes(), rss_peak=peak_rss_bytes(),

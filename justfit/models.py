@@ -75,12 +75,14 @@ def resolve(spec: str | None, opts: RequantOptions | None = None) -> str | Path:
     return spec  # a Hugging Face id; mlx-lm downloads it
 
 
-def load(spec: str | None = None, opts: RequantOptions | None = None) -> LoadedModel:
+def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool = False) -> LoadedModel:
+    """Load a model; `lazy` leaves the weights unread until first evaluated (PhaseSwap
+    then converts them one component at a time)."""
     from mlx_lm.utils import load as mlx_lm_load
 
     target = resolve(spec, opts)
     try:
-        model, tokenizer, config = mlx_lm_load(str(target), return_config=True)
+        model, tokenizer, config = mlx_lm_load(str(target), return_config=True, lazy=lazy)
     except ValueError as e:
         if "not supported" in str(e):
             raise UnsupportedModel(str(e)) from e

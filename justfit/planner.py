@@ -1,10 +1,11 @@
 """What a request will need in memory, before it runs.
 
-A first-order model: resident weights + KV bytes per retained position (pages in their
-format, the hot window and sinks in full precision; sliding-window layers stop at their
-window) + the largest transient of one prefill chunk: attention scores over one KVExec
-block (over the whole context with mlx-lm's own cache), MLP activations, and the
-last position's logits.
+A first-order model: resident weights + the largest working copy a PhaseSwap lease adds
+(a layer materialized dense, a streamed layer read from disk) + KV bytes per retained
+position (pages in their format, the hot window and sinks in full precision;
+sliding-window layers stop at their window) + the largest transient of one prefill
+chunk: attention scores over one KVExec block (over the whole context with mlx-lm's own
+cache), MLP activations, and the last position's logits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvexec import KVConfig, get_format
 @dataclass(frozen=True)
 class _Shape:
     weights: int
+    working: int
     full_layers: int  # layers whose KV grows with every position
     windows: tuple[int, ...]  # window size of each sliding layer
     state_bytes: int  # constant per-sequence state (recurrent layers)
@@ -41,13 +43,14 @@ class _Shape:
 class Footprint:
     positions: int
     weights: int
+    working: int
     kv: int
     transient: int
     shape: _Shape
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.transient
+        return self.weights + self.working + self.kv + self.transient
 
     def max_positions(self, budget: int) -> int:
         """Largest position count whose footprint fits `budget` (0 if none)."""
@@ -60,7 +63,7 @@ class Footprint:
         return lo
 
     def as_dict(self) -> dict[str, int]:
-        return {"positions": self.positions, "weights": self.weights, "kv": self.kv,
+        return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
                 "transient": self.transient, "total": self.total}
 
 
@@ -81,7 +84,7 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     hidden = chunk * s.hidden * 4 * s.act_bytes
     logits = s.vocab * 4
     transient = scores + blocks + mlp + hidden + logits
-    return Footprint(positions, s.weights, int(kv) + s.state_bytes, int(transient), s)
+    return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s)
 
 
 def _arg_reader(model: nn.Module, config: dict):
@@ -102,12 +105,15 @@ def attention_shape(model: nn.Module, config: dict) -> tuple[int, int, int]:
 
 
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
-              kv: KVConfig | None = None) -> Footprint:
-    """What `positions` retained positions need; `kv` None means mlx-lm's own cache."""
+              kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
+              act_bytes: int | None = None) -> Footprint:
+    """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
+    `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
+    largest lease; `act_bytes` the activation width (4 for fp32 compute)."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
-    act_bytes = 4 if _is_fp32(model) else 2
+    act_bytes = act_bytes or (4 if _is_fp32(model) else 2)
     full, windows, state = 0, [], 0
     for c in make_prompt_cache(model):
         if isinstance(c, RotatingKVCache):
@@ -124,7 +130,7 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
         full_tokens, block = kv.sink_tokens + kv.hot_window + kv.page_size, kv.block_tokens
         retain = kv.max_positions
     shape = _Shape(
-        weights=weight_bytes(model), full_layers=full, windows=tuple(windows), state_bytes=state,
+        weights=weight_bytes(model) if weights is None else weights, working=working, full_layers=full, windows=tuple(windows), state_bytes=state,
         kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
         intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),

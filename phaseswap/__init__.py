@@ -1,9 +1,15 @@
-"""PhaseSwap: per-phase weight residency and just-in-time materialization.
+"""PhaseSwap: per-phase weight residency, just-in-time materialization, layer streaming.
 
-Today: whole-model dense materialization for the CPU backend (`materialize_dense`).
-Per-layer leases, phase plans and layer streaming are the PhaseSwap issue's work.
+`PhaseSwap` (phases.py) is the public face: built from a model and a named policy, it
+converts every component to its resident form, runs prefill and decode phases with
+the leases each needs, moves layers to disk when the budget asks, and reports what
+each phase cost.
 """
 
-from phaseswap.materialize import dense_bytes, materialize_dense
+from phaseswap.forms import TransposedQuantizedLinear, dense_bytes, materialize_dense
+from phaseswap.phases import PhaseStats, PhaseSwap
+from phaseswap.policy import POLICIES, Policy, default_policy
+from phaseswap.registry import Component, Registry, Residency
 
-__all__ = ["dense_bytes", "materialize_dense"]
+__all__ = ["POLICIES", "Component", "PhaseStats", "PhaseSwap", "Policy", "Registry", "Residency",
+           "TransposedQuantizedLinear", "default_policy", "dense_bytes", "materialize_dense"]

@@ -232,7 +232,7 @@ def test_stats_command(engine):
     s.run()
     report = err.getvalue()
     assert "last request: none yet" in report
-    assert f"BLAS {engine.blas}" in report and f"compute {engine.compute}" in report
+    assert f"BLAS {engine.blas}" in report and f"policy {engine.policy.name}" in report
     assert f"last request: {engine.last_stats.summary()}" in report
     assert "memory: weights" in report and "MLX peak" in report
     assert f"of {engine.context_limit} context" in report

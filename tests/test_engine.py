@@ -39,7 +39,7 @@ def test_stream_ends_with_stats(llama):
     assert st.prompt_tokens == len(llama.encode("the cat sat on"))
     assert 1 <= st.generated_tokens <= 5
     assert st.prefill_s > 0 and st.memory.weights > 0 and st.memory.mlx_peak >= st.memory.weights
-    assert llama.compute == "dense" and st.memory.rss_peak > 0
+    assert llama.policy.name == "cpu" and st.memory.rss_peak > 0
 
 
 def test_conversation_state_is_reused_and_exact(llama, tiny_llama_dir):
@@ -130,15 +130,17 @@ def test_planner_max_positions_is_tight(llama):
     assert llama.footprint(n).total <= budget < llama.footprint(n + 1).total
 
 
-def test_dense_and_quantized_compute_agree(tmp_path):
+@pytest.mark.parametrize("policy", ["cpu", "cpu-exact", "quantized", "measured"])
+def test_policies_compute_the_same_function(tmp_path, policy):
     path = write_mlx_folder(tmp_path / "q8", "llama", seed=3, quantize_bits=8)
-    dense = Engine(str(path), config=EngineConfig(compute="dense"))
-    quant = Engine(str(path), config=EngineConfig(compute="quantized"))
-    assert dense.compute == "dense" and quant.compute == "quantized"
-    assert dense.footprint(1).weights > quant.footprint(1).weights
+    dense = Engine(str(path), config=EngineConfig(policy="dense"))
+    other = Engine(str(path), config=EngineConfig(policy=policy))
+    assert dense.policy.name == "dense" and other.policy.name == policy
+    assert dense.footprint(1).weights > other.footprint(1).weights
     tokens = dense.encode("agree on this")
     a = dense.model(mx.array(tokens)[None])[0, -1]
-    b = quant.model(mx.array(tokens)[None])[0, -1].astype(mx.float32)
+    with other.swap.phase("prefill"):
+        b = other.model(mx.array(tokens)[None])[0, -1].astype(mx.float32)
     assert mx.allclose(a, b, atol=0.05 * float(mx.abs(a).max()))
 
 

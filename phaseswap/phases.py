@@ -1,0 +1,170 @@
+"""Phases: prefill and decode run with the leases their policy asks for, and each
+reports its time, peak memory and the bytes it materialized, released and read."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from phaseswap.policy import Policy, get_policy
+from phaseswap.registry import Registry, Residency
+
+
+@dataclass
+class PhaseStats:
+    name: str
+    seconds: float = 0.0
+    peak_bytes: int = 0  # MLX peak memory during the phase
+    materialized_bytes: int = 0
+    released_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_loads: int = 0
+    resident_components: int = 0
+    streamed_components: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_HOOKED: dict[type, type] = {}
+
+
+def _hooked_class(cls: type) -> type:
+    """A subclass whose calls go through the owning PhaseSwap (the class is swapped
+    on the instance, so parameter paths and everything else stay the model's own)."""
+    if cls not in _HOOKED:
+        def __call__(self, *args, **kwargs):
+            swap, name = self.__dict__["_phaseswap"]
+            return swap._call(name, self, cls.__call__, args, kwargs)
+
+        _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _HOOKED[cls]
+
+
+def _hook(module: nn.Module, swap: "PhaseSwap", name: str) -> None:
+    base = type(module)
+    if base in _HOOKED.values():
+        base = base.__mro__[1]
+    module.__class__ = _hooked_class(base)
+    object.__setattr__(module, "_phaseswap", (swap, name))
+
+
+class PhaseSwap:
+    """A model's components under one policy, run phase by phase."""
+
+    def __init__(self, model: nn.Module, policy: Policy | str | None = None,
+                 stream_dir: Path | None = None, weight_limit: int | None = None,
+                 probe_tokens: int = 256):
+        self.policy = policy if isinstance(policy, Policy) else get_policy(policy)
+        self.registry = Registry.build(model, self.policy.resident, mx.float32 if self.policy.fp32 else None,
+                                       stream_dir, weight_limit=weight_limit)
+        layers = self.registry.layers
+        if self.policy.prefill == "measured":
+            self.prefill_forms = measure_prefill_forms(self.registry, probe_tokens)
+        else:
+            form = "dense" if self.policy.prefill == "dense" else "resident"
+            self.prefill_forms = {name: form for name in layers}
+        self._forms: dict[str, str] = {}
+        self.history: list[PhaseStats] = []
+        for name, comp in self.registry.components.items():
+            if comp.kind != "embed":
+                _hook(comp.module, self, name)
+
+    # -- running ---------------------------------------------------------------------
+    def _call(self, name: str, module: nn.Module, base_call: Callable, args: tuple, kwargs: dict):
+        form = self._forms.get(name, "resident")
+        if form == "resident" and self.registry.components[name].state != Residency.DISK:
+            return base_call(module, *args, **kwargs)
+        with self.registry.lease(name, form) as leased:
+            out = base_call(module, *args, **kwargs) if leased is module else leased(*args, **kwargs)
+            # Evaluate now: the lease ends below and its arrays must not be needed later.
+            cache = kwargs.get("cache", args[2] if len(args) > 2 else None)
+            state = [v for _, v in tree_flatten(getattr(cache, "state", None) or [])
+                     if isinstance(v, mx.array)]
+            mx.eval(out, state)
+        return out
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[PhaseStats]:
+        """Run the block as phase `name` ("prefill" or "decode")."""
+        self._forms = dict(self.prefill_forms) if name == "prefill" else {}
+        stats = PhaseStats(name)
+        before = self.registry.counters.snapshot()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        try:
+            yield stats
+        finally:
+            self._forms = {}
+            delta = self.registry.counters.since(before)
+            states = self.registry.states().values()
+            stats.seconds = time.perf_counter() - start
+            stats.peak_bytes = mx.get_peak_memory()
+            stats.materialized_bytes, stats.released_bytes = delta.materialized_bytes, delta.released_bytes
+            stats.disk_read_bytes, stats.disk_loads = delta.disk_read_bytes, delta.disk_loads
+            stats.streamed_components = sum(s == Residency.DISK.value for s in states)
+            stats.resident_components = len(states) - stats.streamed_components
+            self.history.append(stats)
+            del self.history[:-16]
+
+    # -- memory ----------------------------------------------------------------------
+    def stream(self, names: tuple[str, ...] | list[str]) -> None:
+        """Keep exactly `names` on disk; everything else resident."""
+        for name, comp in self.registry.components.items():
+            if name in names:
+                self.registry.offload(name)
+            elif comp.state == Residency.DISK:
+                self.registry.restore(name)
+
+    @property
+    def streamed(self) -> tuple[str, ...]:
+        return tuple(n for n, c in self.registry.components.items() if c.state == Residency.DISK)
+
+    def offload_order(self) -> list[str]:
+        """Which components go to disk first when the budget is short: the last
+        layers, then the head. The embedding stays (a lookup reads a few rows)."""
+        return self.registry.layers[::-1] + (["head"] if "head" in self.registry.components else [])
+
+    def working_bytes(self, streamed: tuple[str, ...] | list[str] = ()) -> int:
+        """Largest transient a lease adds: a dense working copy, a streamed component."""
+        worst = 0
+        for name, comp in self.registry.components.items():
+            dense = comp.dense_nbytes if self.prefill_forms.get(name) == "dense" else 0
+            worst = max(worst, dense + (comp.nbytes if name in streamed else 0))
+        return worst
+
+
+def measure_prefill_forms(registry: Registry, tokens: int) -> dict[str, str]:
+    """Time each distinct layer shape on a probe chunk, resident vs dense; keep the faster."""
+    forms: dict[str, str] = {}
+    timed: dict[tuple, str] = {}
+    for name in registry.layers:
+        comp = registry.components[name]
+        key = tuple((k, v.shape, v.dtype) for k, v in tree_flatten(comp.module.parameters()))
+        if key not in timed:
+            hidden = _hidden_size(comp.module)
+            x = mx.random.normal((1, tokens, hidden)).astype(mx.float32 if registry.resident_form != "stored" else mx.float16)
+            cost = {}
+            for form in ("resident", "dense"):
+                with registry.lease(name, form) as mod:
+                    mx.eval(mod(x, None, None))  # warm
+                    start = time.perf_counter()
+                    mx.eval(mod(x, None, None))
+                    cost[form] = time.perf_counter() - start
+            timed[key] = min(cost, key=cost.get)
+        forms[name] = timed[key]
+    return forms
+
+
+def _hidden_size(layer: nn.Module) -> int:
+    for _, mod in layer.named_modules():
+        if isinstance(mod, nn.RMSNorm) or isinstance(mod, nn.LayerNorm):
+            return mod.weight.shape[0]
+    raise ValueError("cannot tell the layer's hidden size")

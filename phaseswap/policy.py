@@ -1,0 +1,45 @@
+"""Named policies: which form each phase uses. The choice between backends lives
+here, not in model code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    resident: str  # the form components keep between phases: q8t | stored | dense
+    prefill: str  # how prefill runs each layer: dense (materialized just in time) | resident | measured
+    fp32: bool  # cast float parameters to fp32 (CPU: fp16 activations are ~40x slower)
+    summary: str
+
+
+POLICIES = {p.name: p for p in (
+    Policy("cpu", "q8t", "dense", True,
+           "decode on q8t weights (8-bit, [in,out] layout: MLX's fastest CPU matvec); prefill "
+           "materializes each layer in fp32 just in time for a BLAS GEMM and releases it"),
+    Policy("cpu-exact", "stored", "dense", True,
+           "the stored quantization bit for bit in every phase; prefill dense just in time; "
+           "decode on the stored layout (slower CPU matvec)"),
+    Policy("dense", "dense", "resident", True,
+           "every weight resident in fp32: no per-chunk dequantization, 4-8x the memory"),
+    Policy("quantized", "stored", "resident", False,
+           "stored quantized weights in every phase (Metal's quantized kernels)"),
+    Policy("measured", "stored", "measured", False,
+           "stored weights; per layer shape, prefill uses dense or stored, whichever a probe "
+           "chunk measured faster"),
+)}
+
+
+def default_policy() -> str:
+    return "quantized" if mx.default_device() == mx.gpu else "cpu"
+
+
+def get_policy(name: str | None) -> Policy:
+    name = default_policy() if name in (None, "auto") else name
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose auto or one of {', '.join(POLICIES)}")
+    return POLICIES[name]

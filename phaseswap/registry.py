@@ -1,0 +1,222 @@
+"""Components of a model, their residency, and leases on them.
+
+A component is the input embedding, one transformer layer, or the output head. It is
+*resident* in its compact form, *materialized* while a lease holds a working copy in
+another form (dense fp32 for prefill on CPU), or on *disk* when the budget cannot keep
+it: its arrays are then unevaluated `mx.load` handles, read only while a lease is held
+and dropped again at release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
+                             set_module, to_dense, to_q8t)
+
+RESIDENT_FORMS = ("q8t", "stored", "dense")
+
+
+class Residency(str, Enum):
+    DISK = "disk"
+    RESIDENT = "resident"
+    MATERIALIZED = "materialized"
+
+
+@dataclass
+class Component:
+    name: str  # "embed", "layer.3", "head"
+    kind: str  # "embed" | "layer" | "head"
+    root: nn.Module  # the module whose `scope` children hold this component
+    scope: str  # path under root of the component's module
+    state: Residency = Residency.RESIDENT
+    disk: Path | None = None  # its arrays in resident form, written on first offload
+    nbytes: int = 0  # resident bytes
+    dense_nbytes: int = 0  # bytes of its dense working copy
+
+    @property
+    def module(self) -> nn.Module:
+        return get_module(self.root, self.scope)
+
+    def linears(self) -> list[str]:
+        mod = self.module
+        return [p for p, m in mod.named_modules() if is_linear(m) and p] or ([""] if is_linear(mod) else [])
+
+
+@dataclass
+class Counters:
+    materialized_bytes: int = 0
+    released_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_loads: int = 0
+
+    def snapshot(self) -> "Counters":
+        return Counters(**vars(self))
+
+    def since(self, before: "Counters") -> "Counters":
+        return Counters(**{k: v - getattr(before, k) for k, v in vars(self).items()})
+
+
+def _body(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list) \
+            and isinstance(getattr(inner, "embed_tokens", None), nn.Module):
+        return inner
+    raise ValueError(f"{type(model).__name__}: PhaseSwap needs model.model.{{embed_tokens, layers}}")
+
+
+@dataclass
+class Registry:
+    """The components of one model and the memory they hold."""
+
+    model: nn.Module
+    resident_form: str
+    stream_dir: Path | None = None
+    components: dict[str, Component] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)
+    strict: bool = False  # return freed memory to the OS after every release (tight budgets)
+
+    @classmethod
+    def build(cls, model: nn.Module, resident_form: str = "stored", dtype: mx.Dtype | None = None,
+              stream_dir: Path | None = None, weight_limit: int | None = None) -> "Registry":
+        """Register `model`'s components and convert each to `resident_form` (float
+        parameters cast to `dtype` when given), one at a time so a lazily loaded model
+        never holds two forms of more than one component. Past `weight_limit` resident
+        bytes, each further layer goes to disk as soon as it is converted."""
+        if resident_form not in RESIDENT_FORMS:
+            raise ValueError(f"resident form must be one of {RESIDENT_FORMS}, not {resident_form!r}")
+        reg = cls(model, resident_form, stream_dir)
+        body = _body(model)
+        comps = [Component("embed", "embed", body, "embed_tokens")]
+        comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i in range(len(body.layers))]
+        if isinstance(getattr(model, "lm_head", None), nn.Module):
+            comps.append(Component("head", "head", model, "lm_head"))
+        elif resident_form == "q8t" and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
+            # tied: the head gets its own decode form (in _convert)
+            body.embed_tokens = TiedEmbedding(body.embed_tokens, body.embed_tokens)
+            comps[0].scope = "embed_tokens.lookup"
+            comps.append(Component("head", "head", body, "embed_tokens.head"))
+        for comp in comps:
+            reg.components[comp.name] = comp
+            reg._convert(comp, dtype)
+            if weight_limit is not None and comp.kind == "layer" and reg.resident_bytes() > weight_limit:
+                reg.offload(comp.name)
+        return reg
+
+    def _convert(self, comp: Component, dtype: mx.Dtype | None) -> None:
+        form = self.resident_form
+        if comp.kind == "head" and not is_linear(comp.module):  # a tied embedding
+            self._swap(comp, "", to_q8t(_cast(comp.module, dtype)))
+        elif form == "dense" and comp.kind == "embed":
+            self._swap(comp, "", to_dense(comp.module))
+        elif form != "stored" and comp.kind != "embed":
+            convert = to_q8t if form == "q8t" else to_dense
+            for path in comp.linears():
+                self._swap(comp, path, convert(get_module(comp.module, path)))
+        _cast(comp.module, dtype)
+        mx.eval(comp.module.parameters())
+        comp.nbytes = module_bytes(comp.module)
+        comp.dense_nbytes = sum(dense_bytes(get_module(comp.module, p)) for p in comp.linears())
+
+    @staticmethod
+    def _swap(comp: Component, path: str, module: nn.Module) -> None:
+        if path:
+            set_module(comp.module, path, module)
+        else:
+            set_module(comp.root, comp.scope, module)
+
+    # -- accounting ------------------------------------------------------------------
+    @property
+    def layers(self) -> list[str]:
+        return [n for n, c in self.components.items() if c.kind == "layer"]
+
+    def resident_bytes(self) -> int:
+        """Bytes held now by components not on disk (leased working copies excluded)."""
+        return sum(c.nbytes for c in self.components.values() if c.state != Residency.DISK)
+
+    def total_bytes(self) -> int:
+        return sum(c.nbytes for c in self.components.values())
+
+    def states(self) -> dict[str, str]:
+        return {n: c.state.value for n, c in self.components.items()}
+
+    # -- disk ------------------------------------------------------------------------
+    def offload(self, name: str) -> None:
+        """Keep `name` on disk: its arrays become lazy handles on its stream file."""
+        comp = self.components[name]
+        if comp.state == Residency.DISK:
+            return
+        if self.stream_dir is None:
+            raise ValueError("layer streaming needs a stream directory")
+        if comp.disk is None or not comp.disk.exists():
+            self.stream_dir.mkdir(parents=True, exist_ok=True)
+            comp.disk = self.stream_dir / f"{name}.safetensors"
+            tmp = comp.disk.with_suffix(".tmp.safetensors")
+            mx.save_safetensors(str(tmp), dict(tree_flatten(comp.module.parameters())))
+            tmp.replace(comp.disk)
+        self._point_at_disk(comp)
+        comp.state = Residency.DISK
+        mx.clear_cache()
+
+    def restore(self, name: str) -> None:
+        """Bring `name` back to stay resident."""
+        comp = self.components[name]
+        if comp.state != Residency.DISK:
+            return
+        mx.eval(comp.module.parameters())
+        self.counters.disk_read_bytes += comp.nbytes
+        self.counters.disk_loads += 1
+        comp.state = Residency.RESIDENT
+
+    def _point_at_disk(self, comp: Component) -> None:
+        handles = mx.load(str(comp.disk))  # lazy: nothing is read until evaluated
+        comp.module.update(tree_unflatten(list(handles.items())), strict=False)
+
+    # -- leases ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease(self, name: str, form: str = "resident") -> Iterator[nn.Module]:
+        """Hold `name` usable in `form` ("resident" or "dense") for the block. The
+        caller evaluates what it computes before the block ends: release drops the
+        working copy (and a streamed component's arrays) at once."""
+        comp = self.components[name]
+        streamed = comp.state == Residency.DISK
+        stash: list[tuple[str, nn.Module]] = []
+        if form == "dense":
+            for path in comp.linears():
+                mod = get_module(comp.module, path)
+                stash.append((path, mod))
+                self._swap(comp, path, to_dense(mod))
+            comp.state = Residency.MATERIALIZED
+            self.counters.materialized_bytes += comp.dense_nbytes
+        elif form != "resident":
+            raise ValueError(f"lease form must be resident or dense, not {form!r}")
+        try:
+            yield comp.module
+        finally:
+            for path, mod in stash:
+                self._swap(comp, path, mod)
+            if stash:
+                self.counters.released_bytes += comp.dense_nbytes
+            if streamed:
+                self.counters.disk_read_bytes += comp.nbytes
+                self.counters.disk_loads += 1
+                self._point_at_disk(comp)
+                comp.state = Residency.DISK
+            else:
+                comp.state = Residency.RESIDENT
+            if self.strict and (stash or streamed):
+                mx.clear_cache()
+
+
+def _cast(module: nn.Module, dtype: mx.Dtype | None) -> nn.Module:
+    if dtype is not None:
+        module.apply(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a)
+    return module
