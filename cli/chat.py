@@ -326,7 +326,9 @@ class ChatSession:
 @common.budget_option
 @common.gguf_bits_option
 @common.kv_format_option
-def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits, kv_format) -> None:
+@common.policy_option
+def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits, kv_format,
+         policy) -> None:
     """Chat with a model.
 
     In a terminal: an interactive session (/help lists its commands). With stdin
@@ -344,7 +346,7 @@ def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits,
             raise common.UserError("nothing to answer: stdin was empty")
     if interactive and stderr.isatty():
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
-    engine = common.load_engine(model, budget, gguf_bits, kv_format)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy)
     session = ChatSession(engine, tty_reader() if interactive else [], stdout, stderr,
                           sampling=sampling, system=system, progress=stderr.isatty(),
                           show_stats=interactive, catch_interrupt=interactive)

@@ -69,12 +69,26 @@ kv_format_option = click.option(
 )
 
 
+def _policies() -> list[str]:
+    from phaseswap import POLICIES
+
+    return ["auto", *POLICIES]
+
+
+policy_option = click.option(
+    "--policy", type=click.Choice(_policies()), default="auto", show_default=True,
+    help="PhaseSwap policy: cpu (8-bit decode weights, dense prefill just in time), "
+         "cpu-exact, dense, quantized (Metal), measured; auto picks by backend.",
+)
+
+
 def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",
-                kv_format: str = "q8c"):
+                kv_format: str = "q8c", policy: str = "auto"):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig
     from kvexec import KVConfig
 
     kv = None if kv_format == "none" else KVConfig(format=kv_format)
-    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits, kv=kv))
+    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits, kv=kv,
+                                                                        policy=policy))

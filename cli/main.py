@@ -17,6 +17,7 @@ from justfit.errors import JustFitError
 COMMANDS: dict[str, str] = {
     "chat": "cli.chat:chat",
     "bench": "cli.bench:bench",
+    "fit": "cli.fit:fit",
 }
 
 # What the engine raises for problems the user can act on: its own errors, a model

@@ -22,6 +22,7 @@ from justfit.models import LoadedModel, load
 from justfit.planner import Footprint, attention_shape, footprint
 from justfit.stops import StopMatcher
 import kvexec
+from kvexec import KVConfig
 from phaseswap import PhaseStats, PhaseSwap
 from phaseswap.policy import Policy, get_policy
 
@@ -130,16 +131,29 @@ class Engine:
         out = self.tokenizer.apply_chat_template(messages, **kwargs)
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
-    # -- planning --------------------------------------------------------------
-    def _footprint(self, positions: int, weights: int | None, working: int) -> Footprint:
-        return footprint(self.model, self.model_config, positions, self.config.prefill_chunk,
-                         self.config.kv, weights, working, 4 if self.policy.fp32 else 2)
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head_dim)."""
+        return attention_shape(self.model, self.model_config)
 
-    def footprint(self, positions: int, streamed: tuple[str, ...] = ()) -> Footprint:
-        """Memory for `positions` retained positions with `streamed` components on disk."""
+    def stored_bytes(self) -> int:
+        """Size of the model's weight files on disk (0 when not a local folder)."""
+        return sum(f.stat().st_size for f in self.path.glob("*.safetensors")) if self.path else 0
+
+    # -- planning --------------------------------------------------------------
+    def _footprint(self, positions: int, weights: int | None, working: int,
+                   kv: KVConfig | None | str = "engine") -> Footprint:
+        return footprint(self.model, self.model_config, positions, self.config.prefill_chunk,
+                         self.config.kv if kv == "engine" else kv, weights, working,
+                         4 if self.policy.fp32 else 2)
+
+    def footprint(self, positions: int, streamed: tuple[str, ...] = (),
+                  kv: KVConfig | None | str = "engine") -> Footprint:
+        """Memory for `positions` retained positions with `streamed` components on disk;
+        `kv` another KV configuration (None: mlx-lm's own cache) for comparisons."""
         reg = self.swap.registry
         weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in streamed)
-        return self._footprint(positions, weights, self.swap.working_bytes(streamed))
+        return self._footprint(positions, weights, self.swap.working_bytes(streamed), kv)
 
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """The fewest components to stream from disk so `positions` fit the budget, and

@@ -18,6 +18,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from justfit.memory import tree_bytes, weight_bytes
 from kvexec import KVConfig, get_format
 
+# Allocator slack and small temporaries the terms below do not model, as a share of them.
+RESERVE = 0.05
+
 
 @dataclass(frozen=True)
 class _Shape:
@@ -50,7 +53,11 @@ class Footprint:
 
     @property
     def total(self) -> int:
-        return self.weights + self.working + self.kv + self.transient
+        return self.weights + self.working + self.kv + self.transient + self.reserve
+
+    @property
+    def reserve(self) -> int:
+        return int(RESERVE * (self.weights + self.working + self.kv + self.transient))
 
     def max_positions(self, budget: int) -> int:
         """Largest position count whose footprint fits `budget` (0 if none)."""
@@ -64,7 +71,7 @@ class Footprint:
 
     def as_dict(self) -> dict[str, int]:
         return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
-                "transient": self.transient, "total": self.total}
+                "transient": self.transient, "reserve": self.reserve, "total": self.total}
 
 
 def _layer_kv(s: _Shape, held: int) -> float:

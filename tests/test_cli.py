@@ -42,7 +42,7 @@ def loads(engine, monkeypatch) -> list:
     (model, budget) each command asked for."""
     calls: list = []
 
-    def load(model, budget, gguf_bits="native", kv_format="q8c"):
+    def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto"):
         calls.append((model, budget))
         monkeypatch.setattr(engine.config, "budget_bytes", budget)
         return engine

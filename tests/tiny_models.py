@@ -237,9 +237,11 @@ def reference_model(ref: dict[str, np.ndarray]):
     return model
 
 
-def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quantize_bits: int | None = None) -> Path:
+def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quantize_bits: int | None = None,
+                     layers: int | None = None, vocab_size: int | None = None) -> Path:
     """A tiny random mlx-lm model folder (llama or gemma3_text) with a byte-level
-    tokenizer and chat template, loadable by mlx-lm and the engine."""
+    tokenizer and chat template, loadable by mlx-lm and the engine. `vocab_size` may
+    pad the embedding past the tokenizer (as real models do)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -253,7 +255,7 @@ def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quant
             "tokenizer.ggml.merges": v["merges"], "tokenizer.ggml.bos_token_id": v["bos"],
             "tokenizer.ggml.eos_token_id": v["eos"], "tokenizer.chat_template": CHAT_TEMPLATE,
             "context_length": 512}
-    n_vocab = len(v["tokens"])
+    n_vocab = vocab_size or len(v["tokens"])
     if model_type == "llama":
         config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -265,6 +267,8 @@ def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quant
                       vocab_size=n_vocab, rope_theta=10000.0, rope_local_base_freq=10000.0,
                       query_pre_attn_scalar=32, sliding_window=16, sliding_window_pattern=6,
                       max_position_embeddings=512)
+    if layers:
+        config["num_hidden_layers"] = layers
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

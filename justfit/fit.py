@@ -1,0 +1,102 @@
+"""`justfit fit`: what a model needs, and how much context fits a budget, before running."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from justfit.memory import format_size
+from kvexec import FORMATS, KVConfig, get_format
+
+
+def fit_report(engine, budget: int, context: int | None = None) -> dict:
+    """Weights, bytes per position and maximum retained positions for every KV format,
+    resident and with layers streamed, and the plan for a request of `context` positions."""
+    swap, reg = engine.swap, engine.swap.registry
+    every_layer = tuple(swap.offload_order())
+    _, heads_kv, head_dim = engine.kv_shape
+    base = engine.config.kv
+    rows = []
+    for name in [*FORMATS, None]:
+        if name is not None and not get_format(name).supports_head_dim(head_dim):
+            continue
+        kv = None if name is None else replace(base or KVConfig(), format=name)
+        probe = engine.footprint(1, kv=kv)
+        rows.append({
+            "format": name or "mlx-lm",
+            "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
+            "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
+            "max_positions": probe.max_positions(budget),
+            "max_positions_streaming": engine.footprint(1, every_layer, kv).max_positions(budget),
+        })
+    report = {
+        "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
+        "budget": budget, "context_limit": engine.context_limit,
+        "weights": {"resident": reg.total_bytes(),
+                    "by_kind": {k: sum(c.nbytes for c in reg.components.values() if c.kind == k)
+                                for k in ("embed", "layer", "head")},
+                    "largest_working_copy": swap.working_bytes(),
+                    "stored_on_disk": engine.stored_bytes()},
+        "kv_format": base.format if base else "mlx-lm",
+        "formats": rows,
+    }
+    if context is not None:
+        saved = engine.config.budget_bytes
+        engine.config.budget_bytes = budget
+        try:
+            streamed, fp = engine.plan(context)
+        finally:
+            engine.config.budget_bytes = saved
+        report["plan"] = {
+            "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
+            "streamed": list(streamed), "footprint": fp.as_dict(),
+            "prefill": _forms(swap.prefill_forms), "decode": f"resident {reg.resident_form}",
+        }
+    return report
+
+
+def _forms(forms: dict[str, str]) -> str:
+    kinds = sorted(set(forms.values()))
+    if kinds == ["dense"]:
+        return "each layer materialized dense (fp32) just in time, released after its chunk"
+    if kinds == ["resident"]:
+        return "resident weights"
+    return ", ".join(f"{n}: {f}" for n, f in forms.items())
+
+
+def format_fit(r: dict) -> str:
+    w = r["weights"]
+    lines = [
+        f"model {r['model']} · policy {r['policy']} · budget {format_size(r['budget'])} · "
+        f"trained context {r['context_limit']}",
+        f"  policy: {r['policy_summary']}",
+        f"weights resident {format_size(w['resident'])} (embedding {format_size(w['by_kind']['embed'])}, "
+        f"layers {format_size(w['by_kind']['layer'])}, head {format_size(w['by_kind']['head'])}); "
+        f"stored {format_size(w['stored_on_disk'])}; largest working copy {format_size(w['largest_working_copy'])}",
+        "",
+        f"{'KV format':<10} {'bytes/pos':>10} {'transient':>11} {'max positions':>14} {'streaming layers':>17}",
+    ]
+    for row in r["formats"]:
+        mark = " *" if row["format"] == r["kv_format"] else ""
+        lines.append(f"{row['format']:<10} {row['bytes_per_position']:>10.0f} "
+                     f"{format_size(row['transient_bound']):>11} {row['max_positions']:>14,} "
+                     f"{row['max_positions_streaming']:>17,}{mark}")
+    lines.append("(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
+                 "transient at the trained context; positions past it need a model that extrapolates)")
+    plan = r.get("plan")
+    if plan:
+        fp = plan["footprint"]
+        verdict = "fits" if plan["fits"] else "does NOT fit"
+        lines += ["", f"plan for {plan['positions']:,} positions: {verdict} "
+                  f"({format_size(fp['total'])} of {format_size(r['budget'])})",
+                  f"  weights {format_size(fp['weights'])} + working copy {format_size(fp['working'])} + "
+                  f"KV {format_size(fp['kv'])} + transient {format_size(fp['transient'])} + "
+                  f"reserve {format_size(fp['reserve'])}",
+                  f"  prefill: {plan['prefill']}; decode: {plan['decode']}",
+                  f"  streamed from disk: {_names(plan['streamed'])}"]
+    return "\n".join(lines)
+
+
+def _names(streamed: list[str]) -> str:
+    layers = sorted(int(n.split(".")[1]) for n in streamed if n.startswith("layer."))
+    parts = [f"{len(layers)} layers ({layers[0]}-{layers[-1]})"] if layers else []
+    return ", ".join(parts + [n for n in streamed if not n.startswith("layer.")]) or "nothing"
