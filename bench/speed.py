@@ -3,7 +3,7 @@ process on the same prompt tokens.
 
     python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
 
-Systems: `justfit` (engine defaults: dense fp32 on CPU, OpenBLAS), `mlx-lm` (stock
+Systems: `justfit` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS), `mlx-lm` (stock
 `generate_step` on the same converted model, as a user runs it: the wheel's own BLAS)
 and `mlx-lm+openblas` (stock, with OpenBLAS preloaded, to separate the two effects).
 """

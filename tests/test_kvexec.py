@@ -56,6 +56,32 @@ def test_fp32_pages_match_reference_attention(window, heads):
         assert store.pages > 3
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_online_fold_matches_reference_for_few_rows(window, monkeypatch):
+    # Decode normally takes the two-pass path; past TWO_PASS_SCORES the online fold.
+    import kvexec.attention
+
+    monkeypatch.setattr(kvexec.attention, "TWO_PASS_SCORES", 0)
+    store = PageStore(KVConfig(format="fp32", **SMALL), window)
+    sinks = mx.array(np.linspace(-1, 2, 9).astype(np.float32))
+    assert _run(store, CHUNKS, 9, sinks) < 1e-4
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_numpy_softmax_step_matches_reference(window, monkeypatch):
+    # On CPU, score blocks past EVAL_EVERY_BLOCK take numpy's exp, written in place.
+    import kvexec.attention
+
+    monkeypatch.setattr(kvexec.attention, "EVAL_EVERY_BLOCK", 1)
+    monkeypatch.setattr(kvexec.attention, "TWO_PASS_SCORES", 0)
+    calls = []
+    original = kvexec.attention._softmax_step_numpy
+    monkeypatch.setattr(kvexec.attention, "_softmax_step_numpy", lambda s, m: calls.append(1) or original(s, m))
+    store = PageStore(KVConfig(format="q8", **SMALL), window)
+    assert _run(store, [70, 1, 33, 120], 9, rel=True) < BOUNDS["q8"]
+    assert calls if mx.default_device() == mx.cpu else not calls
+
+
 def test_attention_sinks_logit():
     sinks = mx.array(np.linspace(-1, 2, 9).astype(np.float32))
     store = PageStore(KVConfig(format="fp32", **SMALL))

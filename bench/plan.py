@@ -1,0 +1,112 @@
+"""The planner against measurement: predicted peak memory vs the MLX peak measured while
+a real request runs, per KV format and length; and a generation under a budget below
+the weights, which must stream layers and still match the resident run token for token.
+
+    python -m bench.plan peaks --model smollm2 --formats q8c,q4c,fp16 --contexts 1024,2048,4096
+    python -m bench.plan stream --model smollm2 --budget 150MiB --context 1024
+
+Each measurement runs in its own process so peaks do not mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DECODE = 8
+
+
+def _engine(model: str, fmt: str, budget: str | None = None):
+    from justfit import Engine
+    from justfit.config import EngineConfig
+    from kvexec import KVConfig
+
+    kv = None if fmt == "mlx-lm" else KVConfig(format=fmt)
+    return Engine(model, budget=budget, config=EngineConfig(kv=kv))
+
+
+def _generate(engine, context: int) -> tuple[list[int], object]:
+    from bench.common import prompt_tokens
+    from justfit import SamplingParams
+
+    tokens = prompt_tokens(engine.tokenizer, context - DECODE)
+    sp = SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True)
+    out = [c.token for c in engine.generate(tokens, sp) if c.token is not None]
+    return out, engine.last_stats
+
+
+def peak_worker(model: str, fmt: str, context: int) -> dict:
+    import mlx.core as mx
+
+    engine = _engine(model, fmt)
+    predicted = engine.footprint(context)
+    _, stats = _generate(engine, context)
+    measured = max(mx.get_peak_memory(), stats.memory.mlx_peak)
+    return {"model": model, "format": fmt, "context": context, "predicted": predicted.total,
+            "predicted_terms": predicted.as_dict(), "measured_mlx_peak": measured,
+            "error": (predicted.total - measured) / measured,
+            "phases": [p.as_dict() for p in stats.phases]}
+
+
+def stream_worker(model: str, budget: str, context: int) -> dict:
+    import mlx.core as mx
+
+    from justfit.memory import parse_size
+
+    free = _engine(model, "q8c")
+    expected, free_stats = _generate(free, context)
+    weights = free.swap.registry.total_bytes()
+    del free
+    mx.clear_cache()
+    tight = _engine(model, "q8c", budget)
+    streamed, predicted = tight.plan(context)
+    got, stats = _generate(tight, context)
+    prefill, decode = stats.phases
+    return {"model": model, "budget": parse_size(budget), "weights": weights, "context": context,
+            "streamed": list(streamed), "predicted": predicted.total,
+            "measured_mlx_peak": stats.memory.mlx_peak, "token_identical": got == expected,
+            "resident_prefill_tps": free_stats.prefill_tps, "resident_decode_tps": free_stats.decode_tps,
+            "streamed_prefill_tps": stats.prefill_tps, "streamed_decode_tps": stats.decode_tps,
+            "disk_read_bytes": prefill.disk_read_bytes + decode.disk_read_bytes,
+            "phases": [p.as_dict() for p in stats.phases]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        kind, model, arg, context = argv[1:]
+        fn = peak_worker if kind == "peaks" else stream_worker
+        print(json.dumps(fn(model, arg, int(context))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("peaks")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--formats", default="q8c,q4c,fp16")
+    p.add_argument("--contexts", default="1024,2048,4096")
+    s = sub.add_parser("stream")
+    s.add_argument("--model", default="smollm2")
+    s.add_argument("--budget", default="150MiB")
+    s.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args(argv)
+
+    from bench.common import machine_info, run_worker, save
+
+    rows = []
+    if args.what == "peaks":
+        for fmt in args.formats.split(","):
+            for context in [int(c) for c in args.contexts.split(",")]:
+                rows.append(run_worker("bench.plan", ["peaks", args.model, fmt, str(context)], 3600))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "phases"}), file=sys.stderr, flush=True)
+    else:
+        rows.append(run_worker("bench.plan", ["stream", args.model, args.budget, str(args.context)], 3600))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    path = save(f"plan-{args.what}", {"machine": machine_info(), "rows": rows})
+    print(f"saved {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
