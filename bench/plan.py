@@ -38,6 +38,7 @@ def _generate(engine, context: int) -> tuple[list[int], object]:
 
 
 def peak_worker(model: str, fmt: str, context: int) -> dict:
+    import justfit  # noqa: F401  (OpenBLAS must load before mlx.core)
     import mlx.core as mx
 
     engine = _engine(model, fmt)
@@ -51,6 +52,7 @@ def peak_worker(model: str, fmt: str, context: int) -> dict:
 
 
 def stream_worker(model: str, budget: str, context: int) -> dict:
+    import justfit  # noqa: F401  (OpenBLAS must load before mlx.core)
     import mlx.core as mx
 
     from justfit.memory import parse_size

@@ -271,6 +271,7 @@ class ChatSession:
             lines.append(f"last request: {s.summary()}")
             if s.memory is not None:
                 lines.append(f"memory: {s.memory.summary()}")
+            lines += [f"phase {p.summary()}" for p in s.phases]
         return "\n".join(lines)
 
     def transcript(self) -> dict:

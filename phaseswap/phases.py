@@ -32,6 +32,17 @@ class PhaseStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> str:
+        mib = 2**20
+        text = (f"{self.name}: {self.seconds:.2f} s, MLX peak {self.peak_bytes / mib:.0f} MiB, "
+                f"{self.resident_components} components resident, {self.streamed_components} on disk")
+        if self.materialized_bytes:
+            text += (f", materialized {self.materialized_bytes / mib:.0f} MiB "
+                     f"(released {self.released_bytes / mib:.0f})")
+        if self.disk_loads:
+            text += f", read {self.disk_read_bytes / mib:.0f} MiB in {self.disk_loads} loads"
+        return text
+
 
 _HOOKED: dict[type, type] = {}
 

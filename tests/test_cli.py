@@ -235,6 +235,7 @@ def test_stats_command(engine):
     assert f"BLAS {engine.blas}" in report and f"policy {engine.policy.name}" in report
     assert f"last request: {engine.last_stats.summary()}" in report
     assert "memory: weights" in report and "MLX peak" in report
+    assert "phase prefill: " in report and "phase decode: " in report and "components resident" in report
     assert f"of {engine.context_limit} context" in report
 
 

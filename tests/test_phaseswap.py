@@ -168,3 +168,20 @@ def test_justfit_fit_reports_formats_and_plan(q8_dir):
     assert r["plan"]["positions"] == 300 and r["plan"]["footprint"]["total"] <= 64 * 2**20 and r["plan"]["fits"]
     text = runner.invoke(main, ["fit", "--model", str(q8_dir), "--budget", "300KiB", "--context", "500"]).output
     assert "does NOT fit" in text and "policy cpu" in text and "fp16" in text
+
+
+def test_smollm2_below_its_weights_streams_token_identically(smollm2_gguf):
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [{"role": "user", "content": "Name three colours."}]
+    free = Engine(str(smollm2_gguf))
+    expected = [c.token for c in free.generate(prompt, sp)]
+    weights = free.swap.registry.total_bytes()
+    del free
+    budget = int(weights * 0.9)  # weights + KV + transients cannot all stay resident
+    tight = Engine(str(smollm2_gguf), budget=budget)
+    chunks = list(tight.generate(prompt, sp))
+    assert [c.token for c in chunks] == expected
+    stats = chunks[-1].stats
+    # the first token comes from prefill; each later one reads every streamed layer once
+    assert tight.swap.streamed and stats.phases[1].disk_loads == 3 * len(tight.swap.streamed)
+    assert stats.memory.weights < budget
