@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -14,18 +14,16 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from phaseswap.policy import Policy, get_policy
-from phaseswap.registry import Registry, Residency
+from phaseswap.registry import Counters, Registry, Residency
 
 
 @dataclass
-class PhaseStats:
-    name: str
+class PhaseStats(Counters):
+    """What one phase cost: the registry's counters over the phase, and more."""
+
+    name: str = ""
     seconds: float = 0.0
     peak_bytes: int = 0  # MLX peak memory during the phase
-    materialized_bytes: int = 0
-    released_bytes: int = 0
-    disk_read_bytes: int = 0
-    disk_loads: int = 0
     resident_components: int = 0
     streamed_components: int = 0
 
@@ -70,6 +68,11 @@ def _hook(module: nn.Module, swap: "PhaseSwap", name: str) -> None:
 class PhaseSwap:
     """A model's components under one policy, run phase by phase."""
 
+    # Below this many tokens a layer runs on its resident form even where the phase
+    # asks for dense: dequantizing a layer costs ~8 rows of q8t matvec (bench: 0.9 ms
+    # to dequantize SmolLM2's MLP matrix, 0.12 ms per q8t row), e.g. prefill's last token.
+    dense_min_tokens = 8
+
     def __init__(self, model: nn.Module, policy: Policy | str | None = None,
                  stream_dir: Path | None = None, weight_limit: int | None = None,
                  probe_tokens: int = 256):
@@ -91,6 +94,8 @@ class PhaseSwap:
     # -- running ---------------------------------------------------------------------
     def _call(self, name: str, module: nn.Module, base_call: Callable, args: tuple, kwargs: dict):
         form = self._forms.get(name, "resident")
+        if form == "dense" and args and getattr(args[0], "ndim", 0) == 3 and args[0].shape[1] < self.dense_min_tokens:
+            form = "resident"
         if form == "resident" and self.registry.components[name].state != Residency.DISK:
             return base_call(module, *args, **kwargs)
         with self.registry.lease(name, form) as leased:
@@ -106,7 +111,7 @@ class PhaseSwap:
     def phase(self, name: str) -> Iterator[PhaseStats]:
         """Run the block as phase `name` ("prefill" or "decode")."""
         self._forms = dict(self.prefill_forms) if name == "prefill" else {}
-        stats = PhaseStats(name)
+        stats = PhaseStats(name=name)
         before = self.registry.counters.snapshot()
         mx.reset_peak_memory()
         start = time.perf_counter()
@@ -118,8 +123,8 @@ class PhaseSwap:
             states = self.registry.states().values()
             stats.seconds = time.perf_counter() - start
             stats.peak_bytes = mx.get_peak_memory()
-            stats.materialized_bytes, stats.released_bytes = delta.materialized_bytes, delta.released_bytes
-            stats.disk_read_bytes, stats.disk_loads = delta.disk_read_bytes, delta.disk_loads
+            for f in fields(Counters):
+                setattr(stats, f.name, getattr(delta, f.name))
             stats.streamed_components = sum(s == Residency.DISK.value for s in states)
             stats.resident_components = len(states) - stats.streamed_components
             self.history.append(stats)

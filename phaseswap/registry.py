@@ -53,6 +53,9 @@ class Component:
 
 @dataclass
 class Counters:
+    """Running totals of what leases moved: working copies made and dropped, and
+    streamed components read back from disk."""
+
     materialized_bytes: int = 0
     released_bytes: int = 0
     disk_read_bytes: int = 0
