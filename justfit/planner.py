@@ -17,9 +17,12 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
 from kvexec import KVConfig, get_format
+from kvexec.store import allocated_positions
 
-# Allocator slack and small temporaries the terms below do not model, as a share of them.
-RESERVE = 0.05
+# Allocator slack and small temporaries the terms below do not model: a share of them
+# plus a floor that matters only for tiny models (masks, RoPE tables, small arrays).
+RESERVE = 0.02
+RESERVE_FLOOR = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class _Shape:
     state_bytes: int  # constant per-sequence state (recurrent layers)
     kv_row: int  # bytes of K+V for one position in one layer, full precision
     page_row: float  # the same in the page format (== kv_row without KVExec)
-    full_tokens: int  # positions per layer held in full precision (sinks, hot window)
+    full_tokens: int  # positions per layer held in full precision (sinks, hot window + chunk)
+    page_tokens: int
     block_tokens: int | None  # KVExec: keys per attention block; None: whole context
     retain: int | None  # KVExec retention: positions kept per layer
     heads: int
@@ -57,7 +61,7 @@ class Footprint:
 
     @property
     def reserve(self) -> int:
-        return int(RESERVE * (self.weights + self.working + self.kv + self.transient))
+        return int(RESERVE * (self.weights + self.working + self.kv + self.transient)) + RESERVE_FLOOR
 
     def max_positions(self, budget: int) -> int:
         """Largest position count whose footprint fits `budget` (0 if none)."""
@@ -76,7 +80,10 @@ class Footprint:
 
 def _layer_kv(s: _Shape, held: int) -> float:
     full = min(held, s.full_tokens)
-    return full * s.kv_row + (held - full) * s.page_row
+    paged = held - full
+    if s.block_tokens is not None and paged:  # segments are allocated ahead of use
+        paged = allocated_positions(paged, s.page_tokens, s.block_tokens)
+    return full * s.kv_row + paged * s.page_row
 
 
 def _estimate(s: _Shape, positions: int) -> Footprint:
@@ -131,14 +138,16 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
             state += tree_bytes(getattr(c, "state", []))
     kv_row = 2 * kv_heads * head_dim * act_bytes
     if kv is None:
-        page_row, full_tokens, block, retain = kv_row, 0, None, None
+        page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
     else:
         page_row = get_format(kv.format).bytes_per_token(kv_heads, head_dim)
-        full_tokens, block = kv.sink_tokens + kv.hot_window + kv.page_size, kv.block_tokens
+        # The hot window's buffer also holds the last chunk appended until the next one.
+        full_tokens = kv.sink_tokens + kv.hot_window + kv.page_size + chunk
+        block, page = kv.block_tokens, kv.page_size
         retain = kv.max_positions
     shape = _Shape(
         weights=weight_bytes(model) if weights is None else weights, working=working, full_layers=full, windows=tuple(windows), state_bytes=state,
-        kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, block_tokens=block, retain=retain,
+        kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, page_tokens=page, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
         intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
         chunk=chunk, act_bytes=act_bytes,

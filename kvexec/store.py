@@ -45,6 +45,20 @@ class KVConfig:
             raise ValueError("block_tokens must be at least one page")
 
 
+def next_segment_capacity(held: int, page: int, limit: int) -> int:
+    """Capacity of the segment that follows `held` paged positions: doubling up to
+    `limit`, so a short context wastes little and a long one allocates rarely."""
+    return min(limit, max(page, held // page * page))
+
+
+def allocated_positions(paged: int, page: int, limit: int) -> int:
+    """Positions the segments holding `paged` positions have room for."""
+    held = 0
+    while held < paged:
+        held += next_segment_capacity(held, page, limit)
+    return held
+
+
 def _cat(a: mx.array | None, b: mx.array) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=-2)
 
@@ -124,8 +138,7 @@ class PageStore:
             seg = self.segments[-1] if self.segments else None
             if seg is None or seg.length + P > seg.capacity:
                 # Capacities double up to a block, so a short context wastes little.
-                held = sum(s.length for s in self.segments)
-                cap = min(self.segment_capacity, max(P, held // P * P))
+                cap = next_segment_capacity(sum(s.length for s in self.segments), P, self.segment_capacity)
                 lead, D = tuple(k.shape[:2]), k.shape[-1]
                 seg = Segment(start, cap, self.fmt.keys.allocate(lead, cap, D),
                               self.fmt.values.allocate(lead, cap, D))

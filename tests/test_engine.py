@@ -116,11 +116,17 @@ def test_context_limit_refused_before_work(llama):
 
 
 def test_budget_refused_with_numbers(tiny_llama_dir):
-    engine = Engine(str(tiny_llama_dir), budget="256KiB")
+    engine = Engine(str(tiny_llama_dir), budget="300KiB")
     with pytest.raises(BudgetExceeded) as err:
-        list(engine.generate("hello", SamplingParams(max_tokens=4)))
-    assert "budget 256.00 KiB" in str(err.value) and err.value.needed > err.value.budget
+        list(engine.generate("hello", SamplingParams(max_tokens=400)))
+    assert "budget 300.00 KiB" in str(err.value) and err.value.needed > err.value.budget
+    assert err.value.fits_positions < err.value.positions
     assert engine.cached_tokens == []
+
+
+def test_budget_below_the_smallest_request_is_refused_at_load(tiny_llama_dir):
+    with pytest.raises(BudgetExceeded, match="budget 64.00 KiB"):
+        Engine(str(tiny_llama_dir), budget="64KiB")
 
 
 def test_planner_max_positions_is_tight(llama):
