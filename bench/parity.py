@@ -2,6 +2,11 @@
 tokens, greedy continuations (matching prefix length) and LICENSE perplexity.
 
     python -m bench.parity [--gemma-bits exact]
+    python -m bench.parity --policy cpu     # through the engine, as served (PhaseSwap policy)
+
+Without --policy the imported weights are materialized dense (the import itself is
+measured); with it, greedy tokens come from Engine.generate and perplexity runs in the
+engine's prefill phase, so the policy's weight forms (cpu: q8t decode) are measured.
 """
 
 from __future__ import annotations
@@ -65,11 +70,36 @@ def load_dense(name: str, bits: int | str = "native"):
     return loaded
 
 
+def engine_row(name: str, policy: str, r: dict) -> dict:
+    import justfit  # noqa: F401
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+
+    engine = Engine(name, config=EngineConfig(policy=policy))
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    matches = []
+    for case in r["greedy"]:
+        engine.reset()
+        got = [c.token for c in engine.generate(case["prompt_tokens"], sp) if c.token is not None]
+        want = engine.tokenizer.encode(case["continuation_24"], add_special_tokens=False)
+        matches.append(matching_prefix(got, want))
+    with engine.swap.phase("prefill"):
+        ppl = license_perplexity(engine, r["add_bos"])
+    want = r["perplexity_license_c512"]["ppl"]
+    return {"model": name, "policy": policy, "greedy_matching_prefix_of_24": matches,
+            "ppl": round(ppl.ppl, 4), "ppl_llamacpp": want, "ppl_rel_diff": round(abs(ppl.ppl - want) / want, 4)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gemma-bits", default="native")
+    ap.add_argument("--policy", default=None, help="measure through the engine with this PhaseSwap policy")
     args = ap.parse_args(argv)
     ref = json.loads(REFERENCE.read_text())
+    if args.policy:
+        for name in ("smollm2", "gemma3"):
+            print(json.dumps(engine_row(name, args.policy, ref["models"][KEYS[name]])), flush=True)
+        return
     for name, bits in (("smollm2", "native"), ("gemma3", args.gemma_bits)):
         bits = bits if bits in ("exact", "native") else int(bits)
         loaded = load_dense(name, bits)

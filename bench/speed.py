@@ -3,7 +3,8 @@ process on the same prompt tokens.
 
     python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
 
-Systems: `justfit` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS), `mlx-lm` (stock
+Systems: `justfit` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS; `justfit@POLICY`
+for another PhaseSwap policy), `mlx-lm` (stock
 `generate_step` on the same converted model, as a user runs it: the wheel's own BLAS)
 and `mlx-lm+openblas` (stock, with OpenBLAS preloaded, to separate the two effects).
 """
@@ -26,10 +27,12 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
 
     from justfit.models import load as resolve_and_load
 
-    if system == "justfit":
+    if system.startswith("justfit"):  # "justfit" or "justfit@POLICY"
         from justfit import Engine, SamplingParams
+        from justfit.config import EngineConfig
 
-        engine = Engine(model)
+        policy = system.partition("@")[2] or "auto"
+        engine = Engine(model, config=EngineConfig(policy=policy))
         tokens = _prompt(engine.tokenizer, context)
         sp = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
         start = time.perf_counter()

@@ -21,9 +21,9 @@ POLICIES = {p.name: p for p in (
     Policy("cpu", "q8t", "dense", True,
            "decode on q8t weights (8-bit, [in,out] layout: MLX's fastest CPU matvec); prefill "
            "materializes each layer in fp32 just in time for a BLAS GEMM and releases it"),
-    Policy("cpu-exact", "stored", "dense", True,
-           "the stored quantization bit for bit in every phase; prefill dense just in time; "
-           "decode on the stored layout (slower CPU matvec)"),
+    Policy("cpu-exact", "grouped", "dense", True,
+           "the stored quantization exactly in every phase: decode on its integer grid "
+           "regrouped for MLX's fast CPU matvec (1.5 bytes/weight); prefill dense just in time"),
     Policy("dense", "dense", "resident", True,
            "every weight resident in fp32: no per-chunk dequantization, 4-8x the memory"),
     Policy("quantized", "stored", "resident", False,

@@ -20,9 +20,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
-                             set_module, to_dense, to_q8t)
+                             set_module, to_dense, to_grouped, to_q8t)
 
-RESIDENT_FORMS = ("q8t", "stored", "dense")
+RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense")
+CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense}
 
 
 class Residency(str, Enum):
@@ -102,7 +103,7 @@ class Registry:
         comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i in range(len(body.layers))]
         if isinstance(getattr(model, "lm_head", None), nn.Module):
             comps.append(Component("head", "head", model, "lm_head"))
-        elif resident_form == "q8t" and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
+        elif resident_form in ("q8t", "grouped") and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
             # tied: the head gets its own decode form (in _convert)
             body.embed_tokens = TiedEmbedding(body.embed_tokens, body.embed_tokens)
             comps[0].scope = "embed_tokens.lookup"
@@ -117,13 +118,12 @@ class Registry:
     def _convert(self, comp: Component, dtype: mx.Dtype | None) -> None:
         form = self.resident_form
         if comp.kind == "head" and not is_linear(comp.module):  # a tied embedding
-            self._swap(comp, "", to_q8t(_cast(comp.module, dtype)))
+            self._swap(comp, "", CONVERT[form](_cast(comp.module, dtype)))
         elif form == "dense" and comp.kind == "embed":
             self._swap(comp, "", to_dense(comp.module))
         elif form != "stored" and comp.kind != "embed":
-            convert = to_q8t if form == "q8t" else to_dense
             for path in comp.linears():
-                self._swap(comp, path, convert(get_module(comp.module, path)))
+                self._swap(comp, path, CONVERT[form](get_module(comp.module, path)))
         _cast(comp.module, dtype)
         mx.eval(comp.module.parameters())
         comp.nbytes = module_bytes(comp.module)

@@ -187,3 +187,22 @@ def test_smollm2_below_its_weights_streams_token_identically(smollm2_gguf):
     # the first token comes from prefill; each later one reads every streamed layer once
     assert tight.swap.streamed and stats.phases[1].disk_loads == 3 * len(tight.swap.streamed)
     assert stats.memory.weights < budget
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64)])
+def test_grouped_form_is_exact(bits, group):
+    from phaseswap.forms import GroupedQuantizedLinear, dense_weight, to_grouped
+    import mlx.nn as nn
+
+    mx.random.seed(bits + group)
+    lin = nn.QuantizedLinear(128, 96, bias=True, group_size=group, bits=bits)
+    lin.update({"bias": mx.random.normal((96,))})
+    lin.apply(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a)
+    grouped = to_grouped(lin)
+    assert isinstance(grouped, GroupedQuantizedLinear)
+    w = mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=group, bits=bits)
+    assert mx.allclose(dense_weight(grouped), w, rtol=0, atol=1e-6)  # the stored values, recovered
+    for rows in (1, 5):
+        x = mx.random.normal((2, rows, 128))
+        ref = x @ w.T + lin.bias
+        assert mx.allclose(grouped(x), ref, rtol=1e-5, atol=1e-5)
