@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-SUITES = ("blas", "kv", "parity", "plan", "quality", "speed")  # modules of bench/, each with main(argv)
+SUITES = ("blas", "kv", "parity", "plan", "quality", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -20,6 +20,7 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     quality  KV format fidelity: top-1, KL, perplexity, pass-key
     kv       KV transient, bytes per position, decode speed at a context
     plan     planner's predicted peak vs measured; a streamed run under a tight budget
+    state    time to first token from a snapshot vs cold prefill; snapshot size
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
     """

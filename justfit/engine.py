@@ -206,6 +206,22 @@ class Engine:
     def cached_tokens(self) -> list[int]:
         return list(self._conv.tokens)
 
+    def _set_conversation(self, cache: list, tokens: list[int]) -> None:
+        self._conv = _Conversation(cache=cache, tokens=list(tokens))
+
+    def save_state(self, path: str):
+        """Snapshot the conversation state (KV pages as stored, tokens) to `path`."""
+        from justfit.state_io import save_state
+
+        return save_state(self, path)
+
+    def load_state(self, path: str):
+        """Resume a snapshot: the next request extending its tokens prefills only what
+        is new. Raises statetrans.SnapshotError (state untouched) when it cannot."""
+        from justfit.state_io import load_state
+
+        return load_state(self, path)
+
     def _reuse(self, tokens: list[int]) -> int:
         """Keep the longest usable prefix of the conversation state; return its length."""
         conv = self._conv

@@ -1,0 +1,65 @@
+"""StateTrans: time to first token continuing a long conversation from a snapshot vs
+cold prefill, snapshot size vs the in-memory state, save/restore throughput.
+
+    python -m bench.state --model smollm2 --context 8192
+
+The conversation is `context` tokens of text; the follow-up is one more user turn.
+Cold: a fresh engine prefills conversation + follow-up. Warm: the conversation's state
+was saved to disk; a fresh engine loads it and prefills only the follow-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def run(model: str, context: int) -> dict:
+    import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    from bench.common import prompt_tokens
+    from justfit import Engine, SamplingParams
+
+    one = SamplingParams(temperature=0, max_tokens=1)
+    engine = Engine(model)
+    history = prompt_tokens(engine.tokenizer, context)
+    follow = list(engine.tokenizer.encode(" Now summarize the above in one sentence."))
+    start = time.perf_counter()
+    next(iter(engine.generate(history + follow, one)))
+    cold = time.perf_counter() - start
+
+    engine.reset()
+    list(engine.generate(history, one))  # the conversation so far, computed
+    path = os.path.join(tempfile.mkdtemp(), "conversation")
+    saved = engine.save_state(path)
+    warm_engine = Engine(model)
+    start = time.perf_counter()
+    loaded = warm_engine.load_state(path)
+    next(iter(warm_engine.generate(history + follow, one)))
+    warm = time.perf_counter() - start
+    return {"model": model, "context": context, "follow_up_tokens": len(follow),
+            "ttft_cold_s": cold, "ttft_from_snapshot_s": warm, "speedup": cold / warm,
+            "restore_s": loaded.seconds, "state_bytes": saved.state_bytes, "snapshot_bytes": saved.file_bytes,
+            "snapshot_over_state": saved.file_bytes / saved.state_bytes - 1,
+            "save_mb_s": saved.mb_per_s, "restore_mb_s": loaded.mb_per_s,
+            "cached_tokens": warm_engine.last_stats.cached_tokens}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--context", type=int, default=8192 - 64)
+    args = ap.parse_args(argv)
+    from bench.common import machine_info, save
+
+    row = run(args.model, args.context)
+    print(json.dumps(row), file=sys.stderr)
+    print(f"saved {save('state', {'machine': machine_info(), 'rows': [row]})}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

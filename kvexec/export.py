@@ -1,0 +1,57 @@
+"""A page store as plain arrays and JSON-able metadata, and back: what StateTrans
+saves. Pages stay in their compressed form; nothing is re-encoded."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import mlx.core as mx
+
+from kvexec.cache import PagedKVCache
+from kvexec.store import KVConfig, PageStore, Segment
+
+
+def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:
+    arrays: dict[str, mx.array] = {}
+    for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
+        a = getattr(store, name)
+        if a is not None:
+            arrays[name] = a
+    segments = []
+    for i, seg in enumerate(store.segments):
+        for side, parts in (("k", seg.keys), ("v", seg.values)):
+            for part, a in parts.items():
+                arrays[f"seg{i}.{side}.{part}"] = a
+        for bound in ("key_min", "key_max"):
+            if getattr(seg, bound) is not None:
+                arrays[f"seg{i}.{bound}"] = getattr(seg, bound)
+        segments.append({"start": seg.start, "capacity": seg.capacity, "length": seg.length,
+                         "score": seg.score, "keys": sorted(seg.keys), "values": sorted(seg.values)})
+    meta = {"config": asdict(store.config), "window": store.window, "offset": store.offset,
+            "pinned": store.pinned, "evicted": store.evicted, "segments": segments}
+    if store.config.max_positions is not None and store.config.policy == "random":
+        version, internal, gauss = store._rng.getstate()  # random eviction continues its sequence
+        meta["rng"] = [version, list(internal), gauss]
+    return arrays, meta
+
+
+def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
+    store = PageStore(KVConfig(**meta["config"]), meta["window"])
+    for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
+        setattr(store, name, arrays.get(name))
+    for i, s in enumerate(meta["segments"]):
+        seg = Segment(s["start"], s["capacity"], {p: arrays[f"seg{i}.k.{p}"] for p in s["keys"]},
+                      {p: arrays[f"seg{i}.v.{p}"] for p in s["values"]}, s["length"], s["score"],
+                      arrays.get(f"seg{i}.key_min"), arrays.get(f"seg{i}.key_max"))
+        store.segments.append(seg)
+    store.offset, store.pinned, store.evicted = meta["offset"], meta["pinned"], meta["evicted"]
+    if "rng" in meta:
+        version, internal, gauss = meta["rng"]
+        store._rng.setstate((version, tuple(internal), gauss))
+    return store
+
+
+def paged_cache_from_store(store: PageStore) -> PagedKVCache:
+    cache = PagedKVCache.__new__(PagedKVCache)
+    cache.store = store
+    return cache
