@@ -30,8 +30,10 @@ commands:
   /reset         forget the conversation
   /system [TEXT] show, or set, the system prompt (setting it starts over)
   /stats         last request's speed and memory, BLAS and PhaseSwap policy
-  /save FILE     write the conversation to FILE (JSON)
-  /load FILE     read a conversation saved with /save; the next turn continues it
+  /save NAME     save the conversation and its computed state to the folder NAME
+                 (NAME.json: the transcript only)
+  /load NAME     resume a conversation saved with /save: from its state, nothing is
+                 recomputed; from a transcript, the next turn prefills it
   /quit          leave (also Ctrl-D)
 input: end a line with \\ to continue it; a \"\"\" line opens a block closed by another.
 Ctrl-C stops a reply and keeps the session."""
@@ -232,26 +234,15 @@ class ChatSession:
                 self.notice("system prompt set; conversation cleared")
         elif name == "/stats":
             self.notice(self.stats_text())
-        elif name == "/save":
+        elif name in ("/save", "/load"):
+            verb = name[1:]
             if not arg:
-                self.error("usage: /save FILE")
-            else:
-                try:
-                    self.save(arg)
-                    self.notice(f"saved {len(self.messages)} messages to {arg}")
-                except OSError as e:
-                    self.error(f"cannot save {arg}: {common.one_line(e)}")
-        elif name == "/load":
-            if not arg:
-                self.error("usage: /load FILE")
-            else:
-                try:
-                    model = self.load(arg)
-                except (OSError, ValueError) as e:
-                    self.error(f"cannot load {arg}: {common.one_line(e)}")
-                else:
-                    note = f" (saved with model {model})" if model and model != self.engine.name else ""
-                    self.notice(f"loaded {len(self.messages)} messages from {arg}{note}")
+                self.error(f"usage: {name} NAME")
+                return True
+            try:
+                self.notice(self.save(arg) if verb == "save" else self.load_any(arg))
+            except (OSError, ValueError) as e:
+                self.error(f"cannot {verb} {arg}: {common.one_line(e)}")
         else:
             self.error(f"unknown command {name}; /help lists them")
         return True
@@ -277,15 +268,39 @@ class ChatSession:
     def transcript(self) -> dict:
         return {"model": self.engine.name, "system": self.system, "messages": self.messages}
 
-    def save(self, path: str | Path) -> None:
-        text = json.dumps(self.transcript(), indent=2, ensure_ascii=False)
-        Path(path).expanduser().write_text(text + "\n", encoding="utf-8")
+    def save(self, path: str | Path) -> str:
+        """A transcript to NAME.json, else the engine's state (with the transcript) to
+        the folder NAME; returns what was done, for the user."""
+        if str(path).endswith(".json"):
+            text = json.dumps(self.transcript(), indent=2, ensure_ascii=False)
+            Path(path).expanduser().write_text(text + "\n", encoding="utf-8")
+            return f"saved {len(self.messages)} messages to {path}"
+        info = self.engine.save_state(str(path), extra={"transcript": self.transcript()})
+        return (f"saved {len(self.messages)} messages and the state of {info.tokens} tokens to {path} "
+                f"({info.file_bytes / 2**20:.1f} MiB)")
+
+    def load_any(self, path: str | Path) -> str:
+        """Resume a state folder or read a transcript; returns what was done."""
+        if Path(path).expanduser().is_dir():
+            before = (self.system, self.messages)
+            info = self.engine.load_state(str(path))
+            try:
+                self._apply(info.extra.get("transcript"))
+            except ValueError:
+                self.system, self.messages = before
+                raise
+            return f"resumed {len(self.messages)} messages ({info.tokens} tokens of state) from {path}"
+        model = self.load(path)
+        note = f" (saved with model {model})" if model and model != self.engine.name else ""
+        return f"loaded {len(self.messages)} messages from {path}{note}"
 
     def load(self, path: str | Path) -> str | None:
-        """Replace the conversation with a saved one; returns the model it was saved with.
-        The engine's kept state is left alone: the next turn reuses whatever prefix
-        still matches and prefills the rest."""
-        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+        """Replace the conversation with a saved transcript; returns the model it was
+        saved with. The engine's kept state is left alone: the next turn reuses
+        whatever prefix still matches and prefills the rest."""
+        return self._apply(json.loads(Path(path).expanduser().read_text(encoding="utf-8")))
+
+    def _apply(self, data) -> str | None:
         if isinstance(data, list):
             data = {"messages": data}
         if not isinstance(data, dict) or not isinstance(data.get("messages"), list):

@@ -209,11 +209,12 @@ class Engine:
     def _set_conversation(self, cache: list, tokens: list[int]) -> None:
         self._conv = _Conversation(cache=cache, tokens=list(tokens))
 
-    def save_state(self, path: str):
-        """Snapshot the conversation state (KV pages as stored, tokens) to `path`."""
+    def save_state(self, path: str, extra: dict | None = None):
+        """Snapshot the conversation state (KV pages as stored, tokens) to `path`;
+        `extra` (JSON) rides along and comes back from load_state."""
         from justfit.state_io import save_state
 
-        return save_state(self, path)
+        return save_state(self, path, extra)
 
     def load_state(self, path: str):
         """Resume a snapshot: the next request extending its tokens prefills only what

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from statetrans import SnapshotError, capture, load_snapshot, rebuild, save_snapshot, state_bytes
@@ -18,6 +18,7 @@ class StateIO:
     state_bytes: int  # arrays as held in memory
     file_bytes: int  # on disk (arrays + manifest)
     seconds: float
+    extra: dict = field(default_factory=dict)  # what the saver attached (chat: the transcript)
 
     @property
     def mb_per_s(self) -> float:
@@ -40,14 +41,14 @@ def _kv(engine) -> dict | None:
     return asdict(engine.config.kv) if engine.config.kv is not None else None
 
 
-def save_state(engine, path: str) -> StateIO:
+def save_state(engine, path: str, extra: dict | None = None) -> StateIO:
     cache, tokens = engine._conv.cache, list(engine._conv.tokens)
     if cache is None or not tokens:
         raise ValueError("nothing to save: the conversation holds no state yet")
     start = time.perf_counter()
     arrays, layers = capture(cache)
     meta = {"model": model_identity(engine), "model_name": engine.name, "kv": _kv(engine),
-            "policy": engine.policy.name, "tokens": tokens, "layers": layers}
+            "policy": engine.policy.name, "tokens": tokens, "layers": layers, "extra": extra or {}}
     written = save_snapshot(path, arrays, meta)
     return StateIO(str(path), len(tokens), state_bytes(arrays), written, time.perf_counter() - start)
 
@@ -73,4 +74,5 @@ def load_state(engine, path: str) -> StateIO:
         raise SnapshotError(f"{path}: state does not match its tokens or this model's layers")
     engine._set_conversation(cache, tokens)
     return StateIO(str(path), len(tokens), state_bytes(arrays),
-                   sum(f.stat().st_size for f in Path(path).expanduser().iterdir()), time.perf_counter() - start)
+                   sum(f.stat().st_size for f in Path(path).expanduser().iterdir()), time.perf_counter() - start,
+                   manifest.get("extra") or {})

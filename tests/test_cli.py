@@ -259,17 +259,41 @@ def test_save_and_load_round_trip(engine, tmp_path):
     assert len(t.messages) == 4
 
 
+def test_save_and_load_state_resumes_without_recomputing(engine, tmp_path):
+    path = tmp_path / "chat-state"
+    s, out, err = session(engine, [QUESTION, f"/save {path}"], system="Be brief.")
+    s.run()
+    assert (path / "manifest.json").is_file() and "the state of" in err.getvalue()
+    kept = engine.cached_tokens
+    engine.reset()  # as in a new process
+
+    t, out2, err2 = session(engine, [f"/load {path}", "And of Germany?"])
+    t.handle(t.read_input())
+    assert t.system == "Be brief." and t.messages == s.messages
+    assert engine.cached_tokens == kept and f"resumed 2 messages ({len(kept)} tokens of state)" in err2.getvalue()
+    t.handle(t.read_input())
+    # Only the new turn was prefilled: everything before it came from the state.
+    assert engine.last_stats.cached_tokens >= len(kept) - 1
+    assert len(t.messages) == 4
+
+
 def test_bad_commands_keep_the_session(engine, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"messages": [{"role": "wizard", "content": "x"}]}')
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "manifest.json").write_text("{")
     s, out, err = session(engine, ["/frobnicate", f"/load {bad}", f"/load {tmp_path / 'nope'}",
-                                   "/save", "/help", "/quit", "never read"])
+                                   f"/load {damaged}", "/save", f"/save {tmp_path / 'st'}", "/help",
+                                   "/quit", "never read"])
     s.run()
     lines = err.getvalue().splitlines()
     assert "error: unknown command /frobnicate; /help lists them" in lines
     assert any(l.startswith(f"error: cannot load {bad}: message 0 needs a role") for l in lines)
     assert any(l.startswith(f"error: cannot load {tmp_path / 'nope'}:") for l in lines)
-    assert "error: usage: /save FILE" in lines
+    assert any(l.startswith(f"error: cannot load {damaged}: ") and "damaged manifest" in l for l in lines)
+    assert "error: usage: /save NAME" in lines
+    assert f"error: cannot save {tmp_path / 'st'}: nothing to save: the conversation holds no state yet" in lines
     assert any("/system [TEXT]" in l for l in lines)
     assert s.messages == [] and out.getvalue() == ""  # /quit stopped before "never read"
 
