@@ -135,3 +135,28 @@ def test_smollm2_snapshot_resumes_token_identically(smollm2_gguf, tmp_path):
     second.load_state(str(tmp_path / "smol"))
     rest = _tokens(second, second.encode(msgs) + head, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert head + rest == whole
+
+
+def test_finished_and_cancelled_requests_leak_no_memory(tiny_gemma3_dir):
+    import gc
+
+    def settled() -> int:
+        gc.collect()
+        mx.clear_cache()
+        return mx.get_active_memory()
+
+    engine = Engine(str(tiny_gemma3_dir), config=EngineConfig(prefill_chunk=16))
+    _tokens(engine, PROMPT, GREEDY)  # warm: lazy constants (RoPE tables, masks) exist now
+    engine.reset()
+    base = settled()
+    for _ in range(2):
+        _tokens(engine, PROMPT * 2, GREEDY)
+        assert engine.cached_tokens and settled() > base  # the kept state holds memory
+        engine.reset()
+        assert settled() == base
+    gen = engine.generate(PROMPT * 2, GREEDY)
+    next(gen), next(gen)
+    gen.close()  # a dropped client
+    assert len(engine.cached_tokens) == len(engine.encode(PROMPT * 2)) + 1
+    engine.reset()
+    assert settled() == base
