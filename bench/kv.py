@@ -72,7 +72,7 @@ def bytes_per_position(context: int) -> list[dict]:
     return rows
 
 
-def decode(context: int, formats: list[str], steps: int) -> list[dict]:
+def decode(context: int, formats: list[str], steps: int, policy: str = "auto") -> list[dict]:
     from mlx_lm.models.cache import make_prompt_cache
 
     import kvexec
@@ -87,7 +87,7 @@ def decode(context: int, formats: list[str], steps: int) -> list[dict]:
             model, dtype = load("smollm2").model, mx.float16
         else:
             kv = None if name == "justfit-mlx-lm-kv" else KVConfig(format=name)
-            model, dtype = Engine("smollm2", config=EngineConfig(kv=kv)).model, mx.float32
+            model, dtype = Engine("smollm2", config=EngineConfig(kv=kv, policy=policy)).model, mx.float32
         cache = kvexec.make_cache(model, KVConfig(format=name)) if name in FORMATS else make_prompt_cache(model)
         for c in cache:
             for start in range(0, context, 2048):
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--context", type=int, default=8192)
     d.add_argument("--formats", default="fp16,q8,q4")
     d.add_argument("--steps", type=int, default=16)
+    d.add_argument("--policy", default="auto", help="PhaseSwap policy of the JustFit rows")
     args = ap.parse_args(argv)
     from bench.common import machine_info, save
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "bytes":
         rows = bytes_per_position(args.context)
     else:
-        rows = decode(args.context, args.formats.split(","), args.steps)
+        rows = decode(args.context, args.formats.split(","), args.steps, args.policy)
     print("saved", save(f"kv-{args.what}", {"machine": machine_info(), "systems": rows}))
 
 
