@@ -18,7 +18,7 @@ from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.generate import ProgressFn, decode, prefill
 from justfit.gguf_import import RequantOptions, cache_root
 from justfit.memory import MemoryReport, memory_report, parse_size
-from justfit.models import LoadedModel, load
+from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import Footprint, attention_shape, footprint
 from justfit.stops import StopMatcher
 import kvexec
@@ -138,7 +138,7 @@ class Engine:
 
     def stored_bytes(self) -> int:
         """Size of the model's weight files on disk (0 when not a local folder)."""
-        return sum(f.stat().st_size for f in self.path.glob("*.safetensors")) if self.path else 0
+        return sum(f.stat().st_size for f in weight_files(self.path))
 
     # -- planning --------------------------------------------------------------
     def _footprint(self, positions: int, weights: int | None, working: int,
@@ -329,9 +329,7 @@ class Engine:
 def _stream_dir(loaded: LoadedModel, policy: Policy) -> Path:
     """Where streamed components of this model, in this policy's form, are kept."""
     source = f"{loaded.path or loaded.name}"
-    if loaded.path is not None:
-        files = sorted(loaded.path.glob("*.safetensors"))
-        source += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    source += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in weight_files(loaded.path))
     key = hashlib.sha256(f"{source}|{policy.resident}|{policy.fp32}".encode()).hexdigest()[:16]
     return cache_root() / "stream" / key
 

@@ -13,7 +13,7 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
     resident and with layers streamed, and the plan for a request of `context` positions."""
     swap, reg = engine.swap, engine.swap.registry
     every_layer = tuple(swap.offload_order())
-    _, heads_kv, head_dim = engine.kv_shape
+    head_dim = engine.kv_shape[2]
     base = engine.config.kv
     rows = []
     for name in [*FORMATS, None]:

@@ -75,6 +75,11 @@ def resolve(spec: str | None, opts: RequantOptions | None = None) -> str | Path:
     return spec  # a Hugging Face id; mlx-lm downloads it
 
 
+def weight_files(path: Path | None) -> list[Path]:
+    """A local model folder's weight files, sorted (none for a hub id)."""
+    return sorted(Path(path).glob("*.safetensors")) if path is not None else []
+
+
 def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool = False) -> LoadedModel:
     """Load a model; `lazy` leaves the weights unread until first evaluated (PhaseSwap
     then converts them one component at a time)."""

@@ -6,9 +6,10 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from statetrans import SnapshotError, capture, load_snapshot, rebuild, save_snapshot, state_bytes
+from justfit.models import weight_files
+from statetrans import (SnapshotError, capture, load_snapshot, rebuild, save_snapshot, snapshot_bytes,
+                        state_bytes)
 
 
 @dataclass
@@ -29,10 +30,9 @@ def model_identity(engine) -> str:
     """Hash of the model's config and weight files' names and sizes: a snapshot only
     continues on the model that computed it."""
     h = hashlib.sha256(json.dumps(engine.model_config, sort_keys=True, default=str).encode())
-    if engine.path is not None:
-        for f in sorted(Path(engine.path).glob("*.safetensors")):
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
-    else:
+    for f in weight_files(engine.path):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    if engine.path is None:
         h.update(str(engine.name).encode())
     return h.hexdigest()[:32]
 
@@ -73,6 +73,5 @@ def load_state(engine, path: str) -> StateIO:
     if len(cache) != len(engine.new_cache()) or any(getattr(c, "offset", len(tokens)) != len(tokens) for c in cache):
         raise SnapshotError(f"{path}: state does not match its tokens or this model's layers")
     engine._set_conversation(cache, tokens)
-    return StateIO(str(path), len(tokens), state_bytes(arrays),
-                   sum(f.stat().st_size for f in Path(path).expanduser().iterdir()), time.perf_counter() - start,
-                   manifest.get("extra") or {})
+    return StateIO(str(path), len(tokens), state_bytes(arrays), snapshot_bytes(path),
+                   time.perf_counter() - start, manifest.get("extra") or {})

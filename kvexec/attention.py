@@ -90,6 +90,20 @@ def _merged(blocks, rows: int, limit: int):
         yield flush()
 
 
+def _masked(s: mx.array, visible, rep: int, L: int) -> mx.array:
+    """Scores [B, kvh, rep * L, n] with invisible keys at -inf (`visible`: [L, n] or None)."""
+    if visible is None:
+        return s
+    B, kvh, _, n = s.shape
+    return mx.where(visible, s.reshape(B, kvh, rep, L, n), -mx.inf).reshape(s.shape)
+
+
+def _sink_logits(sinks: mx.array, B: int, kvh: int, rep: int, L: int) -> mx.array:
+    """The per-head sink logit as one score column, [B, kvh, rep * L, 1]."""
+    sink = sinks.astype(mx.float32).reshape(1, kvh, rep, 1, 1)
+    return mx.broadcast_to(sink, (B, kvh, rep, L, 1)).reshape(B, kvh, rep * L, 1)
+
+
 def _softmax_step(s: mx.array, m: mx.array):
     """Unnormalized block probabilities against the running max. (mx.compile with
     shapeless=True crashed MLX 0.32's CPU backend here; per-shape compiles would
@@ -157,8 +171,7 @@ def blockwise_attention(
             acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
         direct = rep * L <= DIRECT_ROWS
         s = block.fmt.keys.scores(q, block.keys) if direct else q @ block.fmt.keys.decode(block.keys).swapaxes(-1, -2)
-        if visible is not None:
-            s = mx.where(visible, s.reshape(B, kvh, rep, L, n), -mx.inf).reshape(s.shape)
+        s = _masked(s, visible, rep, L)
         big = s.size >= EVAL_EVERY_BLOCK
         step = _softmax_step_numpy if big and _on_cpu() else _softmax_step
         p, corr, m_new, m_safe = step(s, m)
@@ -175,8 +188,7 @@ def blockwise_attention(
         raise ValueError("no key is visible to these queries")
     if sinks is not None:  # a per-head logit that takes probability mass, no value
         kvh = acc.shape[1]
-        sink = sinks.astype(mx.float32).reshape(1, kvh, H // kvh, 1, 1)
-        sink = mx.broadcast_to(sink, (B, kvh, H // kvh, L, 1)).reshape(m.shape)
+        sink = _sink_logits(sinks, B, kvh, H // kvh, L)
         m_new = mx.maximum(m, sink)
         corr = mx.exp(m - m_new)
         l = l * corr + mx.exp(sink - m_new)
@@ -202,15 +214,12 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
         if visible is False:
             continue
         s = block.fmt.keys.scores(q, block.keys)
-        if visible is not None:
-            s = mx.where(visible, s.reshape(B, kvh, rep, L, block.length), -mx.inf).reshape(s.shape)
         used.append(block)
-        scores.append(s)
+        scores.append(_masked(s, visible, rep, L))
     if not used:
         raise ValueError("no key is visible to these queries")
     if sinks is not None:  # a per-head logit that takes probability mass, no value
-        sink = sinks.astype(mx.float32).reshape(1, kvh, rep, 1, 1)
-        scores.append(mx.broadcast_to(sink, (B, kvh, rep, L, 1)).reshape(B, kvh, rep * L, 1))
+        scores.append(_sink_logits(sinks, B, kvh, rep, L))
     p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
     out, offset = None, 0
     for block in used:

@@ -6,10 +6,10 @@ the leases each needs, moves layers to disk when the budget asks, and reports wh
 each phase cost.
 """
 
-from phaseswap.forms import TransposedQuantizedLinear, dense_bytes, materialize_dense
+from phaseswap.forms import GroupedQuantizedLinear, TransposedQuantizedLinear, materialize_dense
 from phaseswap.phases import PhaseStats, PhaseSwap
 from phaseswap.policy import POLICIES, Policy, default_policy
 from phaseswap.registry import Component, Registry, Residency
 
 __all__ = ["POLICIES", "Component", "PhaseStats", "PhaseSwap", "Policy", "Registry", "Residency",
-           "TransposedQuantizedLinear", "default_policy", "dense_bytes", "materialize_dense"]
+           "GroupedQuantizedLinear", "TransposedQuantizedLinear", "default_policy", "materialize_dense"]

@@ -86,7 +86,6 @@ class PhaseSwap:
             form = "dense" if self.policy.prefill == "dense" else "resident"
             self.prefill_forms = {name: form for name in layers}
         self._forms: dict[str, str] = {}
-        self.history: list[PhaseStats] = []
         for name, comp in self.registry.components.items():
             if comp.kind != "embed":
                 _hook(comp.module, self, name)
@@ -127,8 +126,6 @@ class PhaseSwap:
                 setattr(stats, f.name, getattr(delta, f.name))
             stats.streamed_components = sum(s == Residency.DISK.value for s in states)
             stats.resident_components = len(states) - stats.streamed_components
-            self.history.append(stats)
-            del self.history[:-16]
 
     # -- memory ----------------------------------------------------------------------
     def stream(self, names: tuple[str, ...] | list[str]) -> None:

@@ -64,7 +64,12 @@ def save_snapshot(path: str | os.PathLike, arrays: dict[str, mx.array], meta: di
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return sum(f.stat().st_size for f in dest.iterdir())
+    return snapshot_bytes(dest)
+
+
+def snapshot_bytes(path: str | os.PathLike) -> int:
+    """Bytes the snapshot at `path` takes on disk."""
+    return sum(f.stat().st_size for f in Path(path).expanduser().iterdir())
 
 
 def load_snapshot(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict]:
