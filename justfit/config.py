@@ -52,6 +52,13 @@ class EngineConfig:
     gguf_embed_bits: int = 8
     context_limit: int | None = None  # defaults to the model's trained context
     kv: KVConfig | None = field(default_factory=KVConfig)  # None: mlx-lm's own KV cache
+    # Stored states (prefix cache and sessions, statetrans.StateTiers): the memory tier
+    # holds at most state_memory bytes (None: a quarter of RAM; with a budget, also what
+    # the budget leaves) and spills to state_dir (None: $JUSTFIT_STATE_DIR or
+    # ~/.cache/justfit/state), whose anonymous states are kept to state_disk bytes.
+    state_memory: int | None = None
+    state_disk: int = 16 * 2**30
+    state_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -4,12 +4,14 @@ state is kept between requests so a growing chat only prefills what is new."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
+import psutil
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from justfit import blas
@@ -20,11 +22,13 @@ from justfit.gguf_import import RequantOptions, cache_root
 from justfit.memory import MemoryReport, memory_report, parse_size
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import Footprint, attention_shape, footprint
+from justfit.state_io import StateIO, export_state, import_state, state_identity
 from justfit.stops import StopMatcher
 import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseStats, PhaseSwap
 from phaseswap.policy import Policy, get_policy
+from statetrans import StateTiers
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -40,7 +44,9 @@ FALLBACK_TEMPLATE = (
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the kept conversation state
+    cached_tokens: int = 0  # prompt tokens served from a stored state
+    restored_from: str = ""  # where that state was: "memory", "disk" or "" (none)
+    restore_s: float = 0.0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -76,12 +82,6 @@ class Chunk:
     stats: GenerationStats | None = None
 
 
-@dataclass
-class _Conversation:
-    cache: list | None = None
-    tokens: list[int] = field(default_factory=list)  # exactly what `cache` holds
-
-
 class Engine:
     """A model behind a memory budget, generating from text, chat messages or tokens."""
 
@@ -113,7 +113,10 @@ class Engine:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
         self.swap = PhaseSwap(self.model, self.policy, _stream_dir(loaded, self.policy), weight_limit)
         self.swap.registry.strict = budget is not None  # give freed memory back at once
-        self._conv = _Conversation()
+        c = self.config
+        self.states = StateTiers(_state_dir(c.state_dir), state_identity(self), len(self.new_cache()),
+                                 c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
+                                 c.state_disk)
         self.last_stats: GenerationStats | None = None
 
     # -- prompts ---------------------------------------------------------------
@@ -191,82 +194,80 @@ class Engine:
         return kvexec.make_cache(self.model, self.config.kv)
 
     def reset(self) -> None:
-        """Forget the kept conversation state."""
-        self._conv = _Conversation()
+        """Forget the stored states of past requests (named sessions stay)."""
+        self.states.clear()
         self.last_stats = None
-
-    def _check_state(self) -> None:
-        """Drop the kept state if the cache holds other than exactly `tokens`."""
-        conv = self._conv
-        offsets = {getattr(c, "offset", len(conv.tokens)) for c in conv.cache or []}
-        if offsets - {len(conv.tokens)}:
-            self._conv = _Conversation()
 
     @property
     def cached_tokens(self) -> list[int]:
-        return list(self._conv.tokens)
+        """The tokens of the most recently stored state (the conversation so far)."""
+        return list(self.states.last.tokens) if self.states.last else []
 
-    def _set_conversation(self, cache: list, tokens: list[int]) -> None:
-        self._conv = _Conversation(cache=cache, tokens=list(tokens))
+    def save_state(self, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
+        """Snapshot a session's state (default: the most recent one) to `path`, KV
+        pages as stored; `extra` (JSON) rides along and comes back from load_state."""
+        return export_state(self, path, extra, session)
 
-    def save_state(self, path: str, extra: dict | None = None):
-        """Snapshot the conversation state (KV pages as stored, tokens) to `path`;
-        `extra` (JSON) rides along and comes back from load_state."""
-        from justfit.state_io import save_state
+    def load_state(self, path: str, session: str | None = None) -> StateIO:
+        """Resume a snapshot (as `session`, or as the latest conversation): the next
+        request extending its tokens prefills only what is new. Raises
+        statetrans.SnapshotError, with nothing changed, when it cannot."""
+        return import_state(self, path, session)
 
-        return save_state(self, path, extra)
+    def fork(self, source: str, name: str) -> None:
+        """Start session `name` from a copy of session `source`'s state."""
+        if source not in self.states.sessions:
+            raise KeyError(f"no session {source!r}")
+        self.states.fork(source, name)
 
-    def load_state(self, path: str):
-        """Resume a snapshot: the next request extending its tokens prefills only what
-        is new. Raises statetrans.SnapshotError (state untouched) when it cannot."""
-        from justfit.state_io import load_state
+    def drop_session(self, name: str) -> None:
+        self.states.drop(name)
 
-        return load_state(self, path)
+    def sessions(self) -> dict[str, int]:
+        """Named sessions and the positions each holds."""
+        return {n: len(self.states.entries[k].tokens) for n, k in self.states.sessions.items()}
 
-    def _reuse(self, tokens: list[int]) -> int:
-        """Keep the longest usable prefix of the conversation state; return its length."""
-        conv = self._conv
-        common = 0
-        limit = min(len(conv.tokens), len(tokens) - 1)  # always compute >= 1 token
-        while common < limit and conv.tokens[common] == tokens[common]:
-            common += 1
-        extra = len(conv.tokens) - common
-        if conv.cache is None or common == 0 or (extra and not kvexec.trim(conv.cache, extra)):
-            self._conv = _Conversation(cache=self.new_cache())
-            return 0
-        del conv.tokens[common:]
-        return common
+    def _state_allowance(self, request: Footprint) -> int | None:
+        """What the budget leaves for stored states while `request` runs."""
+        budget = self.config.budget_bytes
+        return None if budget is None else max(0, budget - request.total)
 
     # -- generation --------------------------------------------------------------
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                 progress: ProgressFn | None = None) -> Iterator[Chunk]:
-        """Stream the reply to `prompt`. Closing the iterator early cancels cleanly:
-        the kept state then holds exactly the tokens that were computed."""
+                 progress: ProgressFn | None = None, session: str | None = None) -> Iterator[Chunk]:
+        """Stream the reply to `prompt`, starting from the stored state sharing the
+        longest prefix with it (`session`'s own first). Closing the iterator early
+        cancels cleanly: the state stored then holds exactly the tokens computed."""
         sp = sampling or SamplingParams()
         tokens = self.encode(prompt)
         if not tokens:
             raise ValueError("empty prompt")
         streamed = self.check_fits(len(tokens), sp.max_tokens)
         self.swap.stream(streamed)
+        request = self.footprint(len(tokens) + sp.max_tokens, streamed)
         stats = GenerationStats(prompt_tokens=len(tokens))
-        if sp.seed is not None:
-            mx.random.seed(sp.seed)
+        reuse = self.states.take(tokens, session, self._state_allowance(request))
+        cache = reuse.cache if reuse.cache is not None else self.new_cache()
+        held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
+        stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
+        rng = {"seed": sp.seed, "step": 0} if sp.seed is not None else (
+            reuse.sampler or {"seed": int.from_bytes(os.urandom(4), "little"), "step": 0})
         try:
-            yield from self._run(tokens, sp, stats, progress)
-        except BaseException:
-            self._check_state()  # e.g. Ctrl-C between a cache update and its record
-            raise
+            yield from self._run(tokens, cache, held, rng, sp, stats, progress)
         finally:
-            stats.memory = self._memory(stats)
+            # Also on cancel or error: what was computed is stored, once evaluated
+            # (StateTiers.put), unless an interrupt left the cache and tokens apart.
+            if held and all(getattr(c, "offset", len(held)) == len(held) for c in cache):
+                self.states.put(held, cache, session, rng)
+            self.states.fit(self._state_allowance(self.footprint(1, self.swap.streamed)))
+            stats.memory = self._memory(stats, cache)
             self.last_stats = stats
 
-    def _run(self, tokens: list[int], sp: SamplingParams, stats: GenerationStats,
-             progress: ProgressFn | None) -> Iterator[Chunk]:
-        cached = self._reuse(tokens)
-        stats.cached_tokens = cached
-        conv = self._conv
-        kvexec.pin(conv.cache, len(tokens))  # retention never evicts the prompt
-        record: Callable[[list[int]], None] = conv.tokens.extend
+    def _run(self, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
+             stats: GenerationStats, progress: ProgressFn | None) -> Iterator[Chunk]:
+        cached = len(held)
+        kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
+        record: Callable[[list[int]], None] = held.extend
         if sp.max_tokens == 0:
             stats.finish_reason = "length"
             yield Chunk("", finish_reason="length", stats=stats)
@@ -274,34 +275,35 @@ class Engine:
         wrapped = (lambda done, total: progress(cached + done, len(tokens))) if progress else None
         with self.swap.phase("prefill") as phase:
             stats.phases.append(phase)
-            logits = prefill(self.model, tokens[cached:], conv.cache, self.config.prefill_chunk,
+            logits = prefill(self.model, tokens[cached:], cache, self.config.prefill_chunk,
                              wrapped, record)
         stats.prefill_s = phase.seconds
-        sampler = make_sampler(sp.temperature, sp.top_p, sp.min_p, top_k=sp.top_k)
+        sampler = _seeded(make_sampler(sp.temperature, sp.top_p, sp.min_p, top_k=sp.top_k), rng)
         processors = make_logits_processors(
             repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
             repetition_context_size=sp.repetition_context,
         )
         with self.swap.phase("decode") as phase:
             stats.phases.append(phase)
-            tail = yield from self._decode(logits, tokens, sp, stats, sampler, processors, record)
-        stats.memory = self._memory(stats)  # the last chunk carries complete stats
+            tail = yield from self._decode(logits, tokens, cache, sp, stats, sampler, processors, record)
+        stats.memory = self._memory(stats, cache)  # the last chunk carries complete stats
         yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
 
-    def _memory(self, stats: GenerationStats) -> MemoryReport:
+    def _memory(self, stats: GenerationStats, cache: list) -> MemoryReport:
         peak = max([p.peak_bytes for p in stats.phases] + [mx.get_peak_memory()])
-        return memory_report(self.swap.registry.resident_bytes(), self._conv.cache, peak)
+        stored = self.states.memory_bytes - (self.states.last.nbytes if self.states.last
+                                             and self.states.last.cache is cache else 0)
+        return memory_report(self.swap.registry.resident_bytes(), cache, peak, stored)
 
-    def _decode(self, logits, tokens, sp, stats, sampler, processors, record):
+    def _decode(self, logits, tokens, cache, sp, stats, sampler, processors, record):
         """Yield a chunk per token; return the text held back at the end."""
-        conv = self._conv
         detok = self.tokenizer.detokenizer
         detok.reset()
         stops = StopMatcher(sp.stop)
         eos = set() if sp.ignore_eos else set(self.tokenizer.eos_token_ids)
         start = time.perf_counter()
         reason = "length"
-        for token in decode(self.model, logits, conv.cache, sampler, processors, tokens, record):
+        for token in decode(self.model, logits, cache, sampler, processors, tokens, record):
             if token in eos:
                 reason = "stop"
                 break
@@ -332,6 +334,22 @@ def _stream_dir(loaded: LoadedModel, policy: Policy) -> Path:
     source += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in weight_files(loaded.path))
     key = hashlib.sha256(f"{source}|{policy.resident}|{policy.fp32}".encode()).hexdigest()[:16]
     return cache_root() / "stream" / key
+
+
+def _seeded(sampler: Callable[[mx.array], mx.array], rng: dict) -> Callable[[mx.array], mx.array]:
+    """`sampler` drawing token n of a state from a key fixed by (seed, n): the RNG
+    position is two integers, stored with the state, so a restored conversation
+    samples exactly what the uninterrupted one would have."""
+    def sample(logprobs: mx.array) -> mx.array:
+        mx.random.seed((rng["seed"] * 0x9E3779B1 + rng["step"]) % (1 << 63))
+        rng["step"] += 1
+        return sampler(logprobs)
+
+    return sample
+
+
+def _state_dir(configured: str | None) -> Path:
+    return Path(configured or os.environ.get("JUSTFIT_STATE_DIR") or cache_root().parent / "state")
 
 
 def _set_metal_limits(budget: int) -> None:

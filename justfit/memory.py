@@ -61,26 +61,28 @@ class MemoryReport:
     kv: int
     mlx_active: int
     mlx_peak: int
-    transient_peak: int  # MLX peak above what weights + KV hold
+    transient_peak: int  # MLX peak above what weights, KV and stored states hold
     rss: int
     rss_peak: int
+    states: int = 0  # other requests' and sessions' states in the memory tier
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def summary(self) -> str:
         return (f"weights {format_size(self.weights)}, KV {format_size(self.kv)}, "
-                f"transient peak {format_size(self.transient_peak)}, "
+                f"transient peak {format_size(self.transient_peak)}, stored states {format_size(self.states)}, "
                 f"MLX peak {format_size(self.mlx_peak)}, process peak {format_size(self.rss_peak)}")
 
 
 def memory_report(weights: nn.Module | int, cache: list | None = None,
-                  peak: int | None = None) -> MemoryReport:
+                  peak: int | None = None, states: int = 0) -> MemoryReport:
     """`weights`: a model (all its parameters count) or the bytes resident."""
     weights = weights if isinstance(weights, int) else weight_bytes(weights)
     kv = cache_bytes(cache)
     peak = mx.get_peak_memory() if peak is None else peak
     return MemoryReport(
         weights=weights, kv=kv, mlx_active=mx.get_active_memory(), mlx_peak=peak,
-        transient_peak=max(0, peak - weights - kv), rss=rss_bytes(), rss_peak=peak_rss_bytes(),
+        transient_peak=max(0, peak - weights - kv - states), rss=rss_bytes(), rss_peak=peak_rss_bytes(),
+        states=states,
     )

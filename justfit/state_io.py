@@ -1,4 +1,4 @@
-"""Save and restore an engine's conversation state through StateTrans snapshots."""
+"""Save and restore an engine's stored states as StateTrans snapshots."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from justfit.models import weight_files
-from statetrans import (SnapshotError, capture, load_snapshot, rebuild, save_snapshot, snapshot_bytes,
-                        state_bytes)
+from statetrans import snapshot_bytes
 
 
 @dataclass
@@ -37,41 +36,29 @@ def model_identity(engine) -> str:
     return h.hexdigest()[:32]
 
 
-def _kv(engine) -> dict | None:
-    return asdict(engine.config.kv) if engine.config.kv is not None else None
+def state_identity(engine) -> dict:
+    """What a stored state belongs to: the model, its KV settings and weight forms."""
+    kv = asdict(engine.config.kv) if engine.config.kv is not None else None
+    return {"model": model_identity(engine), "model_name": engine.name, "kv": kv, "policy": engine.policy.name}
 
 
-def save_state(engine, path: str, extra: dict | None = None) -> StateIO:
-    cache, tokens = engine._conv.cache, list(engine._conv.tokens)
-    if cache is None or not tokens:
+def export_state(engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
+    states = engine.states
+    if session is not None and session not in states.sessions:
+        raise KeyError(f"no session {session!r}")
+    entry = states.entries[states.sessions[session]] if session is not None else states.last
+    if entry is None or not entry.tokens:
         raise ValueError("nothing to save: the conversation holds no state yet")
     start = time.perf_counter()
-    arrays, layers = capture(cache)
-    meta = {"model": model_identity(engine), "model_name": engine.name, "kv": _kv(engine),
-            "policy": engine.policy.name, "tokens": tokens, "layers": layers, "extra": extra or {}}
-    written = save_snapshot(path, arrays, meta)
-    return StateIO(str(path), len(tokens), state_bytes(arrays), written, time.perf_counter() - start)
+    held, written = states.export(entry, path, extra)
+    return StateIO(str(path), len(entry.tokens), held, written, time.perf_counter() - start)
 
 
-def load_state(engine, path: str) -> StateIO:
-    """Replace the engine's conversation with the snapshot's; on any error the
-    engine's current state is untouched."""
+def import_state(engine, path: str, session: str | None = None) -> StateIO:
+    """Store the snapshot's state as the latest conversation (or `session`'s); on any
+    error nothing changes."""
     start = time.perf_counter()
-    arrays, manifest = load_snapshot(path)
-    if manifest.get("model") != model_identity(engine):
-        raise SnapshotError(f"{path}: saved with model {manifest.get('model_name')!r} "
-                            f"({manifest.get('model')}), not this engine's {engine.name!r}")
-    if manifest.get("kv") != _kv(engine):
-        fmt = (manifest.get("kv") or {}).get("format", "mlx-lm")
-        raise SnapshotError(f"{path}: saved with KV format {fmt}, this engine uses "
-                            f"{engine.config.kv.format if engine.config.kv else 'mlx-lm'} (or other KV settings)")
-    try:
-        cache = rebuild(arrays, manifest["layers"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotError(f"{path}: inconsistent snapshot ({e})") from None
-    tokens = [int(t) for t in manifest["tokens"]]
-    if len(cache) != len(engine.new_cache()) or any(getattr(c, "offset", len(tokens)) != len(tokens) for c in cache):
-        raise SnapshotError(f"{path}: state does not match its tokens or this model's layers")
-    engine._set_conversation(cache, tokens)
-    return StateIO(str(path), len(tokens), state_bytes(arrays), snapshot_bytes(path),
+    cache, manifest, held = engine.states.read(path)
+    engine.states.put([int(t) for t in manifest["tokens"]], cache, session, manifest.get("sampler"))
+    return StateIO(str(path), len(manifest["tokens"]), held, snapshot_bytes(path),
                    time.perf_counter() - start, manifest.get("extra") or {})

@@ -1,11 +1,13 @@
 """StateTrans: serving state saved, restored and moved, byte-exact.
 
 `capture` / `rebuild` turn a per-layer cache list into arrays + metadata and back;
-`save_snapshot` / `load_snapshot` put them on disk atomically with checksums.
+`save_snapshot` / `load_snapshot` put them on disk atomically with checksums;
+`StateTiers` keeps states in memory and on disk, found by token prefix.
 """
 
 from statetrans.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_bytes
 from statetrans.state import capture, rebuild, state_bytes
+from statetrans.tiers import Reuse, StateTiers
 
-__all__ = ["SnapshotError", "capture", "load_snapshot", "rebuild", "save_snapshot", "snapshot_bytes",
-           "state_bytes"]
+__all__ = ["Reuse", "SnapshotError", "StateTiers", "capture", "load_snapshot", "rebuild", "save_snapshot",
+           "snapshot_bytes", "state_bytes"]

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import pytest
+
+# Stored states (StateTiers' disk tier) go to a fresh folder, never the user's.
+os.environ["JUSTFIT_STATE_DIR"] = tempfile.mkdtemp(prefix="justfit-state-")
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp-parity.json"
 

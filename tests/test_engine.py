@@ -191,7 +191,7 @@ def test_retention_generates_past_its_budget_but_refuses_longer_prompts(tiny_gem
     engine = Engine(str(tiny_gemma3_dir), config=EngineConfig(kv=kv))
     list(engine.generate("a short prompt", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)))
     assert engine.last_stats.generated_tokens == 300
-    stores = [c.store for c in engine._conv.cache]
+    stores = [c.store for c in engine.states.last.cache]
     assert all(s.retained() <= 128 for s in stores)
     assert any(s.evicted > 0 for s in stores if s.window is None)  # global layers evicted
     with pytest.raises(ContextTooLong, match="retention budget"):

@@ -259,7 +259,7 @@ def test_engine_reuse_with_small_pages_matches_fresh(tiny_gemma3_dir):
     sp = SamplingParams(temperature=0, max_tokens=6)
     first = "the " * 30
     engine.complete(first, sp)
-    assert any(c.store.pages for c in engine._conv.cache)
+    assert any(c.store.pages for c in engine.states.last.cache)
     for follow in (first + "and on", "the " * 25 + "x"):
         got = engine.complete(follow, sp)
         assert got == Engine(str(tiny_gemma3_dir), config=config()).complete(follow, sp)
@@ -274,7 +274,7 @@ def test_smollm2_fp16_pages_greedy_identical_to_stock(smollm2_gguf):
     paged = Engine(str(smollm2_gguf), config=EngineConfig(kv=KVConfig(format="fp16")))
     tokens = prompt_tokens(paged.tokenizer, 700)  # > sinks + hot window: real pages
     got = [c.token for c in paged.generate(tokens, sp) if c.token is not None]
-    assert sum(c.store.pages for c in paged._conv.cache) > 0
+    assert sum(c.store.pages for c in paged.states.last.cache) > 0
     stock = Engine(str(smollm2_gguf), config=EngineConfig(kv=None))
     want = [c.token for c in stock.generate(tokens, sp) if c.token is not None]
     assert len(got) == 64 and got == want

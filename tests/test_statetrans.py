@@ -40,8 +40,8 @@ def test_restore_is_byte_exact_and_continues_token_identically(arch, kv, tiny_ll
     second = Engine(str(path), config=cfg())
     second.load_state(str(tmp_path / "snap"))
     assert second.cached_tokens == first.cached_tokens
-    a, _ = capture(first._conv.cache)
-    b, _ = capture(second._conv.cache)
+    a, _ = capture(first.states.last.cache)
+    b, _ = capture(second.states.last.cache)
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
     prompt = second.encode(PROMPT) + head  # the conversation so far: only the last token is new
@@ -129,7 +129,7 @@ def test_smollm2_snapshot_resumes_token_identically(smollm2_gguf, tmp_path):
     first = Engine(str(smollm2_gguf))
     head = _tokens(first, msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     info = first.save_state(str(tmp_path / "smol"))
-    arrays, _ = capture(first._conv.cache)
+    arrays, _ = capture(first.states.last.cache)
     assert info.file_bytes <= 1.05 * sum(a.nbytes for a in arrays.values()) + 65536  # manifest + header
     second = Engine(str(smollm2_gguf))
     second.load_state(str(tmp_path / "smol"))
