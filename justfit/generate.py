@@ -58,7 +58,7 @@ def prefill(
         if progress:
             progress(done, total)
     logits = model(mx.array(last)[None], cache=cache)[0, -1].astype(mx.float32)
-    mx.eval(logits)
+    mx.eval(logits, [c.state for c in cache])  # decode starts from a finished state
     if on_processed:
         on_processed(last)
     if progress:

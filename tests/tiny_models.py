@@ -239,7 +239,7 @@ def reference_model(ref: dict[str, np.ndarray]):
 
 def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quantize_bits: int | None = None,
                      layers: int | None = None, vocab_size: int | None = None) -> Path:
-    """A tiny random mlx-lm model folder (llama or gemma3_text) with a byte-level
+    """A tiny random mlx-lm model folder (llama, gemma3_text or qwen3_next) with a byte-level
     tokenizer and chat template, loadable by mlx-lm and the engine. `vocab_size` may
     pad the embedding past the tokenizer (as real models do)."""
     import mlx.core as mx
@@ -261,6 +261,15 @@ def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quant
                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                       vocab_size=n_vocab, rope_theta=10000.0, max_position_embeddings=512,
                       tie_word_embeddings=True)
+    elif model_type == "qwen3_next":  # hybrid: GatedDeltaNet (recurrent) and attention layers
+        config = dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      vocab_size=n_vocab, rope_theta=10000.0, max_position_embeddings=512,
+                      linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0,
+                      num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=96,
+                      mlp_only_layers=[0, 1, 2, 3], moe_intermediate_size=32, partial_rotary_factor=0.5,
+                      full_attention_interval=2, tie_word_embeddings=True)
     else:
         config = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
