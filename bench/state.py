@@ -23,6 +23,8 @@ def run(model: str, context: int) -> dict:
     from bench.common import prompt_tokens
     from justfit import Engine, SamplingParams
 
+    # Stored states go to a fresh folder: nothing from earlier runs may warm the cold run.
+    os.environ["JUSTFIT_STATE_DIR"] = tempfile.mkdtemp(prefix="justfit-state-bench-")
     one = SamplingParams(temperature=0, max_tokens=1)
     engine = Engine(model)
     history = prompt_tokens(engine.tokenizer, context)

@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-SUITES = ("blas", "kv", "parity", "plan", "quality", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("blas", "kv", "parity", "plan", "quality", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -21,6 +21,7 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     kv       KV transient, bytes per position, decode speed at a context
     plan     planner's predicted peak vs measured; a streamed run under a tight budget
     state    time to first token from a snapshot vs cold prefill; snapshot size
+    sessions two sessions sharing one budget, swapped to disk in turn
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
     """

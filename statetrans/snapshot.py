@@ -33,6 +33,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _digest(manifest: dict) -> str:
+    """Hash of everything the manifest says except the file checksums; kept inside the
+    arrays file, so an edited manifest (other tokens, other layers) is caught."""
+    core = {k: v for k, v in manifest.items() if k != "files"}
+    return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -49,9 +56,9 @@ def save_snapshot(path: str | os.PathLike, arrays: dict[str, mx.array], meta: di
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        mx.save_safetensors(str(tmp / ARRAYS), arrays)
-        manifest = {"format": FORMAT, "version": VERSION, **meta,
-                    "files": {ARRAYS: {"sha256": _sha256(tmp / ARRAYS), "bytes": (tmp / ARRAYS).stat().st_size}}}
+        manifest = {"format": FORMAT, "version": VERSION, **json.loads(json.dumps(meta))}
+        mx.save_safetensors(str(tmp / ARRAYS), arrays, metadata={"manifest_sha256": _digest(manifest)})
+        manifest["files"] = {ARRAYS: {"sha256": _sha256(tmp / ARRAYS), "bytes": (tmp / ARRAYS).stat().st_size}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, separators=(",", ":")))
         for f in (tmp / ARRAYS, tmp / MANIFEST, tmp):
             _fsync(f)
@@ -93,7 +100,9 @@ def load_snapshot(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict]:
         if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
             raise SnapshotError(f"{src}: {name} is truncated or corrupted (checksum mismatch)")
     try:
-        arrays = mx.load(str(src / ARRAYS))
+        arrays, stamp = mx.load(str(src / ARRAYS), return_metadata=True)
     except (ValueError, RuntimeError) as e:
         raise SnapshotError(f"{src}: unreadable arrays ({e})") from None
+    if stamp.get("manifest_sha256") != _digest(manifest):
+        raise SnapshotError(f"{src}: the manifest does not match its arrays (edited or mixed up)")
     return arrays, manifest

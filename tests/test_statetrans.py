@@ -93,6 +93,10 @@ def test_foreign_snapshots_are_refused_with_the_reason(saved, tiny_llama_dir, ti
     with pytest.raises(SnapshotError, match="KV format"):
         other_kv.load_state(str(snap))
     manifest = json.loads((snap / "manifest.json").read_text())
+    tampered = dict(manifest, tokens=[t ^ 1 for t in manifest["tokens"]])  # same length, other tokens
+    (snap / "manifest.json").write_text(json.dumps(tampered))
+    with pytest.raises(SnapshotError, match="does not match its arrays"):
+        Engine(str(tiny_llama_dir)).load_state(str(snap))
     manifest["version"] = 99
     (snap / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SnapshotError, match="version 99"):
@@ -106,7 +110,7 @@ def test_failed_save_leaves_the_previous_snapshot_intact(saved, monkeypatch):
     before = load_snapshot(snap)[1]
     _tokens(engine, PROMPT + "and more", GREEDY)
 
-    def disk_full(path, arrays):
+    def disk_full(path, arrays, metadata=None):
         with open(path, "wb") as f:
             f.write(b"partial")
         raise OSError(28, "No space left on device")

@@ -1,0 +1,123 @@
+"""Two sessions under one memory budget: each grows turn by turn to what a single
+session can hold in that budget; the one not running is swapped to disk.
+
+    python -m bench.sessions --model smollm2 --positions 6144
+
+The budget is the smallest in which one session holds `--positions` (or `--budget`);
+the single-session ceiling is the planner's, with streaming allowed, so the ratio
+(aggregate retained positions / ceiling) is against the most one session could hold.
+Verification (default on) replays every turn in an engine without a budget, where
+both sessions stay in memory and nothing streams, and compares the greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def ceiling(engine) -> int:
+    """The most positions one request may hold in the engine's budget."""
+    from justfit.errors import BudgetExceeded, ContextTooLong
+
+    lo, hi = 0, engine.context_limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            engine.check_fits(mid, 0)
+            lo = mid
+        except (BudgetExceeded, ContextTooLong):
+            hi = mid
+    return lo
+
+
+def run(model: str, positions: int, budget: int | None, turn: int, reply: int, verify: bool) -> dict:
+    import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    import mlx.core as mx
+
+    from bench.common import prompt_tokens
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+
+    state_dir = tempfile.mkdtemp(prefix="justfit-sessions-")
+    if budget is None:
+        probe = Engine(model, config=EngineConfig(state_dir=state_dir))
+        budget = probe.footprint(positions, tuple(probe.swap.offload_order())).total
+        del probe
+    engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))
+    single = ceiling(engine)
+    text = prompt_tokens(engine.tokenizer, 4 * single)
+    sp = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
+    held = {"a": [], "b": []}
+    source = {"a": 0, "b": 2 * single}  # each session reads its own stretch of text
+    turns, replies = [], []
+    while True:
+        ran = False
+        for name in held:
+            room = single - len(held[name]) - reply - 1
+            new = min(turn, room)
+            if new < 16:
+                continue
+            prompt = held[name] + text[source[name]:source[name] + new]
+            source[name] += new
+            mx.reset_peak_memory()
+            start = time.perf_counter()
+            gen = engine.generate(prompt, sp, session=name)
+            out = [next(gen).token]
+            ttft = time.perf_counter() - start
+            out += [c.token for c in gen if c.token is not None]
+            s = engine.last_stats
+            held[name] = engine.cached_tokens
+            replies.append((name, prompt, out))
+            turns.append({"session": name, "prompt_tokens": len(prompt), "new_tokens": new,
+                          "cached_tokens": s.cached_tokens, "restored_from": s.restored_from,
+                          "restore_s": round(s.restore_s, 3), "ttft_s": round(ttft, 3),
+                          "decode_tps": round(s.decode_tps, 2), "mlx_peak": s.memory.mlx_peak,
+                          "stored_states_in_memory": engine.states.memory_bytes,
+                          "streamed": len(engine.swap.streamed), "retained_after": len(held[name])})
+            print(json.dumps(turns[-1]), file=sys.stderr)
+            ran = True
+        if not ran:
+            break
+    aggregate = sum(len(t) for t in held.values())
+    row = {"model": model, "budget": budget, "single_session_ceiling": single,
+           "retained": {n: len(t) for n, t in held.items()}, "aggregate": aggregate,
+           "ratio": aggregate / single, "both_at_once_fits": ceiling(engine) >= aggregate,
+           "max_mlx_peak": max(t["mlx_peak"] for t in turns), "swaps_to_disk": engine.states.spilled,
+           "restores_from_disk": engine.states.restored, "turns": turns}
+    if verify:
+        free = Engine(model, config=EngineConfig(state_dir=tempfile.mkdtemp(prefix="justfit-free-")))
+        same = 0
+        for name, prompt, out in replies:
+            want = [c.token for c in free.generate(prompt, sp, session=name) if c.token is not None]
+            same += want == out
+        row["turns_identical_to_unbudgeted"] = f"{same}/{len(replies)}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--positions", type=int, default=6144, help="what one session should hold (sets the budget)")
+    ap.add_argument("--budget", default=None, help="use this budget instead (e.g. 200MiB)")
+    ap.add_argument("--turn", type=int, default=1024, help="new prompt tokens per turn")
+    ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
+    ap.add_argument("--no-verify", dest="verify", action="store_false")
+    args = ap.parse_args(argv)
+    from bench.common import machine_info, save
+    from justfit.memory import parse_size
+
+    budget = parse_size(args.budget) if args.budget else None
+    row = run(args.model, args.positions, budget, args.turn, args.reply, args.verify)
+    summary = {k: v for k, v in row.items() if k != "turns"}
+    print(json.dumps(summary), file=sys.stderr)
+    print(f"saved {save('sessions', {'machine': machine_info(), 'rows': [row]})}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
