@@ -1,5 +1,6 @@
 """StateTrans: time to first token continuing a long conversation from a snapshot vs
-cold prefill, snapshot size vs the in-memory state, save/restore throughput.
+cold prefill (and from the engine's own disk and memory tiers), snapshot size vs the
+in-memory state, save/restore throughput.
 
     python -m bench.state --model smollm2 --context 8192
 
@@ -37,6 +38,16 @@ def run(model: str, context: int) -> dict:
     list(engine.generate(history, one))  # the conversation so far, computed
     path = os.path.join(tempfile.mkdtemp(), "conversation")
     saved = engine.save_state(path)
+    # The same continuation from the engine's own tiers: spilled to disk, then in memory.
+    engine.states.spill(engine.states.last)
+    start = time.perf_counter()
+    next(iter(engine.generate(history + follow, one)))
+    disk_tier = time.perf_counter() - start
+    source = engine.last_stats.restored_from
+    start = time.perf_counter()
+    next(iter(engine.generate(engine.cached_tokens + follow, one)))
+    memory_tier = time.perf_counter() - start
+
     warm_engine = Engine(model)
     start = time.perf_counter()
     loaded = warm_engine.load_state(path)
@@ -44,6 +55,7 @@ def run(model: str, context: int) -> dict:
     warm = time.perf_counter() - start
     return {"model": model, "context": context, "follow_up_tokens": len(follow),
             "ttft_cold_s": cold, "ttft_from_snapshot_s": warm, "speedup": cold / warm,
+            "ttft_disk_tier_s": disk_tier, "disk_tier_source": source, "ttft_memory_tier_s": memory_tier,
             "restore_s": loaded.seconds, "state_bytes": saved.state_bytes, "snapshot_bytes": saved.file_bytes,
             "snapshot_over_state": saved.file_bytes / saved.state_bytes - 1,
             "save_mb_s": saved.mb_per_s, "restore_mb_s": loaded.mb_per_s,
