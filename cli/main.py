@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "chat": "cli.chat:chat",
     "bench": "cli.bench:bench",
     "fit": "cli.fit:fit",
+    "serve": "cli.serve:serve",
 }
 
 # What the engine raises for problems the user can act on: its own errors, a model

@@ -8,6 +8,10 @@ from justfit import blas as _blas
 
 _blas.preload()
 
+from justfit.streams import use_shared_stream  # noqa: E402
+
+use_shared_stream()  # lets the server's engine thread evaluate arrays made here
+
 from justfit.engine import Engine, GenerationStats, SamplingParams  # noqa: E402
 
 __all__ = ["Engine", "GenerationStats", "SamplingParams"]

@@ -127,8 +127,10 @@ class Engine:
             return self.apply_chat_template(prompt)
         return [int(t) for t in prompt]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
         if not getattr(self.tokenizer, "chat_template", None):
             kwargs["chat_template"] = FALLBACK_TEMPLATE
         out = self.tokenizer.apply_chat_template(messages, **kwargs)

@@ -1,0 +1,57 @@
+"""`justfit serve`: OpenAI- and Ollama-compatible HTTP endpoints on one model."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from cli import common
+
+
+@click.command()
+@common.model_option
+@common.budget_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback exposes the model to the network.")
+@click.option("--port", "-p", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", default=None, envvar="JUSTFIT_API_KEY", metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every route but /health (env JUSTFIT_API_KEY).")
+@click.option("--cors-origin", default=None, metavar="ORIGIN",
+              help="Allow browser pages from ORIGIN (e.g. http://localhost:3000, or *). Off by default.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Requests that may wait while one computes; past it: 503 with Retry-After.")
+@click.option("--max-body", default="16MiB", show_default=True, metavar="SIZE",
+              help="Largest request body; larger ones get 413.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Reply length when a request does not say (shrunk to what fits).")
+@click.option("--served-name", default=None, metavar="NAME", help="Model id clients use (default: the model's name).")
+@common.gguf_bits_option
+@common.kv_format_option
+@common.policy_option
+def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, max_tokens, served_name,
+          gguf_bits, kv_format, policy) -> None:
+    """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
+
+    Stored conversation states are reused across requests; a request that cannot
+    fit the context or the budget gets HTTP 400 (context_length_exceeded) before
+    any work. GET /health, /metrics (Prometheus) and /v1/justfit/status report.
+    """
+    from justfit.memory import parse_size
+    from justfit.server import ServerConfig, run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ServerConfig(host=host, port=port, api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
+                          max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
+                          model_name=served_name)
+    click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy)
+    name = served_name or engine.name
+
+    def ready(url: str) -> None:
+        click.echo(f"serving {name} on {url}/v1 (OpenAI) and {url}/api (Ollama); Ctrl-C stops", file=sys.stderr)
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            click.echo("warning: listening beyond this machine without --api-key", file=sys.stderr)
+
+    run(engine, config, ready)

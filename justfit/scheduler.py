@@ -1,0 +1,135 @@
+"""One worker thread runs requests on the engine, one at a time, in arrival order;
+the rest wait in a bounded queue. The HTTP side talks to it through `Job`s: events
+come back on the job's asyncio queue, and setting `cancel` stops the request within
+one decode step (or between prefill chunks), leaving the engine's state consistent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from justfit.config import SamplingParams
+from justfit.errors import JustFitError
+from justfit.streams import use_shared_stream
+
+log = logging.getLogger("justfit.scheduler")
+
+
+class QueueFull(JustFitError):
+    def __init__(self, waiting: int, retry_after: int):
+        self.waiting, self.retry_after = waiting, retry_after
+        super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s")
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    tokens: list[int]
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    session: str | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the server's loop is gone: nobody is listening
+            self.cancel.set()
+
+    async def stream(self):
+        """(kind, payload) events until "done": "progress" (done, total, elapsed),
+        "chunk" (engine Chunk), "error" (exception), "done" (stats or None)."""
+        while True:
+            kind, payload = await self.events.get()
+            yield kind, payload
+            if kind == "done":
+                return
+
+
+class Scheduler:
+    def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None):
+        self.engine, self.max_queue, self.on_done = engine, max_queue, on_done
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self.running: Job | None = None
+        self.completed = self.cancelled = self.failed = self.rejected = 0
+        self._seconds = 1.0  # recent request duration, for Retry-After
+        self._thread = threading.Thread(target=self._work, name="justfit-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> int:
+        """Queue `job`; returns how many run or wait before it. Raises QueueFull."""
+        if self.waiting >= self.max_queue:
+            self.rejected += 1
+            raise QueueFull(self.waiting, max(1, round(self._seconds * (self.waiting + 1))))
+        ahead = self.waiting + (self.running is not None)
+        self._queue.put(job)
+        return ahead
+
+    def close(self) -> None:
+        if self.running is not None:
+            self.running.cancel.set()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _work(self) -> None:
+        use_shared_stream()
+        while (job := self._queue.get()) is not None:
+            if job.cancel.is_set():  # its client left while it waited
+                self.cancelled += 1
+                job.emit("done", None)
+                continue
+            self.running, job.started = job, time.monotonic()
+            try:
+                self._run(job)
+            finally:
+                self.running = None
+                self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - job.started)
+
+    def _run(self, job: Job) -> None:
+        def progress(done: int, total: int) -> None:
+            if job.cancel.is_set():
+                raise _Cancelled
+            job.emit("progress", (done, total, time.monotonic() - job.started))
+
+        before = self.engine.last_stats
+        gen = self.engine.generate(job.tokens, job.sampling, progress, session=job.session)
+        failed = False
+        try:
+            for chunk in gen:
+                job.emit("chunk", chunk)
+                if job.cancel.is_set():
+                    break
+        except _Cancelled:
+            pass
+        except Exception as e:  # JustFitError: the client's to fix; others: logged, a clean 500
+            if not isinstance(e, JustFitError):
+                log.exception("request failed")
+            failed = True
+            job.emit("error", e)
+        finally:
+            gen.close()  # stores the state computed so far
+            if failed:
+                self.failed += 1
+            elif job.cancel.is_set():
+                self.cancelled += 1
+            else:
+                self.completed += 1
+            stats = self.engine.last_stats if self.engine.last_stats is not before else None
+            if self.on_done and stats is not None:
+                self.on_done(stats)
+            job.emit("done", stats)

@@ -1,0 +1,217 @@
+"""The HTTP server: an aiohttp app over one engine. Middlewares answer every error
+as JSON (never a traceback), check the API key and CORS; generation requests are
+planned here (refused with the numbers when they cannot fit), then queued on the
+scheduler's engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+import justfit
+from justfit.errors import BudgetExceeded, ContextTooLong
+from justfit.scheduler import Job, QueueFull, Scheduler
+from justfit.server.metrics import Metrics, memory, prometheus
+from justfit.server.schema import BadRequest, Options
+
+log = logging.getLogger("justfit.server")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    cors_origin: str | None = None
+    max_body_bytes: int = 16 * 2**20
+    max_queue: int = 16
+    default_max_tokens: int = 1024
+    model_name: str | None = None  # the id clients use; default: the engine's model name
+
+
+class Server:
+    def __init__(self, engine, config: ServerConfig | None = None):
+        self.engine, self.config = engine, config or ServerConfig()
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record)
+        self.model_id = self.config.model_name or engine.name
+        self.created = int(time.time())
+
+    # -- models -------------------------------------------------------------------
+    def check_model(self, name) -> None:
+        """Unknown model -> 404; absent -> the one served."""
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise BadRequest("'model' must be a string", "model")
+        if name.removesuffix(":latest") not in (self.model_id, self.engine.name, "default"):
+            raise BadRequest(f"model {name!r} is not served here; this server runs {self.model_id!r}",
+                             "model", 404, code="model_not_found")
+
+    # -- generation -----------------------------------------------------------------
+    def plan(self, tokens: list[int], opts: Options) -> None:
+        """Fit the request or refuse it (400 context_length_exceeded) before any work;
+        a default max_tokens shrinks to what fits instead."""
+        sp, n = opts.sampling, len(tokens)
+        if not tokens:
+            raise BadRequest("the prompt is empty", "messages")
+        for _ in range(2):  # context first, then the budget
+            try:
+                self.engine.check_fits(n, sp.max_tokens)
+                return
+            except (ContextTooLong, BudgetExceeded) as e:
+                limit = e.limit if isinstance(e, ContextTooLong) else e.fits_positions
+                if not opts.max_tokens_given and limit - n >= 1:
+                    sp.max_tokens = min(sp.max_tokens, limit - n)
+                    continue
+                details = {"prompt_tokens": n, "max_tokens": sp.max_tokens, "max_positions": limit,
+                           "budget_bytes": self.engine.config.budget_bytes,
+                           "context_limit": self.engine.context_limit}
+                raise BadRequest(f"{e}", "messages", 400, "context_length_exceeded",
+                                 "context_length_exceeded", details) from None
+        raise BadRequest("the request does not fit", "messages", 400, "context_length_exceeded",
+                         "context_length_exceeded")
+
+    def submit(self, tokens: list[int], opts: Options) -> tuple[Job, int]:
+        job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session)
+        try:
+            return job, self.scheduler.submit(job)
+        except QueueFull as e:
+            raise BadRequest(str(e), None, 503, "server_busy", "server_busy",
+                             {"waiting": e.waiting, "retry_after": e.retry_after}) from None
+
+    # -- the app --------------------------------------------------------------------
+    def app(self) -> web.Application:
+        from justfit.server import ollama_routes, openai_routes
+
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors, self._cors, self._auth])
+        app["server"] = self
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/justfit/status", self.status)
+        openai_routes.add_routes(app, self)
+        ollama_routes.add_routes(app, self)
+        app.on_shutdown.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.scheduler.close))
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        ollama = request.path.startswith("/api/")
+        try:
+            resp = await handler(request)
+        except BadRequest as e:
+            resp = _error_response(e, ollama)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            status = e.status
+            msg = {413: f"request body over {self.config.max_body_bytes} bytes",
+                   404: f"no route {request.method} {request.path}",
+                   405: f"{request.method} not allowed on {request.path}"}.get(status, e.reason)
+            resp = _error_response(BadRequest(msg, None, status, code=e.reason.lower().replace(" ", "_")), ollama)
+        except asyncio.CancelledError:
+            self.metrics.observe(route, 499)  # the client went away
+            raise
+        except Exception:  # a bug: logged here, a clean 500 there
+            log.exception("unhandled error on %s", request.path)
+            resp = _error_response(BadRequest("internal server error", None, 500, "server_error"), ollama)
+        self.metrics.observe(route, resp.status)
+        return resp
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler):
+        origin = self.config.cors_origin
+        if origin and request.method == "OPTIONS":
+            resp = web.Response(status=204)
+        else:
+            resp = await handler(request)
+        if origin and not resp.prepared:
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return resp
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.config.api_key
+        if key and request.path != "/health" and request.method != "OPTIONS":
+            given = request.headers.get("Authorization", "")
+            if given != f"Bearer {key}":
+                raise BadRequest("missing or wrong API key (send 'Authorization: Bearer KEY')", None, 401,
+                                 "authentication_error", "invalid_api_key")
+        return await handler(request)
+
+    # -- operations -----------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.model_id})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(text=prometheus(self.metrics, self.engine, self.scheduler),
+                            content_type="text/plain", charset="utf-8")
+
+    async def status(self, request: web.Request) -> web.Response:
+        e, s = self.engine, self.engine.last_stats
+        last = None
+        if s is not None:
+            last = {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+                    "restored_from": s.restored_from, "generated_tokens": s.generated_tokens,
+                    "prefill_tps": s.prefill_tps, "decode_tps": s.decode_tps, "finish_reason": s.finish_reason,
+                    "memory": s.memory.as_dict() if s.memory else None,
+                    "phases": [p.as_dict() if hasattr(p, "as_dict") else vars(p) for p in s.phases]}
+        return web.json_response({
+            "model": self.model_id, "path": str(e.path) if e.path else None, "version": justfit.__version__,
+            "policy": e.policy.name, "kv_format": e.config.kv.format if e.config.kv else "mlx-lm",
+            "context_limit": e.context_limit, "memory": memory(e),
+            "states": {"stored": len(e.states.entries), "in_memory": e.states.memory_bytes,
+                       "on_disk": e.states.disk_bytes, "spilled": e.states.spilled,
+                       "restored": e.states.restored},
+            "sessions": e.sessions(), "queue": {"waiting": self.scheduler.waiting,
+                                                 "running": self.scheduler.running is not None,
+                                                 "max": self.config.max_queue},
+            "requests": {"completed": self.scheduler.completed, "cancelled": self.scheduler.cancelled,
+                         "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
+            "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,
+        }, dumps=_dumps)
+
+
+def _dumps(obj) -> str:
+    import json
+
+    return json.dumps(obj, default=str)
+
+
+def _error_response(e: BadRequest, ollama: bool) -> web.Response:
+    body = {"error": e.message} if ollama else e.body()
+    resp = web.json_response(body, status=e.status)
+    if e.status == 503 and "retry_after" in e.details:
+        resp.headers["Retry-After"] = str(e.details["retry_after"])
+    if e.status == 401:
+        resp.headers["WWW-Authenticate"] = "Bearer"
+    return resp
+
+
+def run(engine, config: ServerConfig, ready=None) -> None:
+    """Serve until interrupted; `ready(url)` is called once listening."""
+    async def main() -> None:
+        server = Server(engine, config)
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        if ready:
+            ready(f"http://{config.host}:{config.port}")
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass

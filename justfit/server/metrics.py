@@ -1,0 +1,87 @@
+"""Counters the server keeps, rendered as Prometheus text and as JSON status."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from justfit.memory import peak_rss_bytes, rss_bytes
+
+
+@dataclass
+class Metrics:
+    started: float = field(default_factory=time.time)
+    requests: Counter = field(default_factory=Counter)  # (route, status) -> count
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    prefilled_tokens: int = 0
+    decode_seconds: float = 0.0
+    decoded_steps: int = 0
+    last_prefill_tps: float = 0.0
+    last_decode_tps: float = 0.0
+
+    def observe(self, route: str, status: int) -> None:
+        self.requests[(route, status)] += 1
+
+    def record(self, stats) -> None:
+        """One finished generation's GenerationStats."""
+        if stats is None:
+            return
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.completion_tokens += stats.generated_tokens
+        self.prefill_seconds += stats.prefill_s
+        self.prefilled_tokens += stats.prompt_tokens - stats.cached_tokens
+        self.decode_seconds += stats.decode_s
+        self.decoded_steps += max(0, stats.generated_tokens - 1)
+        self.last_prefill_tps, self.last_decode_tps = stats.prefill_tps, stats.decode_tps
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def memory(engine) -> dict[str, int]:
+    """Bytes by kind, now."""
+    states = engine.states
+    return {"weights": engine.swap.registry.resident_bytes(), "states_memory": states.memory_bytes,
+            "states_disk": states.disk_bytes, "mlx_active": mx.get_active_memory(),
+            "mlx_peak": mx.get_peak_memory(), "mlx_cache": mx.get_cache_memory(),
+            "process_rss": rss_bytes(), "process_peak": peak_rss_bytes(),
+            "budget": engine.config.budget_bytes or 0}
+
+
+def prometheus(m: Metrics, engine, scheduler) -> str:
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP justfit_{name} {help_}")
+        lines.append(f"# TYPE justfit_{name} {kind}")
+        lines.extend(f"justfit_{name}{labels} {value:g}" for labels, value in samples)
+
+    metric("requests_total", "counter", "HTTP requests by route and status.",
+           [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(m.requests.items())])
+    metric("generations_total", "counter", "Generations by outcome.",
+           [('{outcome="completed"}', scheduler.completed), ('{outcome="cancelled"}', scheduler.cancelled),
+            ('{outcome="failed"}', scheduler.failed), ('{outcome="rejected_busy"}', scheduler.rejected)])
+    metric("prompt_tokens_total", "counter", "Prompt tokens received.", [("", m.prompt_tokens)])
+    metric("cached_prompt_tokens_total", "counter", "Prompt tokens served from stored state.", [("", m.cached_tokens)])
+    metric("completion_tokens_total", "counter", "Tokens generated.", [("", m.completion_tokens)])
+    metric("prompt_cache_hit_ratio", "gauge", "Cached / all prompt tokens since start.", [("", m.cache_hit_ratio)])
+    metric("prefill_tokens_per_second", "gauge", "Prefill rate: all time and last request.",
+           [('{window="all"}', m.prefilled_tokens / m.prefill_seconds if m.prefill_seconds else 0),
+            ('{window="last"}', m.last_prefill_tps)])
+    metric("decode_tokens_per_second", "gauge", "Decode rate: all time and last request.",
+           [('{window="all"}', m.decoded_steps / m.decode_seconds if m.decode_seconds else 0),
+            ('{window="last"}', m.last_decode_tps)])
+    metric("memory_bytes", "gauge", "Memory by kind.", [(f'{{kind="{k}"}}', v) for k, v in memory(engine).items()])
+    metric("queue_depth", "gauge", "Requests waiting.", [("", scheduler.waiting)])
+    metric("running", "gauge", "Requests computing now.", [("", scheduler.running is not None)])
+    metric("sessions", "gauge", "Named sessions held.", [("", len(engine.states.sessions))])
+    metric("uptime_seconds", "gauge", "Seconds since the server started.", [("", time.time() - m.started)])
+    return "\n".join(lines) + "\n"

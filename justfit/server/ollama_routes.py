@@ -1,0 +1,158 @@
+"""The Ollama-compatible subset editor plugins use: /api/chat, /api/generate (NDJSON
+streaming by default, or one object), /api/tags, /api/show, /api/version."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+from aiohttp import web
+
+import justfit
+from justfit.server.openai_routes import chat_tokens, engine_error
+from justfit.server.schema import BadRequest, get, messages, ollama_options, parse_body
+from justfit.server.tools import ToolCalls
+
+OLLAMA_VERSION = "0.6.0"  # the API level this subset follows (clients check it)
+
+
+def add_routes(app: web.Application, server) -> None:
+    routes = OllamaRoutes(server)
+    app.router.add_post("/api/chat", routes.chat)
+    app.router.add_post("/api/generate", routes.generate)
+    app.router.add_get("/api/tags", routes.tags)
+    app.router.add_post("/api/show", routes.show)
+    app.router.add_get("/api/version", routes.version)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class OllamaRoutes:
+    def __init__(self, server):
+        self.server, self.engine = server, server.engine
+
+    def _model(self) -> dict:
+        e = self.engine
+        return {"name": self.server.model_id, "model": self.server.model_id, "modified_at": _now(),
+                "size": e.stored_bytes(), "digest": "", "details": {
+                    "format": "mlx", "family": e.model_config.get("model_type", ""),
+                    "parameter_size": "", "quantization_level": e.policy.resident}}
+
+    async def tags(self, request: web.Request) -> web.Response:
+        return web.json_response({"models": [self._model()]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": OLLAMA_VERSION, "justfit": justfit.__version__})
+
+    async def show(self, request: web.Request) -> web.Response:
+        body = parse_body(await request.read())
+        self.server.check_model(body.get("model") or body.get("name"))
+        arch = self.engine.model_config.get("model_type", "model")
+        m = self._model()
+        return web.json_response({"details": m["details"], "modified_at": m["modified_at"], "template": "",
+                                  "model_info": {"general.architecture": arch,
+                                                 f"{arch}.context_length": self.engine.context_limit},
+                                  "capabilities": ["completion"]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        self.server.check_model(get(body, "model", str, None))
+        opts = ollama_options(body, self.server.config.default_max_tokens)
+        tokens = chat_tokens(self.engine, messages(body), opts.tools)
+        return await self._generate(request, tokens, opts, chat=True)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        self.server.check_model(get(body, "model", str, None))
+        opts = ollama_options(body, self.server.config.default_max_tokens)
+        prompt, system = get(body, "prompt", str, ""), get(body, "system", str, None)
+        context = get(body, "context", list, [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
+            raise BadRequest("'context' must be an array of token ids", "context")
+        if not prompt and not context:  # Ollama's "load the model" call
+            return web.json_response({"model": self.server.model_id, "created_at": _now(), "response": "",
+                                      "done": True, "done_reason": "load"})
+        if get(body, "raw", bool, False) or not getattr(self.engine.tokenizer, "chat_template", None):
+            text = f"{system}\n\n{prompt}" if system else prompt
+            tokens = context + self.engine.encode(text)
+        else:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            tokens = context + chat_tokens(self.engine, msgs, None)
+        return await self._generate(request, tokens, opts, chat=False)
+
+    async def _generate(self, request, tokens, opts, chat: bool) -> web.StreamResponse:
+        self.server.plan(tokens, opts)
+        job, _ = self.server.submit(tokens, opts)
+        tools = ToolCalls(self.engine.tokenizer, opts.tools if chat else None)
+        start = time.perf_counter()
+        resp = None
+
+        def line(text: str, done: bool = False, **extra) -> dict:
+            out = {"model": self.server.model_id, "created_at": _now()}
+            if chat:
+                out["message"] = {"role": "assistant", "content": text}
+            else:
+                out["response"] = text
+            return {**out, "done": done, **extra}
+
+        try:
+            if opts.stream:
+                resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+                await resp.prepare(request)
+            parts, ids, stats, error = [], [], None, None
+            async for event, p in job.stream():
+                if event == "progress" and resp is not None:
+                    done, total, elapsed = p
+                    info = {"total": total, "processed": done, "elapsed": round(elapsed, 3)}
+                    await resp.write((json.dumps(line("", prompt_progress=info)) + "\n").encode())
+                elif event == "chunk":
+                    text = tools.feed(p.text)
+                    parts.append(text)
+                    ids += [p.token] if p.token is not None else []
+                    if resp is not None and text:
+                        await resp.write((json.dumps(line(text)) + "\n").encode())
+                elif event == "error":
+                    error = p
+                elif event == "done":
+                    stats = p
+            if error is not None:
+                if resp is None:
+                    raise engine_error(error)
+                await resp.write((json.dumps({"error": str(error)}) + "\n").encode())
+                await resp.write_eof()
+                return resp
+            tail = tools.flush()
+            parts.append(tail)
+            final = line("" if resp is not None else "".join(parts), True, **self._timings(stats, start))
+            if resp is not None and tail:
+                await resp.write((json.dumps(line(tail)) + "\n").encode())
+            calls = tools.calls()
+            if calls and chat:
+                final["message"]["tool_calls"] = [
+                    {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in calls]
+            if not chat:
+                final["context"] = tokens + ids
+            if resp is None:
+                return web.json_response(final)
+            await resp.write((json.dumps(final) + "\n").encode())
+            await resp.write_eof()
+            return resp
+        except ConnectionError:
+            job.cancel.set()
+            return resp
+        finally:
+            job.cancel.set()
+
+    @staticmethod
+    def _timings(stats, start: float) -> dict:
+        if stats is None:
+            return {"done_reason": "stop"}
+        ns = 1_000_000_000
+        return {"done_reason": stats.finish_reason or "stop", "total_duration": int((time.perf_counter() - start) * ns),
+                "load_duration": 0, "prompt_eval_count": stats.prompt_tokens - stats.cached_tokens,
+                "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.generated_tokens,
+                "eval_duration": int(stats.decode_s * ns)}

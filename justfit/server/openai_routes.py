@@ -1,0 +1,173 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions,
+streaming (SSE) and not. Prefill progress goes out as SSE comment lines, which
+clients ignore but which keep connections alive through a long prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from justfit.errors import JustFitError
+from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body
+from justfit.server.tools import ToolCalls
+
+
+def add_routes(app: web.Application, server) -> None:
+    routes = OpenAIRoutes(server)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_post("/v1/completions", routes.completions)
+
+
+def chat_tokens(engine, msgs: list[dict], tools: list | None) -> list[int]:
+    try:
+        return engine.apply_chat_template(msgs, tools=tools)
+    except Exception as e:  # the template's own rules (e.g. alternating roles)
+        raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def usage(stats) -> dict:
+    prompt = stats.prompt_tokens if stats else 0
+    done = stats.generated_tokens if stats else 0
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0}}
+
+
+def engine_error(e: Exception) -> BadRequest:
+    if isinstance(e, JustFitError):
+        return BadRequest(str(e), None, 400, "context_length_exceeded", "context_length_exceeded")
+    return BadRequest("internal error while generating", None, 500, "server_error")
+
+
+class OpenAIRoutes:
+    def __init__(self, server):
+        self.server, self.engine = server, server.engine
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "justfit",
+             "context_length": self.engine.context_limit}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        self.server.check_model(body.get("model"))
+        opts = openai_options(body, self.server.config.default_max_tokens)
+        tokens = chat_tokens(self.engine, messages(body), opts.tools)
+        return await self._generate(request, tokens, opts, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        self.server.check_model(body.get("model"))
+        opts = openai_options(body, self.server.config.default_max_tokens)
+        if get(body, "echo", bool, False) or body.get("logprobs") or body.get("best_of", 1) not in (1, None):
+            raise BadRequest("echo, logprobs and best_of are not supported", "echo")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            tokens = self.engine.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.engine.model_config.get("vocab_size") or 1 << 31
+            if any(not 0 <= t < vocab for t in prompt):
+                raise BadRequest(f"'prompt' token ids must be in [0, {vocab})", "prompt")
+            tokens = list(prompt)
+        else:
+            raise BadRequest("'prompt' must be a string, an array of token ids, or a batch of one", "prompt")
+        return await self._generate(request, tokens, opts, "text")
+
+    # -- the common part -------------------------------------------------------------
+    async def _generate(self, request, tokens, opts, kind: str) -> web.StreamResponse:
+        self.server.plan(tokens, opts)
+        job, ahead = self.server.submit(tokens, opts)
+        tools = ToolCalls(self.engine.tokenizer, opts.tools if kind == "chat" else None)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        try:
+            if opts.stream:
+                return await self._stream(request, job, ahead, opts, tools, rid, kind)
+            return await self._collect(job, tools, rid, kind)
+        finally:
+            job.cancel.set()  # a no-op once finished; stops the work if the client left
+
+    def _head(self, rid: str, kind: str) -> dict:
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.server.model_id}
+
+    async def _collect(self, job, tools: ToolCalls, rid: str, kind: str) -> web.Response:
+        parts, stats, error = [], None, None
+        async for event, p in job.stream():
+            if event == "chunk":
+                parts.append(tools.feed(p.text))
+            elif event == "error":
+                error = p
+            elif event == "done":
+                stats = p
+        if error is not None:
+            raise engine_error(error)
+        parts.append(tools.flush())
+        calls = tools.calls()
+        reason = "tool_calls" if calls else (stats.finish_reason if stats else "stop")
+        text = "".join(parts)
+        if kind == "chat":
+            message = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return web.json_response({**self._head(rid, kind), "choices": [choice], "usage": usage(stats)})
+
+    async def _stream(self, request, job, ahead, opts, tools, rid, kind) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        head = {**self._head(rid, kind), "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+
+        def data(choice: dict | None, **extra) -> bytes:
+            body = {**head, "choices": [choice] if choice else [], **extra}
+            return f"data: {json.dumps(body)}\n\n".encode()
+
+        def piece(text: str | None = None, reason: str | None = None, **delta) -> bytes:
+            if kind == "chat":
+                if text:
+                    delta["content"] = text
+                return data({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None})
+            return data({"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None})
+
+        try:
+            if ahead:
+                await resp.write(f": queued {json.dumps({'ahead': ahead})}\n\n".encode())
+            if kind == "chat":
+                await resp.write(piece(role="assistant", content=""))
+            stats, cached = None, None
+            async for event, p in job.stream():
+                if event == "progress":
+                    done, total, elapsed = p
+                    cached = done if cached is None else cached
+                    info = {"total": total, "cached": cached, "processed": done, "elapsed": round(elapsed, 3)}
+                    await resp.write(f": prompt_progress {json.dumps(info)}\n\n".encode())
+                elif event == "chunk":
+                    text = tools.feed(p.text)
+                    if text:
+                        await resp.write(piece(text))
+                elif event == "error":
+                    await resp.write(f"data: {json.dumps(engine_error(p).body())}\n\n".encode())
+                elif event == "done":
+                    stats = p
+            tail = tools.flush()
+            if tail:
+                await resp.write(piece(tail))
+            calls = tools.calls(streaming=True)
+            if calls:
+                await resp.write(piece(tool_calls=calls))
+            if stats is not None:
+                await resp.write(piece(reason="tool_calls" if calls else stats.finish_reason))
+                if opts.include_usage:
+                    await resp.write(data(None, usage=usage(stats)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client left: cancel (in _generate), nobody to tell
+            job.cancel.set()
+        return resp

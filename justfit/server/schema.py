@@ -1,0 +1,190 @@
+"""Request bodies, checked: every wrong field is a 400 that names it. Unknown fields
+are ignored (clients send many); known ones must have the right type and range."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from justfit.config import SamplingParams
+
+_MISSING = object()
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class BadRequest(Exception):
+    """A client error: HTTP `status`, OpenAI-style `type`/`code`, the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None, details: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code, self.details = type, code, details or {}
+
+    def body(self) -> dict:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.details:
+            err["details"] = self.details
+        return {"error": err}
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", "body") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", "body")
+    return body
+
+
+def _type_name(types) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object"}
+    return " or ".join(names.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
+
+
+def get(body: dict, name: str, types, default: Any = _MISSING, *, lo: float | None = None,
+        hi: float | None = None, where: str = "") -> Any:
+    """body[name], checked; `default` when absent or null (required if none given)."""
+    path = f"{where}{name}"
+    value = body.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise BadRequest(f"'{path}' is required", path)
+        return default
+    types = types if isinstance(types, tuple) else (types,)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise BadRequest(f"'{path}' must be {_type_name(types)}, not {type(value).__name__}", path)
+    if lo is not None and value < lo or hi is not None and value > hi:
+        rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+        raise BadRequest(f"'{path}' must be {rng}, not {value}", path)
+    return value
+
+
+def _stop(value, path: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 16:
+        return tuple(value)
+    raise BadRequest(f"'{path}' must be a string or an array of at most 16 strings", path)
+
+
+def _text(content, path: str) -> str:
+    """Message content: a string or OpenAI content parts (text only)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                raise BadRequest(f"'{path}[{i}]': only text content parts are supported", f"{path}[{i}]")
+            out.append(get(part, "text", str, where=f"{path}[{i}]."))
+        return "".join(out)
+    raise BadRequest(f"'{path}' must be a string or an array of content parts", path)
+
+
+def messages(body: dict) -> list[dict]:
+    msgs = get(body, "messages", list)
+    if not msgs:
+        raise BadRequest("'messages' must not be empty", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]."
+        if not isinstance(m, dict):
+            raise BadRequest(f"'messages[{i}]' must be an object", f"messages[{i}]")
+        role = get(m, "role", str, where=where)
+        if role not in ROLES:
+            raise BadRequest(f"'{where}role' must be one of {', '.join(ROLES)}, not {role!r}", f"{where}role")
+        msg = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), f"{where}content")}
+        for key in ("name", "tool_call_id"):
+            if key in m and m[key] is not None:
+                msg[key] = get(m, key, str, where=where)
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = [_tool_call(tc, f"{where}tool_calls[{j}]")
+                                 for j, tc in enumerate(get(m, "tool_calls", list, where=where))]
+        out.append(msg)
+    return out
+
+
+def _tool_call(tc, path: str) -> dict:
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        raise BadRequest(f"'{path}' must be an object with a 'function'", path)
+    fn = tc["function"]
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):  # OpenAI sends arguments as a JSON string; templates want objects
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise BadRequest(f"'{path}.function.arguments' is not valid JSON", f"{path}.function.arguments") from None
+    return {"id": tc.get("id"), "type": "function",
+            "function": {"name": get(fn, "name", str, where=f"{path}.function."), "arguments": args}}
+
+
+@dataclass
+class Options:
+    """What a generation request asks for, in the engine's terms."""
+
+    sampling: SamplingParams
+    max_tokens_given: bool
+    stream: bool = False
+    include_usage: bool = False
+    session: str | None = None
+    tools: list | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def openai_options(body: dict, default_max_tokens: int) -> Options:
+    n = get(body, "n", int, 1)
+    if n != 1:
+        raise BadRequest("'n' must be 1: one completion per request", "n")
+    max_tokens = get(body, "max_completion_tokens", int, None, lo=0)
+    max_tokens = get(body, "max_tokens", int, max_tokens, lo=0)
+    given = max_tokens is not None
+    stream = get(body, "stream", bool, False)
+    stream_options = get(body, "stream_options", dict, {})
+    try:
+        sp = SamplingParams(
+            temperature=get(body, "temperature", float, 1.0, lo=0, hi=2),
+            top_p=get(body, "top_p", float, 1.0, lo=0, hi=1),
+            top_k=get(body, "top_k", int, 0, lo=0),
+            min_p=get(body, "min_p", float, 0.0, lo=0, hi=1),
+            repetition_penalty=get(body, "repetition_penalty", float, 1.0, lo=0.01, hi=10),
+            seed=get(body, "seed", int, None),
+            max_tokens=max_tokens if given else default_max_tokens,
+            stop=_stop(body.get("stop"), "stop"),
+        )
+    except ValueError as e:  # e.g. top_p 0
+        raise BadRequest(str(e), None) from None
+    for name in ("frequency_penalty", "presence_penalty"):
+        get(body, name, float, 0.0, lo=-2, hi=2)  # accepted, not applied
+    tools = get(body, "tools", list, None)
+    return Options(sp, given, stream, get(stream_options, "include_usage", bool, False, where="stream_options."),
+                   get(body, "session", str, None), tools or None)
+
+
+def ollama_options(body: dict, default_max_tokens: int) -> Options:
+    opts = get(body, "options", dict, {})
+    w = "options."
+    num_predict = get(opts, "num_predict", int, None, lo=-2, where=w)
+    given = num_predict is not None and num_predict >= 0
+    try:
+        sp = SamplingParams(
+            temperature=get(opts, "temperature", float, 0.8, lo=0, hi=2, where=w),
+            top_p=get(opts, "top_p", float, 0.9, lo=0, hi=1, where=w),
+            top_k=get(opts, "top_k", int, 40, lo=0, where=w),
+            min_p=get(opts, "min_p", float, 0.0, lo=0, hi=1, where=w),
+            repetition_penalty=get(opts, "repeat_penalty", float, 1.0, lo=0.01, hi=10, where=w),
+            seed=get(opts, "seed", int, None, where=w),
+            max_tokens=num_predict if given else default_max_tokens,
+            stop=_stop(opts.get("stop"), "options.stop"),
+        )
+    except ValueError as e:
+        raise BadRequest(str(e), "options") from None
+    return Options(sp, given, get(body, "stream", bool, True), tools=get(body, "tools", list, None) or None)
