@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -38,7 +39,7 @@ class Server:
         self.engine, self.config = engine, config or ServerConfig()
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record)
-        self.model_id = self.config.model_name or engine.name
+        self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
 
     # -- models -------------------------------------------------------------------
@@ -90,7 +91,6 @@ class Server:
 
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[self._errors, self._cors, self._auth])
-        app["server"] = self
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/justfit/status", self.status)
@@ -178,6 +178,12 @@ class Server:
                          "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
             "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,
         }, dumps=_dumps)
+
+
+def _short_name(name: str) -> str:
+    """A path-like model name as its file or folder name; ids and aliases as they are."""
+    p = Path(name)
+    return p.name.removesuffix(".gguf") if (p.is_absolute() or p.exists()) else name
 
 
 def _dumps(obj) -> str:

@@ -159,6 +159,7 @@ def openai_options(body: dict, default_max_tokens: int) -> Options:
             seed=get(body, "seed", int, None),
             max_tokens=max_tokens if given else default_max_tokens,
             stop=_stop(body.get("stop"), "stop"),
+            ignore_eos=get(body, "ignore_eos", bool, False),  # extension: benchmarks
         )
     except ValueError as e:  # e.g. top_p 0
         raise BadRequest(str(e), None) from None
