@@ -280,7 +280,9 @@ class Engine:
             logits = prefill(self.model, tokens[cached:], cache, self.config.prefill_chunk,
                              wrapped, record)
         stats.prefill_s = phase.seconds
-        sampler = _seeded(make_sampler(sp.temperature, sp.top_p, sp.min_p, top_k=sp.top_k), rng)
+        vocab = int(logits.shape[-1])
+        top_k = sp.top_k if sp.top_k < vocab else 0  # keeping every token is no filter
+        sampler = _seeded(make_sampler(sp.temperature, sp.top_p, sp.min_p, top_k=top_k), rng)
         processors = make_logits_processors(
             repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
             repetition_context_size=sp.repetition_context,

@@ -82,6 +82,33 @@ def test_help_lists_chat(runner):
         assert option in result.output
 
 
+def test_serve_command_starts_answers_and_stops(tiny_llama_dir):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_llama_dir), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            if line.startswith("serving"):
+                url = line.split(" on ")[1].split("/v1")[0]
+                break
+        assert url, "server did not start"
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["usage"]["prompt_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
 def test_version(runner):
     result = runner.invoke(main, ["--version"])
     assert result.exit_code == 0

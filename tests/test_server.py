@@ -116,6 +116,8 @@ def test_prefill_progress_is_streamed(live):
     ({**CHAT, "stream": "yes"}, "stream"),
     ({**CHAT, "n": 2}, "n"),
     ({**CHAT, "stop": [1, 2]}, "stop"),
+    ({**CHAT, "temperature": float("nan")}, "temperature"),
+    ({**CHAT, "top_p": 1e400}, "top_p"),
     ({**CHAT, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
 ])
 def test_bad_fields_are_400_naming_the_field(live, body, param):
@@ -136,6 +138,10 @@ def test_malformed_unknown_and_oversized_requests(live):
     assert status == 405
     status, _, text = request(live, "POST", "/v1/completions", raw=b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}')
     assert status == 413 and "error" in json.loads(text)
+    status, _, text = request(live, "POST", "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 2})
+    assert status == 400 and json.loads(text)["error"]["param"] == "prompt"
+    status, _, _ = request(live, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_k": 10**6})
+    assert status == 200  # a top_k past the vocabulary filters nothing
     status, _, text = request(live, "POST", "/api/chat", raw=b"nope")
     assert status == 400 and isinstance(json.loads(text)["error"], str)  # Ollama's error shape
     assert request(live, "GET", "/health")[0] == 200  # still serving

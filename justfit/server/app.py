@@ -210,8 +210,9 @@ def run(engine, config: ServerConfig, ready=None) -> None:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # the real one when asked for 0
         if ready:
-            ready(f"http://{config.host}:{config.port}")
+            ready(f"http://{config.host}:{port}")
         try:
             await asyncio.Event().wait()
         finally:

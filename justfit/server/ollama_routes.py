@@ -10,8 +10,8 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 import justfit
-from justfit.server.openai_routes import chat_tokens, engine_error
-from justfit.server.schema import BadRequest, get, messages, ollama_options, parse_body
+from justfit.server.openai_routes import chat_tokens, engine_error, vocab_size
+from justfit.server.schema import get, messages, ollama_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
 
 OLLAMA_VERSION = "0.6.0"  # the API level this subset follows (clients check it)
@@ -69,9 +69,7 @@ class OllamaRoutes:
         self.server.check_model(get(body, "model", str, None))
         opts = ollama_options(body, self.server.config.default_max_tokens)
         prompt, system = get(body, "prompt", str, ""), get(body, "system", str, None)
-        context = get(body, "context", list, [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
-            raise BadRequest("'context' must be an array of token ids", "context")
+        context = token_ids(get(body, "context", list, []), vocab_size(self.engine), "context")
         if not prompt and not context:  # Ollama's "load the model" call
             return web.json_response({"model": self.server.model_id, "created_at": _now(), "response": "",
                                       "done": True, "done_reason": "load"})

@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 
 from justfit.errors import JustFitError
-from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body
+from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
 
 
@@ -27,6 +27,10 @@ def chat_tokens(engine, msgs: list[dict], tools: list | None) -> list[int]:
         return engine.apply_chat_template(msgs, tools=tools)
     except Exception as e:  # the template's own rules (e.g. alternating roles)
         raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def vocab_size(engine) -> int:
+    return int(engine.model_config.get("vocab_size") or len(engine.tokenizer.vocab))
 
 
 def usage(stats) -> dict:
@@ -70,10 +74,7 @@ class OpenAIRoutes:
         if isinstance(prompt, str):
             tokens = self.engine.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.engine.model_config.get("vocab_size") or 1 << 31
-            if any(not 0 <= t < vocab for t in prompt):
-                raise BadRequest(f"'prompt' token ids must be in [0, {vocab})", "prompt")
-            tokens = list(prompt)
+            tokens = token_ids(prompt, vocab_size(self.engine), "prompt")
         else:
             raise BadRequest("'prompt' must be a string, an array of token ids, or a batch of one", "prompt")
         return await self._generate(request, tokens, opts, "text")

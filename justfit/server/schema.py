@@ -4,6 +4,7 @@ are ignored (clients send many); known ones must have the right type and range."
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,13 +58,24 @@ def get(body: dict, name: str, types, default: Any = _MISSING, *, lo: float | No
     types = types if isinstance(types, tuple) else (types,)
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if float in types and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
+        ok, value = abs(value) < 1e300, float(value)
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"'{path}' must be a finite number", path)
     if not ok:
         raise BadRequest(f"'{path}' must be {_type_name(types)}, not {type(value).__name__}", path)
     if lo is not None and value < lo or hi is not None and value > hi:
         rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
         raise BadRequest(f"'{path}' must be {rng}, not {value}", path)
     return value
+
+
+def token_ids(value, vocab: int, path: str) -> list[int]:
+    """A list of token ids, each in [0, vocab)."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"'{path}' must be an array of token ids", path)
+    if any(not 0 <= t < vocab for t in value):
+        raise BadRequest(f"'{path}' token ids must be in [0, {vocab})", path)
+    return list(value)
 
 
 def _stop(value, path: str) -> tuple[str, ...]:
