@@ -127,7 +127,8 @@ def test_bad_fields_are_400_naming_the_field(live, body, param):
 
 
 def test_malformed_unknown_and_oversized_requests(live):
-    for raw in (b"{not json", b"\xff\xfe", b"[1, 2]", b""):
+    deep, huge = b"[" * 10000 + b"]" * 10000, b'{"max_tokens": ' + b"9" * 5000 + b"}"
+    for raw in (b"{not json", b"\xff\xfe", b"[1, 2]", b"", deep, huge):
         status, _, text = request(live, "POST", "/v1/chat/completions", raw=raw)
         assert status == 400 and json.loads(text)["error"]["param"] == "body"
     status, _, text = request(live, "POST", "/v1/chat/completions", {**CHAT, "model": "gpt-9"})

@@ -33,8 +33,10 @@ class BadRequest(Exception):
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or a 5000-digit integer
         raise BadRequest(f"request body is not valid JSON: {e}", "body") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", "body") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", "body")
     return body
