@@ -113,6 +113,7 @@ class Engine:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
         self.swap = PhaseSwap(self.model, self.policy, _stream_dir(loaded, self.policy), weight_limit)
         self.swap.registry.strict = budget is not None  # give freed memory back at once
+        mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
         c = self.config
         self.states = StateTiers(_state_dir(c.state_dir), state_identity(self), len(self.new_cache()),
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
@@ -176,7 +177,8 @@ class Engine:
         the components the request must stream from disk to fit."""
         if prompt_tokens + max_tokens > self.context_limit:
             raise ContextTooLong(prompt_tokens, max_tokens, self.context_limit)
-        retain = self.config.kv.max_positions if self.config.kv is not None else None
+        kv = self.config.kv
+        retain = kv.max_positions if kv is not None and kv.pin_prompt else None
         if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
             raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
         positions = prompt_tokens + max_tokens
@@ -268,7 +270,8 @@ class Engine:
     def _run(self, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
              stats: GenerationStats, progress: ProgressFn | None) -> Iterator[Chunk]:
         cached = len(held)
-        kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
+        if self.config.kv is None or self.config.kv.pin_prompt:
+            kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
         record: Callable[[list[int]], None] = held.extend
         if sp.max_tokens == 0:
             stats.finish_reason = "length"

@@ -32,6 +32,7 @@ class KVConfig:
     max_positions: int | None = None  # retention: positions kept per layer (None: all)
     policy: str = "score"  # what retention evicts first: "score" (least attended) or "random"
     select_pages: int | None = None  # decode attends to the top-k pages by key bound (Quest)
+    pin_prompt: bool = True  # retention keeps every prompt position; False: sinks + window + kept pages only
 
     def __post_init__(self) -> None:
         get_format(self.format)

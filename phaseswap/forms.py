@@ -139,14 +139,32 @@ def to_dense(mod: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Module:
     return dense
 
 
-def to_q8t(mod: nn.Module) -> nn.Module:
+def _dense_rows(mod: nn.Module, start: int, end: int) -> mx.array:
+    """Rows start:end of the [out, in] weight, fp32, dequantizing only those rows."""
+    if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        biases = mod.get("biases")
+        return mx.dequantize(
+            mod["weight"][start:end], mod["scales"][start:end].astype(mx.float32),
+            None if biases is None else biases[start:end].astype(mx.float32),
+            group_size=mod.group_size, bits=mod.bits, mode=getattr(mod, "mode", "affine"),
+        ).astype(mx.float32)
+    return mod["weight"][start:end].astype(mx.float32)
+
+
+def to_q8t(mod: nn.Module, block: int = 4096) -> nn.Module:
     """The decode form of a linear (or of an embedding used as the output head);
-    returns `mod` unchanged when its output size does not split into groups."""
-    out = dense_weight(mod).shape[0]
+    returns `mod` unchanged when its output size does not split into groups. Converted
+    `block` output rows at a time: a 49K-row head would otherwise need its whole fp32
+    weight (and a transposed copy) at once, the largest transient of a model load."""
+    out = mod["weight"].shape[0]
     if out % Q8T_GROUP:
         return mod
-    wt = dense_weight(mod, mx.float32).T
-    weight, scales, biases = mx.quantize(wt, Q8T_GROUP, 8)
+    parts = []
+    for start in range(0, out, block):
+        part = mx.quantize(_dense_rows(mod, start, min(out, start + block)).T, Q8T_GROUP, 8)
+        mx.eval(part)
+        parts.append(part)
+    weight, scales, biases = (mx.concatenate([p[i] for p in parts], axis=-1) for i in range(3))
     bias = _bias(mod, mx.float32) if not isinstance(mod, (nn.Embedding, nn.QuantizedEmbedding)) else None
     q = TransposedQuantizedLinear(weight, scales, biases, bias, Q8T_GROUP, 8)
     mx.eval(q.parameters())

@@ -396,3 +396,26 @@ def test_bench_runs_a_suite_through_the_cli(tmp_path, monkeypatch):
     assert '"format": "q8c"' in result.output and list(tmp_path.glob("kv-bytes-*.json"))
     bad = CliRunner().invoke(main, ["bench", "nope"])
     assert bad.exit_code == 2 and "nope" in bad.output
+
+
+def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, monkeypatch):
+    """The --quick capacity run: every system gets a row (positions, or an error when
+    nothing fit), and JSON, markdown and a PNG plot are written."""
+    import bench.common
+    from bench.capacity import main as capacity
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    args = ["--quick", "--model", str(tiny_llama_dir), "--step", "64", "--out", "8", "--max-positions", "300"]
+    result = capacity([*args, "--budget", "4GiB", "--json"])
+    rows = {r["system"]: r for r in result["systems"]}
+    assert set(rows) == {"mlx-lm", "mlx-lm-kv4", "justfit-default", "justfit-compact", "justfit-retention"}
+    assert "divisible" in rows.pop("mlx-lm-kv4")["error"]  # its 64-value groups do not fit head_dim 16
+    for r in rows.values():
+        assert r["positions"] == 288 and r["limited"] and r["peak_mib"] < 4096  # 4 steps of 64 + 8
+    tight = capacity([*args, "--budget", "20MiB", "--systems", "mlx-lm,justfit-default", "--json"])
+    assert [r["system"] for r in tight["systems"]] == ["mlx-lm", "justfit-default"]
+    assert all("error" in r and "positions" not in r for r in tight["systems"])  # reported, not dropped
+    names = sorted(p.suffix for p in tmp_path.iterdir())
+    assert names.count(".json") == 2 and ".md" in names and ".png" in names
+    md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
+    assert "justfit-default" in md and "error" in md

@@ -1,0 +1,240 @@
+"""Memory capacity: the most retained positions each system completes with the
+whole process (model, weights and all) within a memory budget.
+
+    python -m bench.capacity --model smollm2 --budget 700MiB
+    python -m bench.capacity --quick          # minutes: small budget, short steps
+
+Protocol (one growing run per system, each in its own process): a conversation that
+grows by `--step` tokens of deterministic repetitive input, then `--out` generated
+tokens (end-of-sequence never ends it), again and again; retained positions = input +
+generated so far. The process's peak memory is sampled (RSS every 10 ms, and the
+kernel's high-water mark); the first step whose peak passes the budget ends the run,
+and the process is stopped as soon as RSS crosses it. Capacity = positions after the
+last step that stayed within budget. JustFit also stops when its planner refuses the
+next step (it would not fit). A run that hits `--max-positions` or `--max-seconds`
+reports that it was limited, not the capacity. Every system gets the same input
+tokens and the same output length per step.
+
+Systems: mlx-lm (stock `generate_step`, default KV), mlx-lm-kv4 (`kv_bits=4`,
+`quantized_kv_start=0`), justfit-default (q8c pages), justfit-compact (the format
+with the fewest bytes per position), justfit-retention (default pages, at most
+`--retain` positions kept: sinks, recent window and the most attended pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+SYSTEMS = ("mlx-lm", "mlx-lm-kv4", "justfit-default", "justfit-compact", "justfit-retention")
+QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120}
+
+
+class _Peak(threading.Thread):
+    """Samples this process's RSS; exits the process (status 3) past the budget."""
+
+    def __init__(self, budget: int):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.proc, self.budget, self.peak = psutil.Process(), budget, 0
+
+    def run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            if self.peak > self.budget:
+                print(json.dumps({"end": "budget", "peak_rss": self.peak}), flush=True)
+                os._exit(3)
+            time.sleep(0.01)
+
+
+def _stock(model: str, kv_bits: int | None):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from justfit.models import load
+
+    loaded = load(model)
+    cache = make_prompt_cache(loaded.model)
+    eos = list(loaded.tokenizer.eos_token_ids)
+
+    def no_eos(tokens, logits):  # end-of-sequence suppressed
+        return logits.at[..., eos].add(-1e9) if eos else logits
+
+    def step(tokens: list[int], out: int) -> list[int]:
+        kw = {"kv_bits": kv_bits, "quantized_kv_start": 0} if kv_bits else {}
+        gen = generate_step(mx.array(tokens), loaded.model, prompt_cache=cache, max_tokens=out,
+                            sampler=make_sampler(0.0), logits_processors=[no_eos], **kw)
+        return [int(t) for t, _ in gen]
+
+    return loaded.tokenizer, step
+
+
+def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
+    import mlx.core as mx
+
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+    from justfit.memory import rss_bytes
+    from kvexec import FORMATS, KVConfig, get_format
+
+    config = EngineConfig(context_limit=limit)
+    if system == "justfit-retention":
+        config.kv = KVConfig(max_positions=retain, pin_prompt=False)
+    engine = Engine(model, config=config)
+    if system == "justfit-compact":  # chosen for this model's head_dim, before any request
+        head_dim = engine.kv_shape[2]
+        usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
+        engine.config.kv = KVConfig(format=min(usable, key=lambda f: get_format(f).bytes_per_token(1, head_dim)))
+    # The engine's budget covers what it manages (MLX memory); the interpreter,
+    # libraries and tokenizer beside it are measured and left out of it.
+    engine.config.budget_bytes = budget - (rss_bytes() - mx.get_active_memory())
+    history: list[int] = []
+
+    def step(tokens: list[int], out: int) -> list[int]:
+        nonlocal history
+        sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+        got = [c.token for c in engine.generate(history + tokens, sp) if c.token is not None]
+        history = history + tokens + got
+        return got
+
+    return engine.tokenizer, step
+
+
+def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, max_positions: int,
+            max_seconds: float, retain: int) -> None:
+    """Prints one JSON line per completed step, then {"end": reason}."""
+    if system.startswith("justfit"):
+        import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    import mlx.core as mx
+
+    from bench.common import prompt_tokens
+    from justfit.errors import JustFitError
+    from justfit.memory import peak_rss_bytes
+
+    sampler = _Peak(budget)
+    sampler.start()
+    if system.startswith("justfit"):
+        tokenizer, step = _justfit(model, system, budget, retain, max_positions + out + 1)
+    else:
+        tokenizer, step = _stock(model, 4 if system == "mlx-lm-kv4" else None)
+    text = prompt_tokens(tokenizer, max_positions)
+    fed = generated = 0
+    pending: list[int] = []  # the last generated token: fed with the next step
+    start = time.perf_counter()
+    while fed + generated + step_tokens + out <= max_positions:
+        if time.perf_counter() - start > max_seconds:
+            print(json.dumps({"end": "time limit"}), flush=True)
+            return
+        t0 = time.perf_counter()
+        try:
+            got = step(pending + text[fed:fed + step_tokens], out)
+        except JustFitError as e:
+            print(json.dumps({"end": "planner refused", "reason": str(e)}), flush=True)
+            return
+        fed, generated = fed + step_tokens, generated + len(got)
+        pending = got[-1:]
+        peak = max(sampler.peak, peak_rss_bytes())
+        print(json.dumps({"positions": fed + generated, "input": fed, "generated": generated,
+                          "peak_rss": peak, "mlx_peak": mx.get_peak_memory(),
+                          "step_s": round(time.perf_counter() - t0, 2)}), flush=True)
+        if peak > budget:
+            print(json.dumps({"end": "budget", "peak_rss": peak}), flush=True)
+            return
+    print(json.dumps({"end": "position limit"}), flush=True)
+
+
+def run_system(system: str, args, budget: int) -> dict:
+    """One system's growing run in a fresh process; its capacity row."""
+    cmd = [sys.executable, "-m", "bench.capacity", "--worker", system, "--model", args.model,
+           "--budget", str(budget), "--step", str(args.step), "--out", str(args.out),
+           "--max-positions", str(args.max_positions), "--max-seconds", str(args.max_seconds),
+           "--retain", str(args.retain)]
+    steps, end = [], {"end": "crashed"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "end" in item:
+            end = item
+        else:
+            steps.append(item)
+            if not args.json:
+                print(f"  {system}: {item['positions']:,} positions, peak {item['peak_rss'] / 2**20:.0f} MiB "
+                      f"({item['step_s']} s)", file=sys.stderr, flush=True)
+    err = proc.stderr.read()
+    proc.wait()
+    ok = [s for s in steps if s["peak_rss"] <= budget]
+    row = {"system": system, "model": args.model, "budget_mib": round(budget / 2**20, 1),
+           "ended_by": end["end"], "curve": [(s["positions"], round(s["peak_rss"] / 2**20, 1)) for s in steps]}
+    if end["end"] == "crashed":
+        row["error"] = f"exit {proc.returncode}: {(err.strip().splitlines() or ['no output'])[-1]}"
+    if ok:
+        row.update(positions=ok[-1]["positions"], peak_mib=round(ok[-1]["peak_rss"] / 2**20, 1),
+                   mlx_peak_mib=round(ok[-1]["mlx_peak"] / 2**20, 1),
+                   limited=end["end"] in ("time limit", "position limit"))
+    elif "error" not in row:
+        row["error"] = f"no step completed within the budget ({end['end']})"
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--budget", default="900MiB", help="whole-process memory budget")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--step", type=int, default=2048,
+                    help="input tokens per step (2048: mlx-lm's prefill chunk, so each step's transient "
+                         "is that of a fresh run's last chunk)")
+    ap.add_argument("--out", type=int, default=256, help="generated tokens per step")
+    ap.add_argument("--max-positions", type=int, default=65536)
+    ap.add_argument("--max-seconds", type=float, default=3600, help="per system")
+    ap.add_argument("--retain", type=int, default=4096, help="positions justfit-retention keeps")
+    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
+    ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            if f"--{k.replace('_', '-')}" not in (argv if argv is not None else sys.argv):
+                setattr(args, k, v)
+    from justfit.memory import parse_size
+
+    budget = parse_size(args.budget)
+    if args.worker:
+        _worker(args.worker, args.model, budget, args.step, args.out, args.max_positions, args.max_seconds,
+                args.retain)
+        return {}
+    from bench.common import machine_info, save
+    from bench.report import capacity_markdown, capacity_plot
+
+    rows = []
+    for system in args.systems.split(","):
+        rows.append(run_system(system, args, budget))
+        if not args.json:
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), file=sys.stderr, flush=True)
+    settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
+                                              "retain")}
+    result = {"machine": machine_info(), "settings": settings, "systems": rows}
+    path = save("capacity", result)
+    path.with_suffix(".md").write_text(capacity_markdown(result))
+    capacity_plot(result, path.with_suffix(".png"))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"saved {path} (+ .md, .png)", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
