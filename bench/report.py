@@ -56,3 +56,17 @@ def capacity_plot(result: dict, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def speed_markdown(result: dict) -> str:
+    lines = [f"# Speed; machine: {_machine_line(result['machine'])}", "",
+             "| system | context | prefill tok/s | decode tok/s | TTFT s | peak MiB | runs |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["systems"]:
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r['context']} | error: {r['error']} | | | | |")
+            continue
+        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else ""
+        lines.append(f"| {r['system']} | {r['context']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
+                     f"{r['ttft_s']:.2f} | {peak} | {r.get('runs', '')} |")
+    return "\n".join(lines) + "\n"

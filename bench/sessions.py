@@ -1,8 +1,12 @@
-"""Two sessions under one memory budget: each grows turn by turn to what a single
-session can hold in that budget; the one not running is swapped to disk.
+"""Sessions under one memory budget: each of `--sessions` (2 or 4) grows turn by turn
+to what a single session can hold in that budget; those not running are swapped to disk.
 
     python -m bench.sessions --model smollm2 --positions 6144
+    python -m bench.sessions --model smollm2 --positions 3072 --sessions 4
 
+Turns go round-robin (one engine computes one request at a time). The aggregate decode
+rate is all sessions' generated tokens over the common active interval (first turn's
+start to last turn's end), never a sum of per-request rates.
 The budget is the smallest in which one session holds `--positions` (or `--budget`);
 the single-session ceiling is the planner's, with streaming allowed, so the ratio
 (aggregate retained positions / ceiling) is against the most one session could hold.
@@ -35,7 +39,8 @@ def ceiling(engine) -> int:
     return lo
 
 
-def run(model: str, positions: int, budget: int | None, turn: int, reply: int, verify: bool) -> dict:
+def run(model: str, positions: int, budget: int | None, turn: int, reply: int, verify: bool,
+        sessions: int = 2) -> dict:
     import justfit  # noqa: F401  (OpenBLAS before mlx.core)
     import mlx.core as mx
 
@@ -50,10 +55,11 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
         del probe
     engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))
     single = ceiling(engine)
-    text = prompt_tokens(engine.tokenizer, 4 * single)
+    text = prompt_tokens(engine.tokenizer, 2 * sessions * single)
     sp = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
-    held = {"a": [], "b": []}
-    source = {"a": 0, "b": 2 * single}  # each session reads its own stretch of text
+    held: dict[str, list[int]] = {f"s{i + 1}": [] for i in range(sessions)}
+    source = {name: 2 * i * single for i, name in enumerate(held)}  # each reads its own stretch of text
+    began = time.perf_counter()
     turns, replies = [], []
     while True:
         ran = False
@@ -76,15 +82,20 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
             turns.append({"session": name, "prompt_tokens": len(prompt), "new_tokens": new,
                           "cached_tokens": s.cached_tokens, "restored_from": s.restored_from,
                           "restore_s": round(s.restore_s, 3), "ttft_s": round(ttft, 3),
-                          "decode_tps": round(s.decode_tps, 2), "mlx_peak": s.memory.mlx_peak,
+                          "decode_tps": round(s.decode_tps, 2), "decode_s": s.decode_s, "mlx_peak": s.memory.mlx_peak,
                           "stored_states_in_memory": engine.states.memory_bytes,
                           "streamed": len(engine.swap.streamed), "retained_after": len(held[name])})
             print(json.dumps(turns[-1]), file=sys.stderr)
             ran = True
         if not ran:
             break
+    active = time.perf_counter() - began
     aggregate = sum(len(t) for t in held.values())
-    row = {"model": model, "budget": budget, "single_session_ceiling": single,
+    generated = reply * len(turns)
+    row = {"system": "justfit-default", "sessions": sessions, "model": model, "budget": budget,
+           "single_session_ceiling": single, "active_s": round(active, 1),
+           "aggregate_decode_tps": round(generated / active, 2),
+           "decode_only_tps": round(generated / sum(t["decode_s"] for t in turns), 2),
            "retained": {n: len(t) for n, t in held.items()}, "aggregate": aggregate,
            "ratio": aggregate / single, "both_at_once_fits": ceiling(engine) >= aggregate,
            "max_mlx_peak": max(t["mlx_peak"] for t in turns), "swaps_to_disk": engine.states.spilled,
@@ -106,13 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", default=None, help="use this budget instead (e.g. 200MiB)")
     ap.add_argument("--turn", type=int, default=1024, help="new prompt tokens per turn")
     ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
+    ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--no-verify", dest="verify", action="store_false")
     args = ap.parse_args(argv)
     from bench.common import machine_info, save
     from justfit.memory import parse_size
 
     budget = parse_size(args.budget) if args.budget else None
-    row = run(args.model, args.positions, budget, args.turn, args.reply, args.verify)
+    row = run(args.model, args.positions, budget, args.turn, args.reply, args.verify, args.sessions)
     summary = {k: v for k, v in row.items() if k != "turns"}
     print(json.dumps(summary), file=sys.stderr)
     print(f"saved {save('sessions', {'machine': machine_info(), 'rows': [row]})}", file=sys.stderr)

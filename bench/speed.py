@@ -2,9 +2,12 @@
 process on the same prompt tokens.
 
     python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
+    python -m bench.speed --model gemma3 --contexts 1024,4096,8192,16384,32768 --repeat 3
+    python -m bench.speed --quick                 # 256 tokens, 8 decoded: a minute
+    python -m bench.speed --llama-cpp ~/llama.cpp/build/bin/llama-bench   # adds llama.cpp
 
-Systems: `justfit` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS; `justfit@POLICY`
-for another PhaseSwap policy), `mlx-lm` (stock
+Systems: `justfit-default` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS;
+`justfit@POLICY` for another PhaseSwap policy), `mlx-lm` (stock
 `generate_step` on the same converted model, as a user runs it: the wheel's own BLAS)
 and `mlx-lm+openblas` (stock, with OpenBLAS preloaded, to separate the two effects).
 """
@@ -17,7 +20,8 @@ import os
 import sys
 import time
 
-SYSTEMS = ("justfit", "mlx-lm", "mlx-lm+openblas")
+SYSTEMS = ("justfit-default", "mlx-lm", "mlx-lm+openblas")
+QUICK = {"contexts": "256", "decode": 8, "systems": "justfit-default,mlx-lm"}
 
 
 def _worker(system: str, model: str, context: int, decode: int) -> dict:
@@ -27,7 +31,7 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
 
     from justfit.models import load as resolve_and_load
 
-    if system.startswith("justfit"):  # "justfit" or "justfit@POLICY"
+    if system.startswith("justfit"):  # "justfit-default" or "justfit@POLICY"
         from justfit import Engine, SamplingParams
         from justfit.config import EngineConfig
 
@@ -78,8 +82,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
+    ap.add_argument("--llama-cpp", default=None, metavar="PATH", help="a llama-bench binary, run on the same GGUF")
     ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.quick:
+        given = argv if argv is not None else sys.argv
+        for k, v in QUICK.items():
+            if f"--{k}" not in given:
+                setattr(args, k, v)
     if args.worker:
         system, model, context, decode = args.worker
         print(json.dumps(_worker(system, model, int(context), int(decode))))
@@ -93,18 +104,28 @@ def main(argv: list[str] | None = None) -> dict:
             runs = [run_worker("bench.speed", [system, args.model, str(context), str(args.decode)], args.timeout)
                     for _ in range(args.repeat)]
             ok = [r for r in runs if "error" not in r]
-            row = {"system": system, "model": args.model, "context": context, "decode_tokens": args.decode}
+            row = {"system": system, "model": args.model, "context": context, "decode_tokens": args.decode,
+                   "runs": len(ok)}
             if ok:
                 for key in ("prefill_tps", "decode_tps", "ttft_s", "peak_mib", "rss_peak_mib"):
                     vals = sorted(r[key] for r in ok)
-                    row[key] = vals[len(vals) // 2]
+                    row[key] = vals[len(vals) // 2]  # median; the best run beside it
+                    row[f"{key}_best"] = vals[0] if key in ("ttft_s", "peak_mib", "rss_peak_mib") else vals[-1]
             else:
                 row["error"] = runs[-1]["error"]
             rows.append(row)
             if not args.json:
                 print(json.dumps(row), file=sys.stderr, flush=True)
+    if args.llama_cpp:
+        from bench.llamacpp import llama_bench
+
+        rows += llama_bench(args.llama_cpp, args.model, [int(c) for c in args.contexts.split(",")], args.decode,
+                            args.repeat)
     result = {"machine": machine_info(), "systems": rows}
     path = save("speed", result)
+    from bench.report import speed_markdown
+
+    path.with_suffix(".md").write_text(speed_markdown(result))
     if args.json:
         print(json.dumps(result))
     else:

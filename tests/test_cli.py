@@ -419,3 +419,32 @@ def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, mon
     assert names.count(".json") == 2 and ".md" in names and ".png" in names
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
     assert "justfit-default" in md and "error" in md
+
+
+def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench.common
+    from bench.speed import main as speed
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    speed(["--quick", "--model", str(tiny_llama_dir), "--json", "--llama-cpp", str(tmp_path / "no-such-binary")])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["system"]: r for r in out["systems"]}
+    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp"} and "machine" in out
+    for name in ("justfit-default", "mlx-lm"):
+        r = rows[name]
+        assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
+    assert "llama-bench failed" in rows["llama.cpp"]["error"]  # a failure is a row, never dropped
+    md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
+    assert "| justfit-default | 256 |" in md
+
+
+def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
+    from bench.sessions import run
+
+    row = run(str(tiny_llama_dir), 160, None, 48, 4, True, sessions=4)
+    assert row["sessions"] == 4 and len(row["retained"]) == 4
+    assert row["aggregate"] > 3.5 * row["single_session_ceiling"] * 0.9 and not row["both_at_once_fits"]
+    assert row["aggregate_decode_tps"] > 0 and row["turns_identical_to_unbudgeted"].split("/")[0] == \
+        row["turns_identical_to_unbudgeted"].split("/")[1]
