@@ -10,7 +10,9 @@ tokens (end-of-sequence never ends it), again and again; retained positions = in
 generated so far. The process's peak memory is sampled (RSS every 10 ms, and the
 kernel's high-water mark); the first step whose peak passes the budget ends the run,
 and the process is stopped as soon as RSS crosses it. Capacity = positions after the
-last step that stayed within budget. JustFit also stops when its planner refuses the
+last step that stayed within budget; after a budget stop a second run repeats the steps
+that fitted and continues in steps of 1/8 (a finer last step is kinder to the system
+measured, the same for all). JustFit also stops when its planner refuses the
 next step (it would not fit). A run that hits `--max-positions` or `--max-seconds`
 reports that it was limited, not the capacity. Every system gets the same input
 tokens and the same output length per step.
@@ -109,7 +111,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
 
 
 def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, max_positions: int,
-            max_seconds: float, retain: int) -> None:
+            max_seconds: float, retain: int, fine_from: int = 0, fine_step: int = 0) -> None:
     """Prints one JSON line per completed step, then {"end": reason}."""
     if system.startswith("justfit"):
         import justfit  # noqa: F401  (OpenBLAS before mlx.core)
@@ -129,17 +131,20 @@ def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, ma
     fed = generated = 0
     pending: list[int] = []  # the last generated token: fed with the next step
     start = time.perf_counter()
-    while fed + generated + step_tokens + out <= max_positions:
+    while True:
+        size = fine_step if fine_from and fed + generated >= fine_from else step_tokens
+        if fed + generated + size + out > max_positions:
+            break
         if time.perf_counter() - start > max_seconds:
             print(json.dumps({"end": "time limit"}), flush=True)
             return
         t0 = time.perf_counter()
         try:
-            got = step(pending + text[fed:fed + step_tokens], out)
+            got = step(pending + text[fed:fed + size], out)
         except JustFitError as e:
             print(json.dumps({"end": "planner refused", "reason": str(e)}), flush=True)
             return
-        fed, generated = fed + step_tokens, generated + len(got)
+        fed, generated = fed + size, generated + len(got)
         pending = got[-1:]
         peak = max(sampler.peak, peak_rss_bytes())
         print(json.dumps({"positions": fed + generated, "input": fed, "generated": generated,
@@ -152,11 +157,22 @@ def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, ma
 
 
 def run_system(system: str, args, budget: int) -> dict:
-    """One system's growing run in a fresh process; its capacity row."""
+    """One system's capacity row: a growing run in a fresh process; when it ended on the
+    budget, a second run repeats the steps that fitted and goes on in steps of 1/8."""
+    row = _grow(system, args, budget)
+    if args.refine and row.get("ended_by") == "budget" and "positions" in row:
+        fine = _grow(system, args, budget, row["positions"], max(32, args.step // 8))
+        if fine.get("positions", 0) >= row["positions"]:
+            fine["coarse_positions"] = row["positions"]
+            return fine
+    return row
+
+
+def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0) -> dict:
     cmd = [sys.executable, "-m", "bench.capacity", "--worker", system, "--model", args.model,
            "--budget", str(budget), "--step", str(args.step), "--out", str(args.out),
            "--max-positions", str(args.max_positions), "--max-seconds", str(args.max_seconds),
-           "--retain", str(args.retain)]
+           "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
     steps, end = [], {"end": "crashed"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -199,6 +215,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-positions", type=int, default=65536)
     ap.add_argument("--max-seconds", type=float, default=3600, help="per system")
     ap.add_argument("--retain", type=int, default=4096, help="positions justfit-retention keeps")
+    ap.add_argument("--no-refine", dest="refine", action="store_false",
+                    help="skip the second, finer run after a budget stop")
+    ap.add_argument("--fine-from", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--fine-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -212,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     budget = parse_size(args.budget)
     if args.worker:
         _worker(args.worker, args.model, budget, args.step, args.out, args.max_positions, args.max_seconds,
-                args.retain)
+                args.retain, args.fine_from, args.fine_step)
         return {}
     from bench.common import machine_info, save
     from bench.report import capacity_markdown, capacity_plot
@@ -223,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.json:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), file=sys.stderr, flush=True)
     settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
-                                              "retain")}
+                                              "retain", "refine")}
     result = {"machine": machine_info(), "settings": settings, "systems": rows}
     path = save("capacity", result)
     path.with_suffix(".md").write_text(capacity_markdown(result))
