@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 import justfit  # noqa: F401  (OpenBLAS first)
 import mlx.core as mx
@@ -64,7 +65,7 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
             s["nll"] -= float(np.take_along_axis(lp, targets[:, None], axis=-1).sum())
         mx.eval([c.state for c in ref_cache])
         scored += len(piece)
-        print(f"{scored}/{n_tokens - 1} tokens", flush=True)
+        print(f"{scored}/{n_tokens - 1} tokens", file=sys.stderr, flush=True)
     ref_ppl = math.exp(stats["reference"]["nll"] / scored)
     out = []
     for f in ["reference", *formats]:
@@ -73,7 +74,7 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
         out.append({"system": f"justfit-{f}" if f != "reference" else "reference-fp32", "model": model_name,
                     "format": f, "tokens": n_tokens, "top1": s["agree"] / scored, "kl": s["kl"] / scored,
                     "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1})
-        print(json.dumps(out[-1]), flush=True)
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
 
@@ -114,8 +115,11 @@ def passkey(model_name: str, lengths: list[int], depths: list[float], formats: l
         for n in lengths:
             rows.append({"system": f"justfit-{f}" if kv else "reference-fp32", "model": model_name, "format": f,
                          "context": n, "passkey_hits": hits[n], "passkey_trials": len(depths)})
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+QUICK = {"tokens": 512, "formats": "q8c", "passkey_lengths": "384", "depths": "0.5"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,15 +131,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--passkey-lengths", default="", help="e.g. 1024,2048,4096; empty: skip")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--skip-teacher-forced", action="store_true")
+    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
+    ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
+    if args.quick:
+        given = argv if argv is not None else sys.argv
+        for k, v in QUICK.items():
+            if f"--{k.replace('_', '-')}" not in given:
+                setattr(args, k, v)
     from bench.common import machine_info, save
+    from bench.report import quality_markdown
 
     formats = args.formats.split(",")
     rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk)
     if args.passkey_lengths:
         lengths = [int(n) for n in args.passkey_lengths.split(",")]
         rows += passkey(args.model, lengths, [float(d) for d in args.depths.split(",")], formats)
-    print("saved", save("quality", {"machine": machine_info(), "systems": rows}))
+    result = {"machine": machine_info(), "systems": rows}
+    path = save("quality", result)
+    path.with_suffix(".md").write_text(quality_markdown(result))
+    print(json.dumps(result) if args.json else f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -70,3 +70,15 @@ def speed_markdown(result: dict) -> str:
         lines.append(f"| {r['system']} | {r['context']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
                      f"{r['ttft_s']:.2f} | {peak} | {r.get('runs', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def quality_markdown(result: dict) -> str:
+    lines = [f"# KV fidelity; machine: {_machine_line(result['machine'])}", "",
+             "| system | format | tokens / context | top-1 | KL | ppl | pass-key |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["systems"]:
+        def num(k, fmt):
+            return format(r[k], fmt) if k in r else ""
+        key = f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""
+        lines.append(f"| {r['system']} | {r.get('format', '')} | {r.get('tokens', r.get('context', ''))} | "
+                     f"{num('top1', '.4f')} | {num('kl', '.2e')} | {num('ppl', '.3f')} | {key} |")
+    return "\n".join(lines) + "\n"

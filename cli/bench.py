@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-SUITES = ("blas", "kv", "parity", "plan", "quality", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("blas", "capacity", "kv", "parity", "plan", "quality", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -16,12 +16,14 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     """Run a benchmark suite; ARGS go to it (`justfit bench SUITE --help` lists them).
 
     \b
+    capacity most retained positions per system within a whole-process budget
     speed    prefill/decode speed next to stock mlx-lm
     quality  KV format fidelity: top-1, KL, perplexity, pass-key
     kv       KV transient, bytes per position, decode speed at a context
     plan     planner's predicted peak vs measured; a streamed run under a tight budget
     state    time to first token from a snapshot vs cold prefill; snapshot size
-    sessions two sessions sharing one budget, swapped to disk in turn
+    sessions 2 or 4 sessions sharing one budget, swapped to disk in turn
+    serve    the HTTP server: second-turn TTFT, concurrent clients, fuzz
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
     """

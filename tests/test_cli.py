@@ -448,3 +448,19 @@ def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
     assert row["aggregate"] > 3.5 * row["single_session_ceiling"] * 0.9 and not row["both_at_once_fits"]
     assert row["aggregate_decode_tps"] > 0 and row["turns_identical_to_unbudgeted"].split("/")[0] == \
         row["turns_identical_to_unbudgeted"].split("/")[1]
+
+
+def test_bench_quality_quick_follows_the_output_contract(tiny_gemma3_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench.common
+    from bench.quality import main as quality
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    quality(["--quick", "--model", str(tiny_gemma3_dir), "--tokens", "200", "--passkey-lengths", "200", "--json"])
+    out = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
+    forced = [r for r in out["systems"] if "top1" in r]
+    keys = [r for r in out["systems"] if "passkey_hits" in r]
+    assert {r["format"] for r in forced} == {"reference", "q8c"} and all(0 <= r["top1"] <= 1 for r in forced)
+    assert all(r["ppl"] > 1 for r in forced) and all(r["passkey_trials"] == 1 for r in keys) and len(keys) == 2
+    assert any(p.suffix == ".md" for p in tmp_path.iterdir())
