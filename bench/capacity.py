@@ -94,7 +94,9 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
     if system == "justfit-compact":  # chosen for this model's head_dim, before any request
         head_dim = engine.kv_shape[2]
         usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
-        engine.config.kv = KVConfig(format=min(usable, key=lambda f: get_format(f).bytes_per_token(1, head_dim)))
+        # fewest bytes per position; of equals, per-channel keys (the better fidelity)
+        engine.config.kv = KVConfig(format=min(usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim),
+                                                                    not f.endswith("c"))))
     # The engine's budget covers what it manages (MLX memory); the interpreter,
     # libraries and tokenizer beside it are measured and left out of it.
     engine.config.budget_bytes = budget - (rss_bytes() - mx.get_active_memory())

@@ -229,7 +229,8 @@ class Engine:
 
     def sessions(self) -> dict[str, int]:
         """Named sessions and the positions each holds."""
-        return {n: len(self.states.entries[k].tokens) for n, k in self.states.sessions.items()}
+        entries = dict(self.states.entries)
+        return {n: len(entries[k].tokens) for n, k in list(self.states.sessions.items()) if k in entries}
 
     def _state_allowance(self, request: Footprint) -> int | None:
         """What the budget leaves for stored states while `request` runs."""

@@ -93,13 +93,14 @@ class StateTiers:
         self._scan()
 
     # -- accounting ---------------------------------------------------------------
+    # (list(...) copies in one step: the server reads these while its engine thread writes)
     @property
     def memory_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values() if e.cache is not None)
+        return sum(e.nbytes for e in list(self.entries.values()) if e.cache is not None)
 
     @property
     def disk_bytes(self) -> int:
-        return sum(e.disk_bytes for e in self.entries.values() if e.path is not None)
+        return sum(e.disk_bytes for e in list(self.entries.values()) if e.path is not None)
 
     # -- storing --------------------------------------------------------------------
     def put(self, tokens: list[int], cache: list, session: str | None = None,
