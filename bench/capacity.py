@@ -99,7 +99,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
                                                                     not f.endswith("c"))))
     # The engine's budget covers what it manages (MLX memory); the interpreter,
     # libraries and tokenizer beside it are measured and left out of it.
-    engine.config.budget_bytes = budget - (rss_bytes() - mx.get_active_memory())
+    engine.set_budget(budget - (rss_bytes() - mx.get_active_memory()))
     history: list[int] = []
 
     def step(tokens: list[int], out: int) -> list[int]:

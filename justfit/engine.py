@@ -19,7 +19,7 @@ from justfit.config import EngineConfig, SamplingParams
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.generate import ProgressFn, decode, prefill
 from justfit.gguf_import import RequantOptions, cache_root
-from justfit.memory import MemoryReport, memory_report, parse_size
+from justfit.memory import MemoryReport, memory_report, parse_size, return_freed_memory_promptly
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import Footprint, attention_shape, footprint
 from justfit.state_io import StateIO, export_state, import_state, state_identity
@@ -106,6 +106,7 @@ class Engine:
         weight_limit = None
         if budget is not None:
             _set_metal_limits(budget)
+            return_freed_memory_promptly()
             # What the smallest request needs besides weights; the rest may hold weights.
             need = self._footprint(1, 0, 0)
             weight_limit = budget - need.total
@@ -145,6 +146,15 @@ class Engine:
     def stored_bytes(self) -> int:
         """Size of the model's weight files on disk (0 when not a local folder)."""
         return sum(f.stat().st_size for f in weight_files(self.path))
+
+    def set_budget(self, budget: int | str) -> None:
+        """Hold later requests to `budget` (e.g. once what runs beside the engine is
+        known); freed memory then goes back to the system at once, as under a budget
+        given at load."""
+        self.config.budget_bytes = parse_size(budget)
+        self.swap.registry.strict = True
+        _set_metal_limits(self.config.budget_bytes)
+        return_freed_memory_promptly()
 
     # -- planning --------------------------------------------------------------
     def _footprint(self, positions: int, weights: int | None, working: int,
