@@ -225,18 +225,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            if f"--{k.replace('_', '-')}" not in (argv if argv is not None else sys.argv):
-                setattr(args, k, v)
+    from bench.common import apply_quick
     from justfit.memory import parse_size
+
+    apply_quick(args, QUICK, argv)
 
     budget = parse_size(args.budget)
     if args.worker:
         _worker(args.worker, args.model, budget, args.step, args.out, args.max_positions, args.max_seconds,
                 args.retain, args.fine_from, args.fine_step)
         return {}
-    from bench.common import machine_info, save
+    from bench.common import machine_info, publish
     from bench.report import capacity_markdown, capacity_plot
 
     rows = []
@@ -247,13 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
                                               "retain", "refine")}
     result = {"machine": machine_info(), "settings": settings, "systems": rows}
-    path = save("capacity", result)
-    path.with_suffix(".md").write_text(capacity_markdown(result))
-    capacity_plot(result, path.with_suffix(".png"))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"saved {path} (+ .md, .png)", file=sys.stderr)
+    publish("capacity", result, args.json, capacity_markdown, capacity_plot)
     return result
 
 

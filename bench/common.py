@@ -75,3 +75,28 @@ def long_text() -> str:
     if common.is_dir():
         parts += [p.read_text(encoding="utf-8", errors="replace") for p in sorted(common.iterdir()) if p.is_file()]
     return "\n\n".join(parts)
+
+
+def apply_quick(args, preset: dict, argv: list[str] | None) -> None:
+    """With --quick, the preset's values for every option the command line left out."""
+    if not getattr(args, "quick", False):
+        return
+    given = argv if argv is not None else sys.argv
+    for key, value in preset.items():
+        if f"--{key.replace('_', '-')}" not in given:
+            setattr(args, key, value)
+
+
+def publish(name: str, result: dict, as_json: bool, markdown=None, plot=None) -> Path:
+    """Save `result` (JSON, plus markdown and a plot when given), then print it as one
+    JSON object on stdout (--json) or say where it went."""
+    path = save(name, result)
+    if markdown:
+        path.with_suffix(".md").write_text(markdown(result))
+    if plot:
+        plot(result, path.with_suffix(".png"))
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"saved {path}" + (" (+ .md)" if markdown else ""), file=sys.stderr)
+    return path

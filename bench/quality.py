@@ -134,23 +134,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
-    if args.quick:
-        given = argv if argv is not None else sys.argv
-        for k, v in QUICK.items():
-            if f"--{k.replace('_', '-')}" not in given:
-                setattr(args, k, v)
-    from bench.common import machine_info, save
+    from bench.common import apply_quick, machine_info, publish
     from bench.report import quality_markdown
+
+    apply_quick(args, QUICK, argv)
 
     formats = args.formats.split(",")
     rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk)
     if args.passkey_lengths:
         lengths = [int(n) for n in args.passkey_lengths.split(",")]
         rows += passkey(args.model, lengths, [float(d) for d in args.depths.split(",")], formats)
-    result = {"machine": machine_info(), "systems": rows}
-    path = save("quality", result)
-    path.with_suffix(".md").write_text(quality_markdown(result))
-    print(json.dumps(result) if args.json else f"saved {path}")
+    publish("quality", {"machine": machine_info(), "systems": rows}, args.json, quality_markdown)
 
 
 if __name__ == "__main__":

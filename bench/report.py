@@ -75,10 +75,11 @@ def speed_markdown(result: dict) -> str:
 def quality_markdown(result: dict) -> str:
     lines = [f"# KV fidelity; machine: {_machine_line(result['machine'])}", "",
              "| system | format | tokens / context | top-1 | KL | ppl | pass-key |", "|---|---|---:|---:|---:|---:|---:|"]
+    def num(r: dict, k: str, fmt: str) -> str:
+        return format(r[k], fmt) if k in r else ""
+
     for r in result["systems"]:
-        def num(k, fmt):
-            return format(r[k], fmt) if k in r else ""
         key = f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""
         lines.append(f"| {r['system']} | {r.get('format', '')} | {r.get('tokens', r.get('context', ''))} | "
-                     f"{num('top1', '.4f')} | {num('kl', '.2e')} | {num('ppl', '.3f')} | {key} |")
+                     f"{num(r, 'top1', '.4f')} | {num(r, 'kl', '.2e')} | {num(r, 'ppl', '.3f')} | {key} |")
     return "\n".join(lines) + "\n"

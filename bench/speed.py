@@ -86,17 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--llama-cpp", default=None, metavar="PATH", help="a llama-bench binary, run on the same GGUF")
     ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.quick:
-        given = argv if argv is not None else sys.argv
-        for k, v in QUICK.items():
-            if f"--{k}" not in given:
-                setattr(args, k, v)
+    from bench.common import apply_quick
+
+    apply_quick(args, QUICK, argv)
     if args.worker:
         system, model, context, decode = args.worker
         print(json.dumps(_worker(system, model, int(context), int(decode))))
         return {}
 
-    from bench.common import machine_info, run_worker, save
+    from bench.common import machine_info, publish, run_worker
 
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
@@ -122,14 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows += llama_bench(args.llama_cpp, args.model, [int(c) for c in args.contexts.split(",")], args.decode,
                             args.repeat)
     result = {"machine": machine_info(), "systems": rows}
-    path = save("speed", result)
     from bench.report import speed_markdown
 
-    path.with_suffix(".md").write_text(speed_markdown(result))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"saved {path}", file=sys.stderr)
+    publish("speed", result, args.json, speed_markdown)
     return result
 
 
