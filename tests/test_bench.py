@@ -1,0 +1,70 @@
+"""The benchmark suites' --quick presets on tiny models: every system reported (an
+error row rather than nothing), the output contract, and the files written."""
+
+
+def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, monkeypatch):
+    """The --quick capacity run: every system gets a row (positions, or an error when
+    nothing fit), and JSON, markdown and a PNG plot are written."""
+    import bench.common
+    from bench.capacity import main as capacity
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    args = ["--quick", "--model", str(tiny_llama_dir), "--step", "64", "--out", "8", "--max-positions", "300"]
+    result = capacity([*args, "--budget", "4GiB", "--json"])
+    rows = {r["system"]: r for r in result["systems"]}
+    assert set(rows) == {"mlx-lm", "mlx-lm-kv4", "justfit-default", "justfit-compact", "justfit-retention"}
+    assert "divisible" in rows.pop("mlx-lm-kv4")["error"]  # its 64-value groups do not fit head_dim 16
+    for r in rows.values():
+        assert r["positions"] == 288 and r["limited"] and r["peak_mib"] < 4096  # 4 steps of 64 + 8
+    tight = capacity([*args, "--budget", "20MiB", "--systems", "mlx-lm,justfit-default", "--json"])
+    assert [r["system"] for r in tight["systems"]] == ["mlx-lm", "justfit-default"]
+    assert all("error" in r and "positions" not in r for r in tight["systems"])  # reported, not dropped
+    names = sorted(p.suffix for p in tmp_path.iterdir())
+    assert names.count(".json") == 2 and ".md" in names and ".png" in names
+    md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
+    assert "justfit-default" in md and "error" in md
+
+
+def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench.common
+    from bench.speed import main as speed
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    speed(["--quick", "--model", str(tiny_llama_dir), "--json", "--llama-cpp", str(tmp_path / "no-such-binary")])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["system"]: r for r in out["systems"]}
+    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp"} and "machine" in out
+    for name in ("justfit-default", "mlx-lm"):
+        r = rows[name]
+        assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
+    assert "llama-bench failed" in rows["llama.cpp"]["error"]  # a failure is a row, never dropped
+    md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
+    assert "| justfit-default | 256 |" in md
+
+
+def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
+    from bench.sessions import run
+
+    row = run(str(tiny_llama_dir), 160, None, 48, 4, True, sessions=4)
+    assert row["sessions"] == 4 and len(row["retained"]) == 4
+    assert row["aggregate"] > 3.5 * row["single_session_ceiling"] * 0.9 and not row["both_at_once_fits"]
+    assert row["aggregate_decode_tps"] > 0 and row["turns_identical_to_unbudgeted"].split("/")[0] == \
+        row["turns_identical_to_unbudgeted"].split("/")[1]
+
+
+def test_bench_quality_quick_follows_the_output_contract(tiny_gemma3_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench.common
+    from bench.quality import main as quality
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    quality(["--quick", "--model", str(tiny_gemma3_dir), "--tokens", "200", "--passkey-lengths", "200", "--json"])
+    out = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
+    forced = [r for r in out["systems"] if "top1" in r]
+    keys = [r for r in out["systems"] if "passkey_hits" in r]
+    assert {r["format"] for r in forced} == {"reference", "q8c"} and all(0 <= r["top1"] <= 1 for r in forced)
+    assert all(r["ppl"] > 1 for r in forced) and all(r["passkey_trials"] == 1 for r in keys) and len(keys) == 2
+    assert any(p.suffix == ".md" for p in tmp_path.iterdir())
