@@ -28,7 +28,7 @@ import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseStats, PhaseSwap
 from phaseswap.policy import Policy, get_policy
-from statetrans import StateTiers
+from statetrans import StateTiers, holds
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -272,7 +272,7 @@ class Engine:
         finally:
             # Also on cancel or error: what was computed is stored, once evaluated
             # (StateTiers.put), unless an interrupt left the cache and tokens apart.
-            if held and all(getattr(c, "offset", len(held)) == len(held) for c in cache):
+            if held and holds(cache, len(held)):
                 self.states.put(held, cache, session, rng)
             self.states.fit(self._state_allowance(self.footprint(1, self.swap.streamed)))
             stats.memory = self._memory(stats, cache)

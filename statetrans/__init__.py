@@ -6,8 +6,8 @@
 """
 
 from statetrans.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_bytes
-from statetrans.state import capture, rebuild, state_bytes
+from statetrans.state import capture, holds, rebuild, state_bytes
 from statetrans.tiers import Reuse, StateTiers
 
-__all__ = ["Reuse", "SnapshotError", "StateTiers", "capture", "load_snapshot", "rebuild", "save_snapshot",
+__all__ = ["Reuse", "SnapshotError", "StateTiers", "capture", "holds", "load_snapshot", "rebuild", "save_snapshot",
            "snapshot_bytes", "state_bytes"]

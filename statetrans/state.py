@@ -46,5 +46,11 @@ def rebuild(arrays: dict[str, mx.array], layers: list[dict]) -> list:
     return cache
 
 
+def holds(cache: list, positions: int) -> bool:
+    """Whether every layer of `cache` holds exactly `positions` (recurrent state,
+    which has no offset, always agrees)."""
+    return all(getattr(c, "offset", positions) == positions for c in cache)
+
+
 def state_bytes(arrays: dict[str, mx.array]) -> int:
     return sum(a.nbytes for a in arrays.values())

@@ -22,7 +22,7 @@ import mlx.core as mx
 import kvexec
 from statetrans.prefix import PrefixTrie
 from statetrans.snapshot import MANIFEST, SnapshotError, load_snapshot, save_snapshot
-from statetrans.state import capture, rebuild, state_bytes
+from statetrans.state import capture, holds, rebuild, state_bytes
 
 
 @dataclass
@@ -267,7 +267,7 @@ class StateTiers:
             tokens = [int(t) for t in manifest["tokens"]]
         except (KeyError, TypeError, ValueError) as err:
             raise SnapshotError(f"{path}: inconsistent snapshot ({err})") from None
-        if len(cache) != self.layers or any(getattr(c, "offset", len(tokens)) != len(tokens) for c in cache):
+        if len(cache) != self.layers or not holds(cache, len(tokens)):
             raise SnapshotError(f"{path}: state does not match its tokens or this model's layers")
         return cache, manifest, state_bytes(arrays)
 
