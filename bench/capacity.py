@@ -80,14 +80,13 @@ def _stock(model: str, kv_bits: int | None):
 
 
 def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
-    import mlx.core as mx
-
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
-    from justfit.memory import rss_bytes
     from kvexec import FORMATS, KVConfig, get_format
 
-    config = EngineConfig(context_limit=limit)
+    # The budget is the whole process's: the engine takes off what the interpreter,
+    # libraries and tokenizer hold beside it, measured at load.
+    config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
     if system == "justfit-retention":
         config.kv = KVConfig(max_positions=retain, pin_prompt=False)
     engine = Engine(model, config=config)
@@ -97,9 +96,6 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
         # fewest bytes per position; of equals, per-channel keys (the better fidelity)
         engine.config.kv = KVConfig(format=min(usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim),
                                                                     not f.endswith("c"))))
-    # The engine's budget covers what it manages (MLX memory); the interpreter,
-    # libraries and tokenizer beside it are measured and left out of it.
-    engine.set_budget(budget - (rss_bytes() - mx.get_active_memory()))
     history: list[int] = []
 
     def step(tokens: list[int], out: int) -> list[int]:
@@ -175,7 +171,10 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
            "--budget", str(budget), "--step", str(args.step), "--out", str(args.out),
            "--max-positions", str(args.max_positions), "--max-seconds", str(args.max_seconds),
            "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
+    from bench.common import progress_bar
+
     steps, end = [], {"end": "crashed"}
+    bar = progress_bar(args.max_positions, system + (" (finer steps)" if fine_step else ""), "pos")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         try:
@@ -186,9 +185,9 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
             end = item
         else:
             steps.append(item)
-            if not args.json:
-                print(f"  {system}: {item['positions']:,} positions, peak {item['peak_rss'] / 2**20:.0f} MiB "
-                      f"({item['step_s']} s)", file=sys.stderr, flush=True)
+            bar.update(item["positions"] - bar.n)
+            bar.set_postfix_str(f"peak {item['peak_rss'] / 2**20:.0f} MiB, step {item['step_s']} s")
+    bar.close()
     err = proc.stderr.read()
     proc.wait()
     ok = [s for s in steps if s["peak_rss"] <= budget]

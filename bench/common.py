@@ -77,6 +77,15 @@ def long_text() -> str:
     return "\n\n".join(parts)
 
 
+def progress_bar(total: int, desc: str, unit: str = "run"):
+    """A progress bar on stderr for a long run; hidden when stderr is not a terminal
+    (logs, tests, --json pipelines read stdout only)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, dynamic_ncols=True,
+                leave=True)
+
+
 def apply_quick(args, preset: dict, argv: list[str] | None) -> None:
     """With --quick, the preset's values for every option the command line left out."""
     if not getattr(args, "quick", False):

@@ -3,6 +3,7 @@ to what a single session can hold in that budget; those not running are swapped 
 
     python -m bench.sessions --model smollm2 --positions 6144
     python -m bench.sessions --model smollm2 --positions 3072 --sessions 4
+    python -m bench.sessions --quick              # 2 sessions of 1,024 positions: minutes
 
 Turns go round-robin (one engine computes one request at a time). The aggregate decode
 rate is all sessions' generated tokens over the common active interval (first turn's
@@ -22,6 +23,9 @@ import os
 import sys
 import tempfile
 import time
+
+
+QUICK = {"positions": 1024, "turn": 256, "reply": 8}
 
 
 def ceiling(engine) -> int:
@@ -44,7 +48,7 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
     import justfit  # noqa: F401  (OpenBLAS before mlx.core)
     import mlx.core as mx
 
-    from bench.common import prompt_tokens
+    from bench.common import progress_bar, prompt_tokens
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
 
@@ -61,6 +65,7 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
     source = {name: 2 * i * single for i, name in enumerate(held)}  # each reads its own stretch of text
     began = time.perf_counter()
     turns, replies = [], []
+    bar = progress_bar(sessions * single, f"{sessions} sessions", "pos")
     while True:
         ran = False
         for name in held:
@@ -85,10 +90,12 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
                           "decode_tps": round(s.decode_tps, 2), "decode_s": s.decode_s, "mlx_peak": s.memory.mlx_peak,
                           "stored_states_in_memory": engine.states.memory_bytes,
                           "streamed": len(engine.swap.streamed), "retained_after": len(held[name])})
-            print(json.dumps(turns[-1]), file=sys.stderr)
+            bar.update(sum(len(t) for t in held.values()) - bar.n)
+            bar.set_postfix_str(f"{name}: ttft {ttft:.2f} s, restored from {s.restored_from or 'nothing'}")
             ran = True
         if not ran:
             break
+    bar.close()
     active = time.perf_counter() - began
     aggregate = sum(len(t) for t in held.values())
     generated = reply * len(turns)
@@ -101,7 +108,9 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
            "max_mlx_peak": max(t["mlx_peak"] for t in turns), "swaps_to_disk": engine.states.spilled,
            "restores_from_disk": engine.states.restored, "turns": turns}
     if verify:
-        free = Engine(model, config=EngineConfig(state_dir=tempfile.mkdtemp(prefix="justfit-free-")))
+        # The same weights form (a budget may have chosen cpu-compact), no budget.
+        free = Engine(model, config=EngineConfig(policy=engine.policy.name,
+                                                 state_dir=tempfile.mkdtemp(prefix="justfit-free-")))
         same = 0
         for name, prompt, out in replies:
             want = [c.token for c in free.generate(prompt, sp, session=name) if c.token is not None]
@@ -110,7 +119,7 @@ def run(model: str, positions: int, budget: int | None, turn: int, reply: int, v
     return row
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--positions", type=int, default=6144, help="what one session should hold (sets the budget)")
@@ -119,15 +128,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
     ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--no-verify", dest="verify", action="store_false")
+    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
+    ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
-    from bench.common import machine_info, save
+    from bench.common import apply_quick, machine_info, publish
     from justfit.memory import parse_size
 
+    apply_quick(args, QUICK, argv)
     budget = parse_size(args.budget) if args.budget else None
     row = run(args.model, args.positions, budget, args.turn, args.reply, args.verify, args.sessions)
-    summary = {k: v for k, v in row.items() if k != "turns"}
-    print(json.dumps(summary), file=sys.stderr)
-    print(f"saved {save('sessions', {'machine': machine_info(), 'rows': [row]})}", file=sys.stderr)
+    if not args.json:
+        print(json.dumps({k: v for k, v in row.items() if k != "turns"}), file=sys.stderr)
+    result = {"machine": machine_info(), "systems": [row]}
+    publish("sessions", result, args.json)
+    return result
 
 
 if __name__ == "__main__":

@@ -94,13 +94,19 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(_worker(system, model, int(context), int(decode))))
         return {}
 
-    from bench.common import machine_info, publish, run_worker
+    from bench.common import machine_info, progress_bar, publish, run_worker
 
     rows = []
-    for context in [int(c) for c in args.contexts.split(",")]:
-        for system in args.systems.split(","):
-            runs = [run_worker("bench.speed", [system, args.model, str(context), str(args.decode)], args.timeout)
-                    for _ in range(args.repeat)]
+    contexts, systems = [int(c) for c in args.contexts.split(",")], args.systems.split(",")
+    bar = progress_bar(len(contexts) * len(systems) * args.repeat, "speed")
+    for context in contexts:
+        for system in systems:
+            runs = []
+            for _ in range(args.repeat):
+                bar.set_postfix_str(f"{system} @ {context:,}")
+                runs.append(run_worker("bench.speed", [system, args.model, str(context), str(args.decode)],
+                                       args.timeout))
+                bar.update()
             ok = [r for r in runs if "error" not in r]
             row = {"system": system, "model": args.model, "context": context, "decode_tokens": args.decode,
                    "runs": len(ok)}
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row["error"] = runs[-1]["error"]
             rows.append(row)
             if not args.json:
-                print(json.dumps(row), file=sys.stderr, flush=True)
+                bar.write(json.dumps(row), file=sys.stderr)
+    bar.close()
     if args.llama_cpp:
         from bench.llamacpp import llama_bench
 

@@ -42,10 +42,14 @@ class EngineConfig:
     policy: PhaseSwap's named policy (phaseswap.POLICIES): "cpu" keeps 8-bit decode
     weights and materializes each layer in fp32 for prefill, "dense" keeps all fp32,
     "quantized" the stored weights (Metal), "auto" picks cpu or quantized by backend.
-    budget_bytes bounds the memory the engine manages (weights, KV, transients).
+    budget_bytes bounds the memory the engine manages (weights, KV, transients); with
+    budget_covers_process, the whole process (what it holds besides MLX at load, the
+    interpreter, libraries and tokenizer, is taken off). Under a budget on CPU, "auto"
+    picks cpu-compact when cpu's weights leave too little for the whole context.
     """
 
     budget_bytes: int | None = None
+    budget_covers_process: bool = False  # the budget includes what the process holds outside MLX
     policy: str = "auto"
     prefill_chunk: int = 512
     gguf_bits: int | str = "native"  # see justfit.gguf_import

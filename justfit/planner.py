@@ -12,17 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
 from kvexec import KVConfig, get_format
 from kvexec.store import allocated_positions
+from phaseswap.policy import default_policy, get_policy
+from phaseswap.registry import predict_resident_bytes, predict_working_bytes
 
 # Allocator slack and small temporaries the terms below do not model: a share of them
 # plus a floor that matters only for tiny models (masks, RoPE tables, small arrays).
 RESERVE = 0.02
 RESERVE_FLOOR = 1 << 18
+# The smallest prefill chunk a tight budget may ask for: below it the dense GEMMs lose
+# their speed (measured: SmolLM2 prefill as fast at 128 tokens per chunk as at 512).
+MIN_PREFILL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -156,8 +162,21 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
 
 
 def _is_fp32(model: nn.Module) -> bool:
-    import mlx.core as mx
 
     emb = getattr(getattr(model, "model", model), "embed_tokens", None)
     weight = getattr(emb, "scales", None) if hasattr(emb, "scales") else getattr(emb, "weight", None)
     return weight is not None and weight.dtype == mx.float32
+
+
+def choose_policy(model: nn.Module, config: dict, name: str, context: int, kv: KVConfig | None,
+                  budget: int | None) -> str:
+    """`name`, or for "auto" under a budget on CPU the faster weights form unless it
+    leaves too little for `context` positions: then cpu-compact (the stored weights,
+    about half of cpu's q8t bytes, ~3x slower decode). Decided from shapes, before
+    any weight is converted."""
+    if name != "auto" or budget is None or default_policy() != "cpu":
+        return name
+    fast = get_policy("cpu")
+    weights = predict_resident_bytes(model, fast.resident, mx.float32)
+    need = footprint(model, config, context, MIN_PREFILL_CHUNK, kv, weights, predict_working_bytes(model), 4)
+    return fast.name if need.total <= budget else "cpu-compact"

@@ -24,6 +24,9 @@ POLICIES = {p.name: p for p in (
     Policy("cpu-exact", "grouped", "dense", True,
            "the stored quantization exactly in every phase: decode on its integer grid "
            "regrouped for MLX's fast CPU matvec (1.5 bytes/weight); prefill dense just in time"),
+    Policy("cpu-compact", "stored", "dense", True,
+           "decode on the stored quantized weights with fp32 activations (about half cpu's "
+           "resident bytes, slower decode); prefill dense just in time: for tight budgets"),
     Policy("dense", "dense", "resident", True,
            "every weight resident in fp32: no per-chunk dequantization, 4-8x the memory"),
     Policy("quantized", "stored", "resident", False,

@@ -69,6 +69,41 @@ class Counters:
         return Counters(**{k: v - getattr(before, k) for k, v in vars(self).items()})
 
 
+# Bytes per weight of a linear converted to each resident form (see forms.py).
+_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0}
+
+
+def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None = None) -> int:
+    """What `Registry.build(model, form, dtype)` will hold, from shapes alone (nothing
+    is converted or read): lets a caller pick a form before paying for one."""
+    def nbytes(a: mx.array) -> int:
+        floating = dtype is not None and mx.issubdtype(a.dtype, mx.floating)
+        return a.size * (dtype.size if floating else a.dtype.size)
+
+    total = sum(nbytes(v) for _, v in tree_flatten(model.parameters()))
+    if form == "stored":
+        return total
+    per_weight = _BYTES_PER_WEIGHT[form]
+    body = _body(model)
+    linears = [m for _, m in model.named_modules() if is_linear(m)]
+    for mod in linears:
+        weights = dense_bytes(mod) // 4 - (mod["bias"].size if "bias" in mod else 0)
+        total += int(weights * per_weight) - sum(nbytes(v) for k, v in tree_flatten(mod.parameters())
+                                                 if k != "bias")
+    embed = body.embed_tokens
+    if not isinstance(getattr(model, "lm_head", None), nn.Module) and form in ("q8t", "grouped"):
+        total += int(dense_bytes(embed) // 4 * per_weight)  # the tied head's own form
+    if form == "dense":  # the embedding too
+        total += dense_bytes(embed) - sum(nbytes(v) for _, v in tree_flatten(embed.parameters()))
+    return total
+
+
+def predict_working_bytes(model: nn.Module) -> int:
+    """The largest dense working copy of one layer (what a prefill lease adds)."""
+    return max((sum(dense_bytes(m) for _, m in layer.named_modules() if is_linear(m))
+                for layer in _body(model).layers), default=0)
+
+
 def _body(model: nn.Module) -> nn.Module:
     inner = getattr(model, "model", None)
     if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list) \

@@ -136,7 +136,7 @@ def test_planner_max_positions_is_tight(llama):
     assert llama.footprint(n).total <= budget < llama.footprint(n + 1).total
 
 
-@pytest.mark.parametrize("policy", ["cpu", "cpu-exact", "quantized", "measured"])
+@pytest.mark.parametrize("policy", ["cpu", "cpu-exact", "cpu-compact", "quantized", "measured"])
 def test_policies_compute_the_same_function(tmp_path, policy):
     path = write_mlx_folder(tmp_path / "q8", "llama", seed=3, quantize_bits=8)
     dense = Engine(str(path), config=EngineConfig(policy="dense"))

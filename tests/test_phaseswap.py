@@ -125,7 +125,7 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
     budget = free.footprint(positions).total - weights // 2  # half the weights must live on disk
     del free
     others = _settled_active()  # MLX memory is per process: earlier tests' arrays count too
-    tight = Engine(str(q8_dir), budget=budget)
+    tight = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))  # free's weights
     streamed, fp = tight.plan(positions)
     assert streamed and fp.total <= budget and fp.weights < weights
     chunks = list(tight.generate("stream me please", sp))
@@ -180,7 +180,7 @@ def test_smollm2_below_its_weights_streams_token_identically(smollm2_gguf):
     weights = free.swap.registry.total_bytes()
     del free
     budget = int(weights * 0.9)  # weights + KV + transients cannot all stay resident
-    tight = Engine(str(smollm2_gguf), budget=budget)
+    tight = Engine(str(smollm2_gguf), budget=budget, config=EngineConfig(policy="cpu"))  # free's weights
     chunks = list(tight.generate(prompt, sp))
     assert [c.token for c in chunks] == expected
     stats = chunks[-1].stats

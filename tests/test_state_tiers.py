@@ -139,7 +139,7 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
     probe = _engine(tiny_llama_dir, tmp_path / "probe")
     budget = probe.footprint(positions).total
     engine = Engine(str(tiny_llama_dir), budget=budget, config=EngineConfig(
-        kv=SMALL_PAGES, prefill_chunk=16, state_dir=str(tmp_path / "tiers")))
+        kv=SMALL_PAGES, prefill_chunk=16, policy="cpu", state_dir=str(tmp_path / "tiers")))
     convo, sources = {"a": [], "b": []}, []
     for turn in range(4):
         for name in convo:
