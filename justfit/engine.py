@@ -19,7 +19,8 @@ from justfit.config import EngineConfig, SamplingParams
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.generate import ProgressFn, decode, prefill
 from justfit.gguf_import import RequantOptions, cache_root
-from justfit.memory import MemoryReport, memory_report, parse_size, return_freed_memory_promptly, rss_bytes
+from justfit.memory import (MemoryReport, memory_report, parse_size, return_freed_memory_promptly, rss_bytes,
+                            trim_heap)
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
 from justfit.state_io import StateIO, export_state, import_state, state_identity
@@ -95,6 +96,7 @@ class Engine:
         loaded = load(model, opts, lazy=True)  # PhaseSwap reads it one component at a time
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.name, self.path = loaded.name, loaded.path
+        trim_heap()  # what loading the tokenizer freed goes back to the system
         if self.config.budget_bytes is not None and self.config.budget_covers_process:
             # Weights are not read yet (lazy load): what the process holds now besides
             # MLX is the interpreter, libraries and tokenizer; the engine gets the rest.
@@ -122,6 +124,7 @@ class Engine:
         self.swap = PhaseSwap(self.model, self.policy, _stream_dir(loaded, self.policy), weight_limit)
         self.swap.registry.strict = budget is not None  # give freed memory back at once
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
+        trim_heap()  # and what converting the weights freed outside MLX
         c = self.config
         self.states = StateTiers(_state_dir(c.state_dir), state_identity(self), len(self.new_cache()),
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,

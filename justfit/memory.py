@@ -61,6 +61,21 @@ def return_freed_memory_promptly() -> None:
         pass
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system. Loading leaves many behind:
+    transformers' fast tokenizer for Gemma 3's 262K vocabulary frees ~290 MiB of
+    temporaries that glibc would otherwise keep (measured: 465 -> 178 MiB RSS). No-op
+    off glibc."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
