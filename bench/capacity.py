@@ -187,6 +187,9 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
             steps.append(item)
             bar.update(item["positions"] - bar.n)
             bar.set_postfix_str(f"peak {item['peak_rss'] / 2**20:.0f} MiB, step {item['step_s']} s")
+            if bar.disable and not args.json:  # no terminal: a line per step for the log
+                print(f"  {system}: {item['positions']:,} positions, peak {item['peak_rss'] / 2**20:.0f} MiB "
+                      f"({item['step_s']} s)", file=sys.stderr, flush=True)
     bar.close()
     err = proc.stderr.read()
     proc.wait()

@@ -49,7 +49,8 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
             "streamed": list(streamed), "footprint": fp.as_dict(),
-            "prefill": _forms(swap.prefill_forms), "decode": f"resident {reg.resident_form}",
+            "prefill": _forms(swap.prefill_forms), "prefill_chunk": fp.shape.chunk,
+            "decode": f"resident {reg.resident_form}",
         }
     return report
 
@@ -91,7 +92,8 @@ def format_fit(r: dict) -> str:
                   f"  weights {format_size(fp['weights'])} + working copy {format_size(fp['working'])} + "
                   f"KV {format_size(fp['kv'])} + transient {format_size(fp['transient'])} + "
                   f"reserve {format_size(fp['reserve'])}",
-                  f"  prefill: {plan['prefill']}; decode: {plan['decode']}",
+                  f"  prefill: {plan['prefill']}, {plan['prefill_chunk']} tokens per chunk; "
+                  f"decode: {plan['decode']}",
                   f"  streamed from disk: {_names(plan['streamed'])}"]
     return "\n".join(lines)
 
