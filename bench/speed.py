@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.llama_cpp:
         from bench.llamacpp import llama_bench
 
-        rows += llama_bench(args.llama_cpp, args.model, [int(c) for c in args.contexts.split(",")], args.decode,
-                            args.repeat)
+        rows += llama_bench(args.llama_cpp, args.model, contexts, args.decode, args.repeat)
     result = {"machine": machine_info(), "systems": rows}
     from bench.report import speed_markdown
 

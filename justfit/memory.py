@@ -45,20 +45,27 @@ def cache_bytes(cache: list | None) -> int:
     return sum(getattr(c, "nbytes", 0) for c in cache or [])
 
 
+def _glibc():
+    """The C library when it is glibc (Linux), else None: the two calls below are its own."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def return_freed_memory_promptly() -> None:
     """Under a budget, let glibc hand blocks of 256 KiB and more back to the system on
     free: by default it keeps growing its mmap threshold and recycles freed blocks in
     its heap, so RSS stays at the high-water mark of past transients and KV segments
     fragment it (bench.capacity, SmolLM2 at 12K positions: peak 607 MiB by default,
     587 at a 1 MiB threshold, 563 at 256 KiB; steps ~10% slower). No-op off glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 18)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 18)  # M_MMAP_THRESHOLD
 
 
 def trim_heap() -> None:
@@ -66,14 +73,9 @@ def trim_heap() -> None:
     transformers' fast tokenizer for Gemma 3's 262K vocabulary frees ~290 MiB of
     temporaries that glibc would otherwise keep (measured: 465 -> 178 MiB RSS). No-op
     off glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def rss_bytes() -> int:

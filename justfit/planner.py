@@ -162,7 +162,6 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
 
 
 def _is_fp32(model: nn.Module) -> bool:
-
     emb = getattr(getattr(model, "model", model), "embed_tokens", None)
     weight = getattr(emb, "scales", None) if hasattr(emb, "scales") else getattr(emb, "weight", None)
     return weight is not None and weight.dtype == mx.float32
