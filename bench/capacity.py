@@ -18,7 +18,8 @@ reports that it was limited, not the capacity. Every system gets the same input
 tokens and the same output length per step.
 
 Systems: mlx-lm (stock `generate_step`, default KV), mlx-lm-kv4 (`kv_bits=4`,
-`quantized_kv_start=0`), justfit-default (q8c pages), justfit-compact (the format
+`quantized_kv_start=0`), justfit-default (q8c pages, stepping down KVExec's pressure
+ladder as the budget tightens; the row's `kv_formats` says how far), justfit-compact (the format
 with the fewest bytes per position), justfit-retention (default pages, at most
 `--retain` positions kept: sinks, recent window and the most attended pages).
 """
@@ -76,7 +77,7 @@ def _stock(model: str, kv_bits: int | None):
                             sampler=make_sampler(0.0), logits_processors=[no_eos], **kw)
         return [int(t) for t, _ in gen]
 
-    return loaded.tokenizer, step
+    return loaded.tokenizer, step, dict
 
 
 def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
@@ -105,7 +106,13 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
         history = history + tokens + got
         return got
 
-    return engine.tokenizer, step
+    def details() -> dict:
+        """How the last step ran: prefill chunk, and paged positions per KV format
+        (over all layers; several once pages stepped down under the budget)."""
+        stats = engine.last_stats
+        return {"prefill_chunk": stats.prefill_chunk, "kv_formats": stats.kv_formats} if stats else {}
+
+    return engine.tokenizer, step, details
 
 
 def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, max_positions: int,
@@ -122,9 +129,9 @@ def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, ma
     sampler = _Peak(budget)
     sampler.start()
     if system.startswith("justfit"):
-        tokenizer, step = _justfit(model, system, budget, retain, max_positions + out + 1)
+        tokenizer, step, details = _justfit(model, system, budget, retain, max_positions + out + 1)
     else:
-        tokenizer, step = _stock(model, 4 if system == "mlx-lm-kv4" else None)
+        tokenizer, step, details = _stock(model, 4 if system == "mlx-lm-kv4" else None)
     text = prompt_tokens(tokenizer, max_positions)
     fed = generated = 0
     pending: list[int] = []  # the last generated token: fed with the next step
@@ -147,7 +154,7 @@ def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, ma
         peak = max(sampler.peak, peak_rss_bytes())
         print(json.dumps({"positions": fed + generated, "input": fed, "generated": generated,
                           "peak_rss": peak, "mlx_peak": mx.get_peak_memory(),
-                          "step_s": round(time.perf_counter() - t0, 2)}), flush=True)
+                          "step_s": round(time.perf_counter() - t0, 2), **details()}), flush=True)
         if peak > budget:
             print(json.dumps({"end": "budget", "peak_rss": peak}), flush=True)
             return
@@ -202,6 +209,9 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
         row.update(positions=ok[-1]["positions"], peak_mib=round(ok[-1]["peak_rss"] / 2**20, 1),
                    mlx_peak_mib=round(ok[-1]["mlx_peak"] / 2**20, 1),
                    limited=end["end"] in ("time limit", "position limit"))
+        if ok[-1].get("kv_formats"):  # the share of each page format at the capacity step
+            total = sum(ok[-1]["kv_formats"].values())
+            row["kv_formats"] = {k: round(v / total, 3) for k, v in sorted(ok[-1]["kv_formats"].items())}
     elif "error" not in row:
         row["error"] = f"no step completed within the budget ({end['end']})"
     return row

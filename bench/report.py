@@ -15,16 +15,17 @@ def capacity_markdown(result: dict) -> str:
     base = {r["system"]: r.get("positions") for r in rows}
     lines = [f"# Capacity: {s['model']}, whole-process budget {s['budget']}", "",
              f"Steps of {s['step']} input tokens + {s['out']} generated; machine: {_machine_line(result['machine'])}",
-             "", "| system | retained positions | peak (MiB) | x mlx-lm | x mlx-lm-kv4 | ended by |",
-             "|---|---:|---:|---:|---:|---|"]
+             "", "| system | retained positions | peak (MiB) | x mlx-lm | x mlx-lm-kv4 | ended by | KV pages |",
+             "|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if "positions" not in r:
-            lines.append(f"| {r['system']} | error: {r.get('error', '')} | | | | {r.get('ended_by', '')} |")
+            lines.append(f"| {r['system']} | error: {r.get('error', '')} | | | | {r.get('ended_by', '')} | |")
             continue
         ratios = [f"{r['positions'] / base[b]:.2f}x" if base.get(b) else "" for b in ("mlx-lm", "mlx-lm-kv4")]
         more = " (limit: at least this)" if r.get("limited") else ""
+        pages = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("kv_formats") or {}).items())
         lines.append(f"| {r['system']} | {r['positions']:,}{more} | {r['peak_mib']:.0f} | {ratios[0]} | "
-                     f"{ratios[1]} | {r['ended_by']} |")
+                     f"{ratios[1]} | {r['ended_by']} | {pages} |")
     return "\n".join(lines) + "\n"
 
 

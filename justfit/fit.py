@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from justfit.memory import format_size
-from kvexec import FORMATS, KVConfig, get_format
+from kvexec import FORMATS, KVConfig, get_format, ladder
 
 
 def fit_report(engine, budget: int, context: int | None = None) -> dict:
@@ -39,6 +39,10 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         "kv_format": base.format if base else "mlx-lm",
         "formats": rows,
     }
+    steps = [f.name for f in ladder(base, head_dim)] if base else []
+    if len(steps) > 1:  # the format in use, its pages stepping down under the budget
+        report["pressure"] = {"ladder": steps,
+                              "max_positions": engine.footprint(1, pressed=True).max_positions(budget)}
     if context is not None:
         saved = engine.config.budget_bytes
         engine.config.budget_bytes = budget
@@ -49,6 +53,8 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
             "streamed": list(streamed), "footprint": fp.as_dict(),
+            "pages": f"stepped down as needed, to {steps[-1]} at most" if fp.shape.page_row < fp.shape.top_row
+            else f"kept in {base.format}" if base else "mlx-lm's cache",
             "prefill": _forms(swap.prefill_forms), "prefill_chunk": fp.shape.chunk,
             "decode": f"resident {reg.resident_form}",
         }
@@ -83,6 +89,10 @@ def format_fit(r: dict) -> str:
                      f"{row['max_positions_streaming']:>17,}{mark}")
     lines.append("(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
                  "transient at the trained context; positions past it need a model that extrapolates)")
+    if r.get("pressure"):
+        p = r["pressure"]
+        lines.append(f"with pages stepping down {' > '.join(p['ladder'])} under the budget: "
+                     f"{p['max_positions']:,} positions")
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]
@@ -94,7 +104,7 @@ def format_fit(r: dict) -> str:
                   f"reserve {format_size(fp['reserve'])}",
                   f"  prefill: {plan['prefill']}, {plan['prefill_chunk']} tokens per chunk; "
                   f"decode: {plan['decode']}",
-                  f"  streamed from disk: {_names(plan['streamed'])}"]
+                  f"  KV pages: {plan['pages']}; streamed from disk: {_names(plan['streamed'])}"]
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
-from kvexec import KVConfig, get_format
+from kvexec import KVConfig, ladder
 from kvexec.store import allocated_positions
 from phaseswap.policy import default_policy, get_policy
 from phaseswap.registry import predict_resident_bytes, predict_working_bytes
@@ -40,6 +40,7 @@ class _Shape:
     state_bytes: int  # constant per-sequence state (recurrent layers)
     kv_row: int  # bytes of K+V for one position in one layer, full precision
     page_row: float  # the same in the page format (== kv_row without KVExec)
+    top_row: float  # == page_row, or under pressure the page format's (the segment being filled)
     full_tokens: int  # positions per layer held in full precision (sinks, hot window + chunk)
     page_tokens: int
     block_tokens: int | None  # KVExec: keys per attention block; None: whole context
@@ -60,6 +61,7 @@ class Footprint:
     kv: int
     transient: int
     shape: _Shape
+    pages: int = 0  # of `kv`, the pages of the layers whose KV grows (KVExec)
 
     @property
     def total(self) -> int:
@@ -79,24 +81,32 @@ class Footprint:
             lo, hi = (mid, hi) if _estimate(self.shape, mid).total <= budget else (lo, mid)
         return lo
 
+    def page_allowance(self, budget: int) -> int:
+        """The most bytes the growing layers' pages may take with the total within
+        `budget`: this footprint's pages plus what the budget leaves over."""
+        return self.pages + int(max(0, budget - self.total) / (1 + RESERVE))
+
     def as_dict(self) -> dict[str, int]:
         return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
                 "transient": self.transient, "reserve": self.reserve, "total": self.total}
 
 
-def _layer_kv(s: _Shape, held: int) -> float:
+def _layer_kv(s: _Shape, held: int) -> tuple[float, float]:
+    """(full-precision bytes, page bytes) of one layer holding `held` positions."""
     full = min(held, s.full_tokens)
     paged = held - full
     if s.block_tokens is not None and paged:  # segments are allocated ahead of use
         paged = allocated_positions(paged, s.page_tokens, s.block_tokens)
-    return full * s.kv_row + paged * s.page_row
+    tail = min(paged, s.block_tokens or 0)  # the segment being filled keeps the page format
+    return full * s.kv_row, paged * s.page_row + tail * (s.top_row - s.page_row)
 
 
 def _estimate(s: _Shape, positions: int) -> Footprint:
     chunk = min(s.chunk, max(positions, 1))
-    kv = s.full_layers * _layer_kv(s, positions if s.retain is None else min(positions, s.retain))
+    hot, pages = _layer_kv(s, positions if s.retain is None else min(positions, s.retain))
+    kv = s.full_layers * (hot + pages)
     # A sliding layer holds its window plus at most one chunk, one page and the hot window.
-    kv += sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens)) for w in s.windows)
+    kv += sum(sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens))) for w in s.windows)
     keys = positions if s.block_tokens is None else min(positions, s.block_tokens)
     scores = chunk * s.heads * keys * 4 * 2  # scores and their exponentials
     blocks = 0 if s.block_tokens is None else 2 * keys * s.kv_row
@@ -104,7 +114,8 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     hidden = chunk * s.hidden * 4 * s.act_bytes
     logits = s.vocab * 4
     transient = scores + blocks + mlp + hidden + logits
-    return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s)
+    return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s,
+                     int(s.full_layers * pages))
 
 
 def _arg_reader(model: nn.Module, config: dict):
@@ -126,10 +137,11 @@ def attention_shape(model: nn.Module, config: dict) -> tuple[int, int, int]:
 
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
-              act_bytes: int | None = None) -> Footprint:
+              act_bytes: int | None = None, pressed: bool = False) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
-    largest lease; `act_bytes` the activation width (4 for fp32 compute)."""
+    largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
+    pages stepped down to the last format of KVExec's pressure ladder."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -145,15 +157,18 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     kv_row = 2 * kv_heads * head_dim * act_bytes
     if kv is None:
         page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
+        top_row = page_row
     else:
-        page_row = get_format(kv.format).bytes_per_token(kv_heads, head_dim)
+        steps = ladder(kv, head_dim)
+        top_row = steps[0].bytes_per_token(kv_heads, head_dim)
+        page_row = steps[-1 if pressed else 0].bytes_per_token(kv_heads, head_dim)
         # The hot window's buffer also holds the last chunk appended until the next one.
         full_tokens = kv.sink_tokens + kv.hot_window + kv.page_size + chunk
         block, page = kv.block_tokens, kv.page_size
         retain = kv.max_positions
     shape = _Shape(
         weights=weight_bytes(model) if weights is None else weights, working=working, full_layers=full, windows=tuple(windows), state_bytes=state,
-        kv_row=kv_row, page_row=page_row, full_tokens=full_tokens, page_tokens=page, block_tokens=block, retain=retain,
+        kv_row=kv_row, page_row=page_row, top_row=top_row, full_tokens=full_tokens, page_tokens=page, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
         intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
         chunk=chunk, act_bytes=act_bytes,

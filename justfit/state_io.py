@@ -38,7 +38,8 @@ def model_identity(engine) -> str:
 
 def state_identity(engine) -> dict:
     """What a stored state belongs to: the model, its KV settings and weight forms."""
-    kv = asdict(engine.config.kv) if engine.config.kv is not None else None
+    # As JSON holds it (tuples come back as lists), to compare with a saved manifest.
+    kv = json.loads(json.dumps(asdict(engine.config.kv))) if engine.config.kv is not None else None
     return {"model": model_identity(engine), "model_name": engine.name, "kv": kv, "policy": engine.policy.name}
 
 

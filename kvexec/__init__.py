@@ -1,15 +1,18 @@
 """KVExec: KV cache in compressed pages, attention executed on the pages.
 
 Public API: `KVConfig`, `make_cache(model, config)`, `install(model)`, `trim(cache, n)`,
-`can_trim(cache, n)`, `pin(cache, n)` (retention keeps the prompt), the formats
-(`FORMATS`, `get_format`) and `blockwise_attention`.
+`can_trim(cache, n)`, `pin(cache, n)` (retention keeps the prompt),
+`limit_pages(cache, bytes)` (pages step down `KVConfig.pressure` to stay within it),
+`page_formats(cache)`, `ladder(config, head_dim)`, the formats (`FORMATS`,
+`get_format`) and `blockwise_attention`.
 """
 
 from kvexec.attention import Block, blockwise_attention
-from kvexec.cache import PagedKVCache, can_trim, for_head_dim, make_cache, pin, trim
+from kvexec.cache import PagedKVCache, can_trim, for_head_dim, limit_pages, make_cache, page_formats, pin, trim
 from kvexec.formats import FORMATS, KVFormat, get_format
 from kvexec.seam import install
-from kvexec.store import KVConfig, PageStore
+from kvexec.store import KVConfig, PageStore, ladder
 
 __all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache",
-           "blockwise_attention", "can_trim", "for_head_dim", "get_format", "install", "make_cache", "pin", "trim"]
+           "blockwise_attention", "can_trim", "for_head_dim", "get_format", "install", "ladder", "limit_pages",
+           "make_cache", "page_formats", "pin", "trim"]

@@ -94,6 +94,24 @@ def pin(cache: list, positions: int) -> None:
             c.store.pinned = max(c.store.pinned, positions)
 
 
+def limit_pages(cache: list, per_layer: int | None) -> None:
+    """Hold each growing layer's pages to `per_layer` bytes (None: no limit) by stepping
+    cold pages down the pressure ladder; sliding-window layers are bounded rings."""
+    for c in cache:
+        if isinstance(c, PagedKVCache) and c.store.window is None:
+            c.store.limit(per_layer)
+
+
+def page_formats(cache: list) -> dict[str, int]:
+    """Paged positions per format, summed over layers."""
+    out: dict[str, int] = {}
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            for name, n in c.store.formats().items():
+                out[name] = out.get(name, 0) + n
+    return out
+
+
 def can_trim(cache: list, n: int) -> bool:
     return all(c.can_trim(n) if isinstance(c, PagedKVCache) else c.is_trimmable() for c in cache)
 

@@ -8,6 +8,7 @@ from dataclasses import asdict
 import mlx.core as mx
 
 from kvexec.cache import PagedKVCache
+from kvexec.formats import get_format
 from kvexec.store import KVConfig, PageStore, Segment
 
 
@@ -26,7 +27,8 @@ def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:
             if getattr(seg, bound) is not None:
                 arrays[f"seg{i}.{bound}"] = getattr(seg, bound)
         segments.append({"start": seg.start, "capacity": seg.capacity, "length": seg.length,
-                         "score": seg.score, "keys": sorted(seg.keys), "values": sorted(seg.values)})
+                         "score": seg.score, "keys": sorted(seg.keys), "values": sorted(seg.values),
+                         "format": seg.fmt.name})
     meta = {"config": asdict(store.config), "window": store.window, "offset": store.offset,
             "pinned": store.pinned, "evicted": store.evicted, "segments": segments}
     if store.config.max_positions is not None and store.config.policy == "random":
@@ -41,7 +43,7 @@ def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
         setattr(store, name, arrays.get(name))
     for i, s in enumerate(meta["segments"]):
         seg = Segment(s["start"], s["capacity"], {p: arrays[f"seg{i}.k.{p}"] for p in s["keys"]},
-                      {p: arrays[f"seg{i}.v.{p}"] for p in s["values"]}, s["length"], s["score"],
+                      {p: arrays[f"seg{i}.v.{p}"] for p in s["values"]}, get_format(s["format"]), s["length"], s["score"],
                       arrays.get(f"seg{i}.key_min"), arrays.get(f"seg{i}.key_max"))
         store.segments.append(seg)
     store.offset, store.pinned, store.evicted = meta["offset"], meta["pinned"], meta["evicted"]

@@ -7,6 +7,11 @@ page, written in place into a preallocated segment (never copied, never realloca
 segment sizes double from one page up to `block_tokens`); a segment is also one
 attention block. Sliding-window layers
 drop segments that no future query can see, so their store is a bounded ring.
+
+Under a page byte limit (the engine sets one from its budget), pages step down a
+ladder of smaller formats (`KVConfig.pressure`) before a new segment would pass it:
+the oldest segment of the widest format first, so every page steps down once before
+any steps twice, and the segment being filled stays in the page format.
 """
 
 from __future__ import annotations
@@ -33,9 +38,15 @@ class KVConfig:
     policy: str = "score"  # what retention evicts first: "score" (least attended) or "random"
     select_pages: int | None = None  # decode attends to the top-k pages by key bound (Quest)
     pin_prompt: bool = True  # retention keeps every prompt position; False: sinks + window + kept pages only
+    # Formats pages step down to, in order, under a page byte limit; those no smaller
+    # than the step before are skipped. k8cv4 keeps the keys (+0.3% perplexity on
+    # SmolLM2 applied to every page), q4c +0.9%, q3c +4.4% (README, KVExec).
+    pressure: tuple[str, ...] = ("k8cv4", "q4c", "q3c")
 
     def __post_init__(self) -> None:
-        get_format(self.format)
+        object.__setattr__(self, "pressure", tuple(self.pressure))  # JSON gives lists back
+        for name in (self.format, *self.pressure):
+            get_format(name)
         if self.policy not in ("score", "random"):
             raise ValueError(f"retention policy must be score or random, not {self.policy!r}")
         if self.max_positions is not None and self.max_positions < self.sink_tokens + self.hot_window + self.page_size:
@@ -60,6 +71,18 @@ def allocated_positions(paged: int, page: int, limit: int) -> int:
     return held
 
 
+def ladder(config: KVConfig, head_dim: int) -> list[KVFormat]:
+    """The page format, then each pressure format that stores this head_dim in pages
+    of `page_size` and takes fewer bytes than the step before it."""
+    steps = [get_format(config.format)]
+    for name in config.pressure:
+        fmt = get_format(name)
+        if (fmt.supports_head_dim(head_dim) and config.page_size % fmt.token_multiple == 0
+                and fmt.bytes_per_token(1, head_dim) < steps[-1].bytes_per_token(1, head_dim)):
+            steps.append(fmt)
+    return steps
+
+
 def _cat(a: mx.array | None, b: mx.array) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=-2)
 
@@ -72,6 +95,7 @@ class Segment:
     capacity: int
     keys: dict[str, mx.array]
     values: dict[str, mx.array]
+    fmt: KVFormat
     length: int = 0
     score: float = 0.0  # attention mass received (retention's "score" policy)
     key_min: mx.array | None = None  # per-channel key bounds (page selection)
@@ -107,6 +131,8 @@ class PageStore:
         self.segments: list[Segment] = []
         self.hot_k = self.hot_v = None
         self.offset = 0  # positions written so far
+        self.page_limit: int | None = None  # bytes the segments may take (see module doc)
+        self._ladder: list[KVFormat] | None = None  # known once head_dim is
 
     # -- writing -------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
@@ -114,6 +140,8 @@ class PageStore:
         L, D = keys.shape[-2], keys.shape[-1]
         if not self.fmt.supports_head_dim(D):
             raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
+        if self._ladder is None:
+            self._ladder = ladder(self.config, D)
         have = 0 if self.sink_k is None else self.sink_k.shape[-2]
         take = min(L, self.sinks - have)
         if take > 0:
@@ -141,16 +169,42 @@ class PageStore:
                 # Capacities double up to a block, so a short context wastes little.
                 cap = next_segment_capacity(sum(s.length for s in self.segments), P, self.segment_capacity)
                 lead, D = tuple(k.shape[:2]), k.shape[-1]
+                self._relieve(int(self.fmt.bytes_per_token(lead[0] * lead[1], D) * cap))
                 seg = Segment(start, cap, self.fmt.keys.allocate(lead, cap, D),
-                              self.fmt.values.allocate(lead, cap, D))
+                              self.fmt.values.allocate(lead, cap, D), self.fmt)
                 self.segments.append(seg)
-            self.fmt.keys.write(seg.keys, self.fmt.keys.encode(k), seg.length, P)
-            self.fmt.values.write(seg.values, self.fmt.values.encode(v), seg.length, P)
+            seg.fmt.keys.write(seg.keys, seg.fmt.keys.encode(k), seg.length, P)
+            seg.fmt.values.write(seg.values, seg.fmt.values.encode(v), seg.length, P)
             seg.length += P
             if self.config.select_pages:
                 seg.key_min, seg.key_max = k.min(axis=-2), k.max(axis=-2)
             # A slice: the flushed tokens' buffer goes with the next append's concatenate.
             self.hot_k, self.hot_v = self.hot_k[..., P:, :], self.hot_v[..., P:, :]
+
+    def page_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def limit(self, page_bytes: int | None) -> None:
+        """Hold the pages to `page_bytes` (None: no limit), stepping down now what
+        already passes it: the request that set it was planned with them that small."""
+        self.page_limit = page_bytes
+        self._relieve(0)
+
+    def _relieve(self, incoming: int) -> None:
+        """Step pages down the pressure ladder until `incoming` more bytes fit the
+        page limit, or no page can step further (the planner sized the limit so the
+        ladder's last format fits)."""
+        if self._ladder is None and self.hot_k is not None:  # restored from a snapshot
+            self._ladder = ladder(self.config, self.hot_k.shape[-1])
+        if self.page_limit is None or self._ladder is None:
+            return
+        steps = self._ladder
+        while self.page_bytes() + incoming > self.page_limit:
+            movable = [s for s in self.segments if s.fmt != steps[-1] and s.fmt in steps]
+            if not movable:
+                return
+            seg = min(movable, key=lambda s: (steps.index(s.fmt), s.start))
+            _reencode(seg, steps[steps.index(seg.fmt) + 1])
 
     def _drop_dead(self, first_query: int) -> None:
         if self.window is None:
@@ -215,8 +269,8 @@ class PageStore:
         if self.sink_k is not None:
             yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0, self.sink_k.shape[-2])
         for seg in self._selected(queries):
-            yield Block(self.fmt.keys.view(seg.keys, 0, seg.length), self.fmt.values.view(seg.values, 0, seg.length),
-                        self.fmt, seg.start, seg.length, tag=seg)
+            yield Block(seg.fmt.keys.view(seg.keys, 0, seg.length), seg.fmt.values.view(seg.values, 0, seg.length),
+                        seg.fmt, seg.start, seg.length, tag=seg)
         if self._hot_len():
             yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len(),
                         self._hot_len())
@@ -243,7 +297,7 @@ class PageStore:
             keep = max(0, target - seg.start) // P * P  # whole pages stay
             # Back into the hot window as the values attention saw for them.
             back = [codec.decode(codec.view(part, keep, seg.length)).astype(dtype)
-                    for codec, part in ((self.fmt.keys, seg.keys), (self.fmt.values, seg.values))]
+                    for codec, part in ((seg.fmt.keys, seg.keys), (seg.fmt.values, seg.values))]
             self.hot_k = back[0] if self.hot_k is None else mx.concatenate([back[0], self.hot_k], axis=-2)
             self.hot_v = back[1] if self.hot_v is None else mx.concatenate([back[1], self.hot_v], axis=-2)
             hot_start = seg.start + keep
@@ -259,6 +313,13 @@ class PageStore:
             self.hot_k, self.hot_v = self.hot_k[..., :keep, :], self.hot_v[..., :keep, :]
         self.offset = target
         return n
+
+    def formats(self) -> dict[str, int]:
+        """Paged positions per format (several once pages stepped down)."""
+        out: dict[str, int] = {}
+        for s in self.segments:
+            out[s.fmt.name] = out.get(s.fmt.name, 0) + s.length
+        return out
 
     def hot_dtype(self) -> mx.Dtype:
         ref = self.hot_k if self.hot_k is not None else self.sink_k
@@ -277,3 +338,19 @@ class PageStore:
             out.extend(s.keys.values())
             out.extend(s.values.values())
         return out
+
+
+def _reencode(seg: Segment, fmt: KVFormat) -> None:
+    """Store `seg`'s tokens in `fmt` (same capacity); a codec both formats share is kept."""
+    parts = []
+    for old, new, storage in ((seg.fmt.keys, fmt.keys, seg.keys), (seg.fmt.values, fmt.values, seg.values)):
+        if old == new:
+            parts.append(storage)
+            continue
+        x = old.decode(old.view(storage, 0, seg.length))
+        lead, D = tuple(x.shape[:2]), x.shape[-1]
+        out = new.allocate(lead, seg.capacity, D)
+        new.write(out, new.encode(x), 0, seg.length)
+        mx.eval(out)  # the old storage is freed now, not when attention next reads it
+        parts.append(out)
+    seg.keys, seg.values, seg.fmt = parts[0], parts[1], fmt
