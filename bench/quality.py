@@ -5,6 +5,7 @@ chunks), so no logits are stored.
 
     python -m bench.quality --model smollm2 --tokens 8192 --formats fp16,q8,q4,q3,q2
     python -m bench.quality --skip-teacher-forced --passkey-lengths 1024,2048,4096
+    python -m bench.quality --formats q8c,q8c@0.6,q8c@0.45   # pages held to 60%, 45% of q8c's bytes
 
 Pass-key retrieval: noise lines, one pass-key line at each depth, then the question;
 a hit is a greedy reply whose first integer is the key.
@@ -44,7 +45,7 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
     if len(ids) < n_tokens:
         raise SystemExit(f"text has only {len(ids)} tokens")
     ref_cache = make_prompt_cache(model)
-    caches = {f: kvexec.make_cache(model, KVConfig(format=f)) for f in formats}
+    caches = {f: _paged_cache(model, f, n_tokens, engine.kv_shape) for f in formats}
     stats = {f: {"agree": 0, "kl": 0.0, "nll": 0.0} for f in ["reference", *formats]}
     scored = 0
     for start in range(0, n_tokens - 1, chunk):
@@ -74,8 +75,22 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
         out.append({"system": f"justfit-{f}" if f != "reference" else "reference-fp32", "model": model_name,
                     "format": f, "tokens": n_tokens, "top1": s["agree"] / scored, "kl": s["kl"] / scored,
                     "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1})
+        if "@" in f:  # where the ladder left the pages: positions per format, all layers
+            out[-1]["kv_formats"] = kvexec.page_formats(caches[f])
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
+
+
+def _paged_cache(model, spec: str, n_tokens: int, kv_shape: tuple[int, int, int]) -> list:
+    """Pages in format `spec`, or for `FMT@SHARE` pages in FMT held to SHARE of the bytes
+    FMT would take for `n_tokens`: past that they step down KVConfig.pressure, oldest
+    first, as under a tight budget (the early chunks are scored before any page steps)."""
+    fmt, _, share = spec.partition("@")
+    cache = kvexec.make_cache(model, KVConfig(format=fmt))
+    if share:
+        per_layer = float(share) * n_tokens * kvexec.get_format(fmt).bytes_per_token(kv_shape[1], kv_shape[2])
+        kvexec.limit_pages(cache, int(per_layer))
+    return cache
 
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -103,6 +118,10 @@ def passkey(model_name: str, lengths: list[int], depths: list[float], formats: l
     trials = [(n, d, rng.randrange(10000, 99999)) for n in lengths for d in depths]
     rows = []
     for f in ["reference", *formats]:
+        if "@" in f:
+            rows.append({"system": f"justfit-{f}", "model": model_name, "format": f,
+                         "error": "pressure specs (FMT@SHARE) are measured teacher-forced only"})
+            continue
         kv = None if f == "reference" else KVConfig(format=f)
         engine = Engine(model_name, config=EngineConfig(kv=kv))
         hits = {n: 0 for n in lengths}

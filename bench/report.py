@@ -80,6 +80,9 @@ def quality_markdown(result: dict) -> str:
         return format(r[k], fmt) if k in r else ""
 
     for r in result["systems"]:
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r.get('format', '')} | error: {r['error']} | | | | |")
+            continue
         key = f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""
         lines.append(f"| {r['system']} | {r.get('format', '')} | {r.get('tokens', r.get('context', ''))} | "
                      f"{num(r, 'top1', '.4f')} | {num(r, 'kl', '.2e')} | {num(r, 'ppl', '.3f')} | {key} |")

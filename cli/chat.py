@@ -340,10 +340,11 @@ class ChatSession:
 @click.option("--seed", type=int, default=None, help="Random seed, for repeatable sampling.")
 @click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
 @common.budget_option
+@common.whole_process_option
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
-def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits, kv_format,
+def chat(model, max_tokens, temperature, top_p, seed, system, budget, whole_process, gguf_bits, kv_format,
          policy) -> None:
     """Chat with a model.
 
@@ -362,7 +363,7 @@ def chat(model, max_tokens, temperature, top_p, seed, system, budget, gguf_bits,
             raise common.UserError("nothing to answer: stdin was empty")
     if interactive and stderr.isatty():
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
-    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
     session = ChatSession(engine, tty_reader() if interactive else [], stdout, stderr,
                           sampling=sampling, system=system, progress=stderr.isatty(),
                           show_stats=interactive, catch_interrupt=interactive)

@@ -43,6 +43,11 @@ budget_option = click.option(
     "--budget", default=None, metavar="SIZE", callback=_parse_budget,
     help="Memory budget, e.g. 2GiB; requests that would not fit are refused.",
 )
+whole_process_option = click.option(
+    "--whole-process", is_flag=True,
+    help="The budget covers the whole process: what it holds besides the engine "
+         "(interpreter, libraries, tokenizer), measured as it runs, is taken off.",
+)
 
 
 def _parse_bits(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
@@ -83,12 +88,12 @@ policy_option = click.option(
 
 
 def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",
-                kv_format: str = "q8c", policy: str = "auto"):
+                kv_format: str = "q8c", policy: str = "auto", whole_process: bool = False):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig
     from kvexec import KVConfig
 
     kv = None if kv_format == "none" else KVConfig(format=kv_format)
-    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits, kv=kv,
-                                                                        policy=policy))
+    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy,
+                                                                        budget_covers_process=whole_process))

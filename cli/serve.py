@@ -27,11 +27,12 @@ from cli import common
 @click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Reply length when a request does not say (shrunk to what fits).")
 @click.option("--served-name", default=None, metavar="NAME", help="Model id clients use (default: the model's name).")
+@common.whole_process_option
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, max_tokens, served_name,
-          gguf_bits, kv_format, policy) -> None:
+          whole_process, gguf_bits, kv_format, policy) -> None:
     """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
 
     Stored conversation states are reused across requests; a request that cannot
@@ -46,7 +47,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, 
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name)
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
-    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
     name = served_name or engine.name
 
     def ready(url: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from justfit.memory import format_size
+from justfit.planner import MIN_PREFILL_CHUNK
 from kvexec import FORMATS, KVConfig, get_format, ladder
 
 
@@ -20,13 +21,14 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         if name is not None and not get_format(name).supports_head_dim(head_dim):
             continue
         kv = None if name is None else replace(base or KVConfig(), format=name)
-        probe = engine.footprint(1, kv=kv)
+        # Capacities at the smallest prefill chunk the planner would take under pressure.
+        probe = engine.footprint(1, kv=kv, chunk=MIN_PREFILL_CHUNK)
         rows.append({
             "format": name or "mlx-lm",
             "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
             "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
-            "max_positions_streaming": engine.footprint(1, every_layer, kv).max_positions(budget),
+            "max_positions_streaming": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK).max_positions(budget),
         })
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
@@ -42,7 +44,8 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
     steps = [f.name for f in ladder(base, head_dim)] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
-                              "max_positions": engine.footprint(1, pressed=True).max_positions(budget)}
+                              "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK,
+                                                                pressed=True).max_positions(budget)}
     if context is not None:
         saved = engine.config.budget_bytes
         engine.config.budget_bytes = budget
@@ -52,6 +55,7 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
             engine.config.budget_bytes = saved
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
+            "beyond_context": context > engine.context_limit,
             "streamed": list(streamed), "footprint": fp.as_dict(),
             "pages": f"stepped down as needed, to {steps[-1]} at most" if fp.shape.page_row < fp.shape.top_row
             else f"kept in {base.format}" if base else "mlx-lm's cache",
@@ -88,7 +92,8 @@ def format_fit(r: dict) -> str:
                      f"{format_size(row['transient_bound']):>11} {row['max_positions']:>14,} "
                      f"{row['max_positions_streaming']:>17,}{mark}")
     lines.append("(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
-                 "transient at the trained context; positions past it need a model that extrapolates)")
+                 "transient at the trained context and the configured chunk; max positions at the smallest "
+                 "chunk; positions past the trained context need a model that extrapolates)")
     if r.get("pressure"):
         p = r["pressure"]
         lines.append(f"with pages stepping down {' > '.join(p['ladder'])} under the budget: "
@@ -96,7 +101,9 @@ def format_fit(r: dict) -> str:
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]
-        verdict = "fits" if plan["fits"] else "does NOT fit"
+        verdict = "fits" if plan["fits"] else \
+            f"does NOT fit: past the trained context {r['context_limit']:,}" if plan.get("beyond_context") \
+            else "does NOT fit"
         lines += ["", f"plan for {plan['positions']:,} positions: {verdict} "
                   f"({format_size(fp['total'])} of {format_size(r['budget'])})",
                   f"  weights {format_size(fp['weights'])} + working copy {format_size(fp['working'])} + "

@@ -61,10 +61,13 @@ def test_bench_quality_quick_follows_the_output_contract(tiny_gemma3_dir, tmp_pa
     from bench.quality import main as quality
 
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
-    quality(["--quick", "--model", str(tiny_gemma3_dir), "--tokens", "200", "--passkey-lengths", "200", "--json"])
+    quality(["--quick", "--model", str(tiny_gemma3_dir), "--tokens", "200", "--passkey-lengths", "200",
+             "--formats", "q8c,q8c@0.5", "--json"])
     out = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
     forced = [r for r in out["systems"] if "top1" in r]
     keys = [r for r in out["systems"] if "passkey_hits" in r]
-    assert {r["format"] for r in forced} == {"reference", "q8c"} and all(0 <= r["top1"] <= 1 for r in forced)
+    assert {r["format"] for r in forced} == {"reference", "q8c", "q8c@0.5"} and all(0 <= r["top1"] <= 1 for r in forced)
     assert all(r["ppl"] > 1 for r in forced) and all(r["passkey_trials"] == 1 for r in keys) and len(keys) == 2
+    assert "kv_formats" in next(r for r in forced if r["format"] == "q8c@0.5")
+    assert [r["format"] for r in out["systems"] if "error" in r] == ["q8c@0.5"]  # pass-key: teacher-forced only
     assert any(p.suffix == ".md" for p in tmp_path.iterdir())

@@ -61,3 +61,19 @@ def test_tight_budget_shrinks_the_prefill_chunk_before_streaming(q4_dir):
     assert [c.token for c in same.generate(prompt, sp) if c.token is not None] == got
     # without a budget the configured chunk is kept
     assert probe.plan(positions)[1].shape.chunk == 512
+
+
+def test_whole_process_budget_leaves_the_engine_what_the_process_does_not_hold(q4_dir):
+    import justfit.memory as memory
+
+    budget = 2**30
+    engine = Engine(str(q4_dir), budget=budget, config=EngineConfig(policy="cpu", budget_covers_process=True))
+    outside = memory.rss_bytes() - mx.get_active_memory()
+    share = engine.config.budget_bytes
+    assert 0 < budget - share and abs((budget - share) - outside) < 64 * 2**20
+    list(engine.generate(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=4)))
+    assert engine.config.budget_bytes <= share  # re-measured after the request, never loosened
+    engine.set_budget(budget)  # an engine-scope budget from then on
+    assert engine.config.budget_bytes == budget
+    list(engine.generate(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=4)))
+    assert engine.config.budget_bytes == budget

@@ -42,8 +42,8 @@ def loads(engine, monkeypatch) -> list:
     (model, budget) each command asked for."""
     calls: list = []
 
-    def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto"):
-        calls.append((model, budget))
+    def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto", whole_process=False):
+        calls.append((model, budget, whole_process) if whole_process else (model, budget))
         monkeypatch.setattr(engine.config, "budget_bytes", budget)
         return engine
 
@@ -164,6 +164,11 @@ def test_budget_exceeded_is_one_error_line(runner, loads):
     result = runner.invoke(main, ["chat", "--budget", "1MiB"], input=QUESTION + "\n")
     assert_one_error_line(result, "does not fit the memory budget", "--budget")
     assert loads == [(None, 2**20)]
+
+
+def test_whole_process_flag_reaches_the_engine(runner, loads):
+    result = runner.invoke(main, ["chat", "--budget", "1MiB", "--whole-process"], input=QUESTION + "\n")
+    assert result.exit_code != 0 and loads == [(None, 2**20, True)]
 
 
 def test_bad_budget_is_a_usage_error_before_loading(runner, loads):

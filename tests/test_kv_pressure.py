@@ -122,3 +122,20 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     # the planner's capacity at this budget counts the ladder's last step
     wide_cap = engine.footprint(positions, chunk=fp.shape.chunk).max_positions(budget)
     assert fp.max_positions(budget) > wide_cap
+
+
+def test_justfit_fit_reports_the_ladder(tiny_gemma3_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    res = CliRunner().invoke(main, ["fit", "--model", str(tiny_gemma3_dir), "--budget", "64MiB", "--context", "300",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output)
+    rows = {row["format"]: row for row in r["formats"]}
+    assert r["pressure"]["ladder"] == ["q8c", "k8cv4", "q4c", "q3c"]
+    assert r["pressure"]["max_positions"] > rows["q8c"]["max_positions"]
+    assert r["plan"]["fits"] and r["plan"]["pages"] == "kept in q8c"  # 300 positions need no stepping
