@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,15 +18,16 @@ from justfit.config import EngineConfig, SamplingParams
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.generate import ProgressFn, decode, prefill
 from justfit.gguf_import import RequantOptions, cache_root
-from justfit.memory import (MemoryReport, memory_report, parse_size, peak_rss_bytes, return_freed_memory_promptly,
-                            rss_bytes, trim_heap)
+from justfit.memory import (MemoryReport, hold_memory_to, memory_report, parse_size, peak_rss_bytes, rss_bytes,
+                            trim_heap, trimming)
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
 from justfit.state_io import StateIO, export_state, import_state, state_identity
+from justfit.stats import Chunk, GenerationStats
 from justfit.stops import StopMatcher
 import kvexec
 from kvexec import KVConfig
-from phaseswap import PhaseStats, PhaseSwap
+from phaseswap import PhaseSwap
 from phaseswap.policy import Policy, get_policy
 from statetrans import StateTiers, holds
 
@@ -40,49 +40,6 @@ FALLBACK_TEMPLATE = (
     "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from a stored state
-    restored_from: str = ""  # where that state was: "memory", "disk" or "" (none)
-    restore_s: float = 0.0
-    generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    finish_reason: str | None = None
-    prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
-    memory: MemoryReport | None = None
-    kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
-    phases: list[PhaseStats] = field(default_factory=list)
-
-    @property
-    def prefill_tps(self) -> float:
-        new = self.prompt_tokens - self.cached_tokens
-        return new / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        # The first token comes from prefill's logits; the rest each cost one step.
-        steps = max(0, self.generated_tokens - 1)
-        return steps / self.decode_s if self.decode_s > 0 else 0.0
-
-    def summary(self) -> str:
-        mem = f", peak {self.memory.mlx_peak / 2**20:.0f} MiB MLX / {self.memory.rss_peak / 2**20:.0f} MiB process" if self.memory else ""
-        return (f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached) at "
-                f"{self.prefill_tps:.1f} tok/s, {self.generated_tokens} generated at "
-                f"{self.decode_tps:.1f} tok/s{mem}")
-
-
-@dataclass
-class Chunk:
-    """One piece of streamed output; the last one carries finish_reason and stats."""
-
-    text: str
-    token: int | None = None
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None
 
 
 class Engine:
@@ -118,7 +75,7 @@ class Engine:
         budget = self.config.budget_bytes
         weight_limit = None
         if budget is not None:
-            _hold_memory_to(budget)
+            hold_memory_to(budget)
             # What the smallest request needs besides weights; the rest may hold weights.
             need = self._footprint(1, 0, 0)
             weight_limit = budget - need.total
@@ -167,7 +124,7 @@ class Engine:
         self.config.budget_bytes = parse_size(budget)
         self._process_budget = None
         self.swap.registry.strict = True
-        _hold_memory_to(self.config.budget_bytes)
+        hold_memory_to(self.config.budget_bytes)
 
     def _measure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the
@@ -340,7 +297,7 @@ class Engine:
             kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
         record: Callable[[list[int]], None] = held.extend
         if self.config.budget_bytes is not None:
-            record = _trimming(record)
+            record = trimming(record)
         if sp.max_tokens == 0:
             stats.finish_reason = "length"
             yield Chunk("", finish_reason="length", stats=stats)
@@ -423,35 +380,5 @@ def _seeded(sampler: Callable[[mx.array], mx.array], rng: dict) -> Callable[[mx.
     return sample
 
 
-def _trimming(record: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """`record`, then the C heap's free pages back to the system after each prefill
-    chunk and every 16 decoded tokens: MLX's many small buffers fragment the heap, and
-    what fragments hold counts against a budget but not in MLX's accounting (measured,
-    SmolLM2 at 2-6K positions: 10-20 MiB per request; a trim costs ~0.2 ms)."""
-    steps = 0
-
-    def record_and_trim(tokens: list[int]) -> None:
-        nonlocal steps
-        record(tokens)
-        steps += 1
-        if len(tokens) > 1 or steps % 16 == 0:
-            trim_heap()
-
-    return record_and_trim
-
-
 def _state_dir(configured: str | None) -> Path:
     return Path(configured or os.environ.get("JUSTFIT_STATE_DIR") or cache_root().parent / "state")
-
-
-def _hold_memory_to(budget: int) -> None:
-    """Make freed memory go back to the system at once (glibc), and MLX hold to the
-    budget. On CPU MLX's buffer cache is plain process memory the planner does not count
-    (measured: SmolLM2's peak 26 MiB lower without it, no slower). On Metal, its own limits."""
-    return_freed_memory_promptly()
-    if mx.default_device() != mx.gpu or not mx.metal.is_available():
-        mx.set_cache_limit(0)
-        return
-    mx.set_memory_limit(budget)
-    mx.set_cache_limit(budget // 8)
-    mx.set_wired_limit(min(budget, mx.metal.device_info().get("max_recommended_working_set_size", budget)))

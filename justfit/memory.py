@@ -6,6 +6,7 @@ import re
 import resource
 import sys
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -119,3 +120,33 @@ def memory_report(weights: nn.Module | int, cache: list | None = None,
         transient_peak=max(0, peak - weights - kv - states), rss=rss_bytes(), rss_peak=peak_rss_bytes(),
         states=states,
     )
+
+
+def hold_memory_to(budget: int) -> None:
+    """Make freed memory go back to the system at once (glibc), and MLX hold to the
+    budget. On CPU MLX's buffer cache is plain process memory the planner does not count
+    (measured: SmolLM2's peak 26 MiB lower without it, no slower). On Metal, its own limits."""
+    return_freed_memory_promptly()
+    if mx.default_device() != mx.gpu or not mx.metal.is_available():
+        mx.set_cache_limit(0)
+        return
+    mx.set_memory_limit(budget)
+    mx.set_cache_limit(budget // 8)
+    mx.set_wired_limit(min(budget, mx.metal.device_info().get("max_recommended_working_set_size", budget)))
+
+
+def trimming(record: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """`record`, then the C heap's free pages back to the system after each prefill
+    chunk and every 16 decoded tokens: MLX's many small buffers fragment the heap, and
+    what fragments hold counts against a budget but not in MLX's accounting (measured,
+    SmolLM2 at 2-6K positions: 10-20 MiB per request; a trim costs ~0.2 ms)."""
+    steps = 0
+
+    def record_and_trim(tokens: list[int]) -> None:
+        nonlocal steps
+        record(tokens)
+        steps += 1
+        if len(tokens) > 1 or steps % 16 == 0:
+            trim_heap()
+
+    return record_and_trim

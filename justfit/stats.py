@@ -1,0 +1,51 @@
+"""What a generation reports: streamed chunks, and the stats the last one carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from justfit.memory import MemoryReport
+from phaseswap import PhaseStats
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a stored state
+    restored_from: str = ""  # where that state was: "memory", "disk" or "" (none)
+    restore_s: float = 0.0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
+    memory: MemoryReport | None = None
+    kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
+    phases: list[PhaseStats] = field(default_factory=list)
+
+    @property
+    def prefill_tps(self) -> float:
+        new = self.prompt_tokens - self.cached_tokens
+        return new / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes from prefill's logits; the rest each cost one step.
+        steps = max(0, self.generated_tokens - 1)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        mem = f", peak {self.memory.mlx_peak / 2**20:.0f} MiB MLX / {self.memory.rss_peak / 2**20:.0f} MiB process" if self.memory else ""
+        return (f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached) at "
+                f"{self.prefill_tps:.1f} tok/s, {self.generated_tokens} generated at "
+                f"{self.decode_tps:.1f} tok/s{mem}")
+
+
+@dataclass
+class Chunk:
+    """One piece of streamed output; the last one carries finish_reason and stats."""
+
+    text: str
+    token: int | None = None
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
