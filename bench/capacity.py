@@ -110,7 +110,11 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
         """How the last step ran: prefill chunk, and paged positions per KV format
         (over all layers; several once pages stepped down under the budget)."""
         stats = engine.last_stats
-        return {"prefill_chunk": stats.prefill_chunk, "kv_formats": stats.kv_formats} if stats else {}
+        if stats is None:
+            return {}
+        return {"prefill_chunk": stats.prefill_chunk, "kv_formats": stats.kv_formats,
+                "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,
+                "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
 
     return engine.tokenizer, step, details
 
@@ -195,14 +199,17 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
             bar.update(item["positions"] - bar.n)
             bar.set_postfix_str(f"peak {item['peak_rss'] / 2**20:.0f} MiB, step {item['step_s']} s")
             if bar.disable and not args.json:  # no terminal: a line per step for the log
+                plan = f", planned {item['planned'] / 2**20:.0f} of {item['engine_budget'] / 2**20:.0f} MiB, " \
+                    f"chunk {item['prefill_chunk']}, pages {item['kv_formats']}" if "planned" in item else ""
                 print(f"  {system}: {item['positions']:,} positions, peak {item['peak_rss'] / 2**20:.0f} MiB "
-                      f"({item['step_s']} s)", file=sys.stderr, flush=True)
+                      f"({item['step_s']} s{plan})", file=sys.stderr, flush=True)
     bar.close()
     err = proc.stderr.read()
     proc.wait()
     ok = [s for s in steps if s["peak_rss"] <= budget]
     row = {"system": system, "model": args.model, "budget_mib": round(budget / 2**20, 1),
-           "ended_by": end["end"], "curve": [(s["positions"], round(s["peak_rss"] / 2**20, 1)) for s in steps]}
+           "ended_by": end["end"], "curve": [(s["positions"], round(s["peak_rss"] / 2**20, 1)) for s in steps],
+           "steps": steps}
     if end["end"] == "crashed":
         row["error"] = f"exit {proc.returncode}: {(err.strip().splitlines() or ['no output'])[-1]}"
     if ok:
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     for system in args.systems.split(","):
         rows.append(run_system(system, args, budget))
         if not args.json:
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), file=sys.stderr, flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "steps")}), file=sys.stderr,
+                  flush=True)
     settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
                                               "retain", "refine")}
     result = {"machine": machine_info(), "settings": settings, "systems": rows}

@@ -266,7 +266,7 @@ class Engine:
         streamed, request = self.check_fits(len(tokens), sp.max_tokens)
         high_water = peak_rss_bytes()
         self.swap.stream(streamed)
-        stats = GenerationStats(prompt_tokens=len(tokens))
+        stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
         reuse = self.states.take(tokens, session, self._state_allowance(request))
         cache = reuse.cache if reuse.cache is not None else self.new_cache()
         if self.config.kv is not None and request.shape.full_layers:

@@ -26,6 +26,8 @@ from phaseswap.registry import predict_resident_bytes, predict_working_bytes
 # plus a floor that matters only for tiny models (masks, RoPE tables, small arrays).
 RESERVE = 0.02
 RESERVE_FLOOR = 1 << 18
+# Of the budget, what the pressure ladder leaves unused (see Footprint.page_allowance).
+PAGE_MARGIN = 0.04
 # The smallest prefill chunk a tight budget may ask for: below it the dense GEMMs lose
 # their speed (measured: SmolLM2 prefill as fast at 128 tokens per chunk as at 512).
 MIN_PREFILL_CHUNK = 64
@@ -42,6 +44,7 @@ class _Shape:
     page_row: float  # the same in the page format (== kv_row without KVExec)
     top_row: float  # == page_row, or under pressure the page format's (the segment being filled)
     full_tokens: int  # positions per layer held in full precision (sinks, hot window + chunk)
+    rest_tokens: int  # the same between requests (sinks and the hot window)
     page_tokens: int
     block_tokens: int | None  # KVExec: keys per attention block; None: whole context
     retain: int | None  # KVExec retention: positions kept per layer
@@ -61,7 +64,7 @@ class Footprint:
     kv: int
     transient: int
     shape: _Shape
-    pages: int = 0  # of `kv`, the pages of the layers whose KV grows (KVExec)
+    pages: int = 0  # page bytes of the layers whose KV grows, once prefill is done (KVExec)
 
     @property
     def total(self) -> int:
@@ -83,17 +86,21 @@ class Footprint:
 
     def page_allowance(self, budget: int) -> int:
         """The most bytes the growing layers' pages may take with the total within
-        `budget`: this footprint's pages plus what the budget leaves over."""
-        return self.pages + int(max(0, budget - self.total) / (1 + RESERVE))
+        `budget`: this footprint's pages plus what the budget leaves over, less
+        PAGE_MARGIN of it. Pages given the whole slack would put the request at the
+        budget's edge, where the first-order terms above err by a few MiB; the margin
+        costs only how many pages stay in the wider formats, not capacity."""
+        return self.pages + int(max(0, budget * (1 - PAGE_MARGIN) - self.total) / (1 + RESERVE))
 
     def as_dict(self) -> dict[str, int]:
         return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
                 "transient": self.transient, "reserve": self.reserve, "total": self.total}
 
 
-def _layer_kv(s: _Shape, held: int) -> tuple[float, float]:
-    """(full-precision bytes, page bytes) of one layer holding `held` positions."""
-    full = min(held, s.full_tokens)
+def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None) -> tuple[float, float]:
+    """(full-precision bytes, page bytes) of one layer holding `held` positions, of
+    which up to `full_tokens` (default: during prefill) in full precision."""
+    full = min(held, s.full_tokens if full_tokens is None else full_tokens)
     paged = held - full
     if s.block_tokens is not None and paged:  # segments are allocated ahead of use
         paged = allocated_positions(paged, s.page_tokens, s.block_tokens)
@@ -103,8 +110,12 @@ def _layer_kv(s: _Shape, held: int) -> tuple[float, float]:
 
 def _estimate(s: _Shape, positions: int) -> Footprint:
     chunk = min(s.chunk, max(positions, 1))
-    hot, pages = _layer_kv(s, positions if s.retain is None else min(positions, s.retain))
+    held = positions if s.retain is None else min(positions, s.retain)
+    hot, pages = _layer_kv(s, held)
     kv = s.full_layers * (hot + pages)
+    # Once prefill ends, the chunk and a page's worth of the hot window are pages too:
+    # fewer bytes in all, but more of them in pages (what a page limit must allow).
+    rest = _layer_kv(s, held, s.rest_tokens)[1]
     # A sliding layer holds its window plus at most one chunk, one page and the hot window.
     kv += sum(sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens))) for w in s.windows)
     keys = positions if s.block_tokens is None else min(positions, s.block_tokens)
@@ -115,7 +126,7 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     logits = s.vocab * 4
     transient = scores + blocks + mlp + hidden + logits
     return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s,
-                     int(s.full_layers * pages))
+                     int(s.full_layers * rest))
 
 
 def _arg_reader(model: nn.Module, config: dict):
@@ -157,6 +168,7 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     kv_row = 2 * kv_heads * head_dim * act_bytes
     if kv is None:
         page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
+        rest_tokens = 0
         top_row = page_row
     else:
         steps = ladder(kv, head_dim)
@@ -164,11 +176,12 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
         page_row = steps[-1 if pressed else 0].bytes_per_token(kv_heads, head_dim)
         # The hot window's buffer also holds the last chunk appended until the next one.
         full_tokens = kv.sink_tokens + kv.hot_window + kv.page_size + chunk
+        rest_tokens = kv.sink_tokens + kv.hot_window
         block, page = kv.block_tokens, kv.page_size
         retain = kv.max_positions
     shape = _Shape(
         weights=weight_bytes(model) if weights is None else weights, working=working, full_layers=full, windows=tuple(windows), state_bytes=state,
-        kv_row=kv_row, page_row=page_row, top_row=top_row, full_tokens=full_tokens, page_tokens=page, block_tokens=block, retain=retain,
+        kv_row=kv_row, page_row=page_row, top_row=top_row, full_tokens=full_tokens, rest_tokens=rest_tokens, page_tokens=page, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
         intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
         chunk=chunk, act_bytes=act_bytes,

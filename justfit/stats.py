@@ -18,6 +18,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str | None = None
+    planned_bytes: int = 0  # the planner's footprint for this request (what was checked against the budget)
     prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
     memory: MemoryReport | None = None
     kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
