@@ -21,7 +21,7 @@ from justfit.gguf_import import RequantOptions, cache_root
 from justfit.memory import (MemoryReport, hold_memory_to, memory_report, parse_size, peak_rss_bytes, rss_bytes,
                             trim_heap, trimming)
 from justfit.models import LoadedModel, load, weight_files
-from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
+from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint, attention_shape, choose_policy, footprint
 from justfit.state_io import StateIO, export_state, import_state, state_identity
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import StopMatcher
@@ -182,9 +182,12 @@ class Engine:
             else (False,)
         for k in range(len(order) + 1):
             for pressed in press:
+                # With the ladder to fall back on, wide pages keep a margin from the budget's
+                # edge (as the ladder's own page limit does), so only the last step plans to it.
+                edge = None if budget is None else budget * (1 - PAGE_MARGIN if press[-1] != pressed else 1)
                 for chunk in self._chunks():
                     fp = self.footprint(positions, tuple(order[:k]), chunk=chunk, pressed=pressed)
-                    if budget is None or fp.total <= budget:
+                    if edge is None or fp.total <= edge:
                         return tuple(order[:k]), fp
         return tuple(order), fp
 
