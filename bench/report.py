@@ -59,31 +59,31 @@ def capacity_plot(result: dict, path) -> bool:
     return True
 
 
-def speed_markdown(result: dict) -> str:
-    lines = [f"# Speed; machine: {_machine_line(result['machine'])}", "",
-             "| system | context | prefill tok/s | decode tok/s | TTFT s | peak MiB | runs |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+def _table(title: str, result: dict, columns: str, second: str, cells) -> str:
+    """`columns` ("name:align | ..."), one row per system from `cells(row)`; a failed
+    system's row names it, its `second` field and the error."""
+    names, aligns = zip(*(c.strip().split(":") for c in columns.split("|")))
+    lines = [f"# {title}; machine: {_machine_line(result['machine'])}", "", "| " + " | ".join(names) + " |",
+             "|" + "|".join("---:" if a == "r" else "---" for a in aligns) + "|"]
     for r in result["systems"]:
-        if "error" in r:
-            lines.append(f"| {r['system']} | {r['context']} | error: {r['error']} | | | | |")
-            continue
-        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else ""
-        lines.append(f"| {r['system']} | {r['context']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
-                     f"{r['ttft_s']:.2f} | {peak} | {r.get('runs', '')} |")
+        row = [r["system"], str(r.get(second, "")), f"error: {r['error']}"] if "error" in r else cells(r)
+        lines.append("| " + " | ".join(row + [""] * (len(names) - len(row))) + " |")
     return "\n".join(lines) + "\n"
+
+
+def speed_markdown(result: dict) -> str:
+    return _table("Speed", result, "system:l | context:r | prefill tok/s:r | decode tok/s:r | TTFT s:r | "
+                  "peak MiB:r | runs:r", "context", lambda r: [
+                      r["system"], str(r["context"]), f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.2f}",
+                      f"{r['ttft_s']:.2f}", f"{r['peak_mib']:.0f}" if "peak_mib" in r else "", str(r.get("runs", ""))])
 
 
 def quality_markdown(result: dict) -> str:
-    lines = [f"# KV fidelity; machine: {_machine_line(result['machine'])}", "",
-             "| system | format | tokens / context | top-1 | KL | ppl | pass-key |", "|---|---|---:|---:|---:|---:|---:|"]
     def num(r: dict, k: str, fmt: str) -> str:
         return format(r[k], fmt) if k in r else ""
 
-    for r in result["systems"]:
-        if "error" in r:
-            lines.append(f"| {r['system']} | {r.get('format', '')} | error: {r['error']} | | | | |")
-            continue
-        key = f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""
-        lines.append(f"| {r['system']} | {r.get('format', '')} | {r.get('tokens', r.get('context', ''))} | "
-                     f"{num(r, 'top1', '.4f')} | {num(r, 'kl', '.2e')} | {num(r, 'ppl', '.3f')} | {key} |")
-    return "\n".join(lines) + "\n"
+    return _table("KV fidelity", result, "system:l | format:l | tokens / context:r | top-1:r | KL:r | ppl:r | "
+                  "pass-key:r", "format", lambda r: [
+                      r["system"], r.get("format", ""), str(r.get("tokens", r.get("context", ""))),
+                      num(r, "top1", ".4f"), num(r, "kl", ".2e"), num(r, "ppl", ".3f"),
+                      f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""])
