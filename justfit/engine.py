@@ -178,13 +178,13 @@ class Engine:
         order = self.swap.offload_order()
         budget = self.config.budget_bytes
         kv = self.config.kv
-        press = (False, True) if budget is not None and kv is not None and len(kvexec.ladder(kv, self.kv_shape[2])) > 1 \
-            else (False,)
+        # (pressed, the most the footprint may take): with the ladder to fall back on, wide
+        # pages keep a margin from the budget's edge (as the ladder's own page limit does).
+        tries = [(False, budget)]
+        if budget is not None and kv is not None and len(kvexec.ladder(kv, self.kv_shape[2])) > 1:
+            tries = [(False, budget * (1 - PAGE_MARGIN)), (True, budget)]
         for k in range(len(order) + 1):
-            for pressed in press:
-                # With the ladder to fall back on, wide pages keep a margin from the budget's
-                # edge (as the ladder's own page limit does), so only the last step plans to it.
-                edge = None if budget is None else budget * (1 - PAGE_MARGIN if press[-1] != pressed else 1)
+            for pressed, edge in tries:
                 for chunk in self._chunks():
                     fp = self.footprint(positions, tuple(order[:k]), chunk=chunk, pressed=pressed)
                     if edge is None or fp.total <= edge:

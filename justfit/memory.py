@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import resource
 import sys
@@ -46,6 +47,7 @@ def cache_bytes(cache: list | None) -> int:
     return sum(getattr(c, "nbytes", 0) for c in cache or [])
 
 
+@functools.cache  # trim_heap runs per prefill chunk: load the library once
 def _glibc():
     """The C library when it is glibc (Linux), else None: the two calls below are its own."""
     if not sys.platform.startswith("linux"):
