@@ -10,9 +10,24 @@ def _machine_line(m: dict) -> str:
             f"{m.get('date')}")
 
 
+def capacity_ratio(row: dict, base: dict | None) -> str:
+    """row's positions over base's, as far as the two runs bound it: a run that hit
+    the clock or the position limit holds at least its figure, so over an exact
+    figure the ratio is a lower bound, under one an upper bound, and between two
+    such runs unknown."""
+    if not base or not base.get("positions") or "positions" not in row:
+        return ""
+    ratio = f"{row['positions'] / base['positions']:.2f}x"
+    if row is base:
+        return ratio
+    low, high = bool(row.get("limited")), bool(base.get("limited"))
+    return {(False, False): ratio, (True, False): ">= " + ratio, (False, True): "<= " + ratio,
+            (True, True): "unknown (both limited)"}[(low, high)]
+
+
 def capacity_markdown(result: dict) -> str:
     s, rows = result["settings"], result["systems"]
-    base = {r["system"]: r.get("positions") for r in rows}
+    base = {r["system"]: r for r in rows}
     lines = [f"# Capacity: {s['model']}, whole-process budget {s['budget']}", "",
              f"Steps of {s['step']} input tokens + {s['out']} generated; machine: {_machine_line(result['machine'])}",
              "", "| system | retained positions | peak (MiB) | x mlx-lm | x mlx-lm-kv4 | ended by | KV pages |",
@@ -21,7 +36,7 @@ def capacity_markdown(result: dict) -> str:
         if "positions" not in r:
             lines.append(f"| {r['system']} | error: {r.get('error', '')} | | | | {r.get('ended_by', '')} | |")
             continue
-        ratios = [f"{r['positions'] / base[b]:.2f}x" if base.get(b) else "" for b in ("mlx-lm", "mlx-lm-kv4")]
+        ratios = [capacity_ratio(r, base.get(b)) for b in ("mlx-lm", "mlx-lm-kv4")]
         more = " (limit: at least this)" if r.get("limited") else ""
         pages = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("kv_formats") or {}).items())
         lines.append(f"| {r['system']} | {r['positions']:,}{more} | {r['peak_mib']:.0f} | {ratios[0]} | "
@@ -87,3 +102,31 @@ def quality_markdown(result: dict) -> str:
                       r["system"], r.get("format", ""), str(r.get("tokens", r.get("context", ""))),
                       num(r, "top1", ".4f"), num(r, "kl", ".2e"), num(r, "ppl", ".3f"),
                       f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""])
+
+
+def render(path) -> None:
+    """Rewrite the markdown (and a capacity run's plot) beside a saved result, e.g.
+    after this module changed: `python -m bench.report bench/results/*.json`."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    kind = path.name.split("-")[0]
+    writers = {"capacity": (capacity_markdown, capacity_plot), "speed": (speed_markdown, None),
+               "quality": (quality_markdown, None)}
+    if kind not in writers:
+        return
+    result = json.loads(path.read_text())
+    if "systems" not in result or "machine" not in result:  # saved before the output contract
+        return
+    markdown, plot = writers[kind]
+    path.with_suffix(".md").write_text(markdown(result))
+    if plot:
+        plot(result, path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:]:
+        render(name)

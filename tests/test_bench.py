@@ -25,6 +25,27 @@ def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, mon
     assert "justfit-default" in md and "error" in md
 
 
+def test_capacity_ratio_says_how_far_limited_runs_bound_it():
+    """A run stopped by the clock holds at least its figure: ratios against it are
+    bounds, and between two such runs nothing is claimed."""
+    from bench.report import capacity_markdown, capacity_ratio
+
+    stock, kv4 = {"system": "mlx-lm", "positions": 2000}, {"system": "mlx-lm-kv4", "positions": 4000, "limited": True}
+    exact, least = {"positions": 8000}, {"positions": 12000, "limited": True}
+    assert capacity_ratio(stock, stock) == "1.00x" and capacity_ratio(kv4, kv4) == "1.00x"
+    assert capacity_ratio(exact, stock) == "4.00x"
+    assert capacity_ratio(least, stock) == ">= 6.00x"
+    assert capacity_ratio(exact, kv4) == "<= 2.00x"
+    assert capacity_ratio(least, kv4) == "unknown (both limited)"
+    assert capacity_ratio(exact, None) == "" and capacity_ratio({"error": "x"}, stock) == ""
+    rows = [stock, kv4, {"system": "justfit-default", "peak_mib": 500, "ended_by": "time limit", **least}]
+    for r in rows:
+        r.setdefault("peak_mib", 400), r.setdefault("ended_by", "budget")
+    md = capacity_markdown({"settings": {"model": "m", "budget": "1GiB", "step": 1, "out": 1}, "machine": {},
+                            "systems": rows})
+    assert "| >= 6.00x | unknown (both limited) |" in md
+
+
 def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     import json
 
