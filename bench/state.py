@@ -20,12 +20,17 @@ import time
 
 
 def run(model: str, context: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="justfit-state-bench-") as scratch:
+        return _run(model, context, scratch)
+
+
+def _run(model: str, context: int, scratch: str) -> dict:
     import justfit  # noqa: F401  (OpenBLAS before mlx.core)
     from bench.common import prompt_tokens
     from justfit import Engine, SamplingParams
 
     # Stored states go to a fresh folder: nothing from earlier runs may warm the cold run.
-    os.environ["JUSTFIT_STATE_DIR"] = tempfile.mkdtemp(prefix="justfit-state-bench-")
+    os.environ["JUSTFIT_STATE_DIR"] = os.path.join(scratch, "state")
     one = SamplingParams(temperature=0, max_tokens=1)
     engine = Engine(model)
     history = prompt_tokens(engine.tokenizer, context)
@@ -36,7 +41,7 @@ def run(model: str, context: int) -> dict:
 
     engine.reset()
     list(engine.generate(history, one))  # the conversation so far, computed
-    path = os.path.join(tempfile.mkdtemp(), "conversation")
+    path = os.path.join(scratch, "conversation")
     saved = engine.save_state(path)
     # The same continuation from the engine's own tiers: spilled to disk, then in memory.
     engine.states.spill(engine.states.last)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import pytest
 
-# Stored states (StateTiers' disk tier) go to a fresh folder, never the user's.
+# Stored states (StateTiers' disk tier) go to a fresh folder, never the user's, removed
+# when the run ends.
 os.environ["JUSTFIT_STATE_DIR"] = tempfile.mkdtemp(prefix="justfit-state-")
+atexit.register(shutil.rmtree, os.environ["JUSTFIT_STATE_DIR"], ignore_errors=True)
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp-parity.json"
 

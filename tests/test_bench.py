@@ -73,6 +73,9 @@ def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
     assert row["aggregate"] > 3.5 * row["single_session_ceiling"] * 0.9 and not row["both_at_once_fits"]
     assert row["aggregate_decode_tps"] > 0 and row["turns_identical_to_unbudgeted"].split("/")[0] == \
         row["turns_identical_to_unbudgeted"].split("/")[1]
+    kept, of = row["identical_where_pages_kept_their_format"].split("/")
+    assert kept == of and int(of) == sum(set(t["kv_formats"]) <= {"q8c"} for t in row["turns"]) > 0
+    assert all(t["identical"] for t in row["turns"])
 
 
 def test_bench_quality_quick_follows_the_output_contract(tiny_gemma3_dir, tmp_path, monkeypatch, capsys):
