@@ -255,7 +255,6 @@ def main(argv: list[str] | None = None) -> dict:
                 args.retain, args.fine_from, args.fine_step)
         return {}
     from bench.common import machine_info, publish
-    from bench.report import capacity_markdown, capacity_plot
 
     rows = []
     for system in args.systems.split(","):
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
                                               "retain", "refine")}
     result = {"machine": machine_info(), "settings": settings, "systems": rows}
-    publish("capacity", result, args.json, capacity_markdown, capacity_plot)
+    publish("capacity", result, args.json)
     return result
 
 

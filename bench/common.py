@@ -96,16 +96,16 @@ def apply_quick(args, preset: dict, argv: list[str] | None) -> None:
             setattr(args, key, value)
 
 
-def publish(name: str, result: dict, as_json: bool, markdown=None, plot=None) -> Path:
-    """Save `result` (JSON, plus markdown and a plot when given), then print it as one
-    JSON object on stdout (--json) or say where it went."""
+def publish(name: str, result: dict, as_json: bool) -> Path:
+    """Save `result` (JSON, plus its markdown table and plot where the suite has them,
+    bench.report), then print it as one JSON object on stdout (--json) or say where it
+    went."""
+    from bench.report import write_views
+
     path = save(name, result)
-    if markdown:
-        path.with_suffix(".md").write_text(markdown(result))
-    if plot:
-        plot(result, path.with_suffix(".png"))
+    viewed = write_views(name, path, result)
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"saved {path}" + (" (+ .md)" if markdown else ""), file=sys.stderr)
+        print(f"saved {path}" + (" (+ .md)" if viewed else ""), file=sys.stderr)
     return path

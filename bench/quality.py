@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
     from bench.common import apply_quick, machine_info, publish
-    from bench.report import quality_markdown
 
     apply_quick(args, QUICK, argv)
 
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.passkey_lengths:
         lengths = [int(n) for n in args.passkey_lengths.split(",")]
         rows += passkey(args.model, lengths, [float(d) for d in args.depths.split(",")], formats)
-    publish("quality", {"machine": machine_info(), "systems": rows}, args.json, quality_markdown)
+    publish("quality", {"machine": machine_info(), "systems": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -104,25 +104,32 @@ def quality_markdown(result: dict) -> str:
                       f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""])
 
 
-def render(path) -> None:
-    """Rewrite the markdown (and a capacity run's plot) beside a saved result, e.g.
-    after this module changed: `python -m bench.report bench/results/*.json`."""
-    import json
+def write_views(suite: str, path, result: dict) -> bool:
+    """The markdown table (and a capacity run's plot) beside the JSON at `path`; False
+    when the suite has no table."""
     from pathlib import Path
 
+    views = {"capacity": (capacity_markdown, capacity_plot), "speed": (speed_markdown, None),
+             "quality": (quality_markdown, None)}
+    if suite not in views:
+        return False
+    markdown, plot = views[suite]
     path = Path(path)
-    kind = path.name.split("-")[0]
-    writers = {"capacity": (capacity_markdown, capacity_plot), "speed": (speed_markdown, None),
-               "quality": (quality_markdown, None)}
-    if kind not in writers:
-        return
-    result = json.loads(path.read_text())
-    if "systems" not in result or "machine" not in result:  # saved before the output contract
-        return
-    markdown, plot = writers[kind]
     path.with_suffix(".md").write_text(markdown(result))
     if plot:
         plot(result, path.with_suffix(".png"))
+    return True
+
+
+def render(path) -> None:
+    """Rewrite the views beside a saved result, e.g. after this module changed:
+    `python -m bench.report bench/results/*.json`."""
+    import json
+    from pathlib import Path
+
+    result = json.loads(Path(path).read_text())
+    if "systems" in result and "machine" in result:  # else saved before the output contract
+        write_views(Path(path).name.split("-")[0], path, result)
 
 
 if __name__ == "__main__":

@@ -126,9 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         rows += llama_bench(args.llama_cpp, args.model, contexts, args.decode, args.repeat)
     result = {"machine": machine_info(), "systems": rows}
-    from bench.report import speed_markdown
-
-    publish("speed", result, args.json, speed_markdown)
+    publish("speed", result, args.json)
     return result
 
 
