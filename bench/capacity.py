@@ -18,10 +18,11 @@ reports that it was limited, not the capacity. Every system gets the same input
 tokens and the same output length per step.
 
 Systems: mlx-lm (stock `generate_step`, default KV), mlx-lm-kv4 (`kv_bits=4`,
-`quantized_kv_start=0`), justfit-default (q8c pages, stepping down KVExec's pressure
-ladder as the budget tightens; the row's `kv_formats` says how far), justfit-compact (the format
-with the fewest bytes per position), justfit-retention (default pages, at most
-`--retain` positions kept: sinks, recent window and the most attended pages).
+`quantized_kv_start=0`; on sliding-window models, the caches mlx-lm can quantize),
+justfit-default (q8c pages, stepping down KVExec's pressure ladder as the budget
+tightens; the row's `kv_formats` says how far), justfit-compact (the format with the
+fewest bytes per position), justfit-retention (default pages, at most `--retain`
+positions kept: sinks, recent window and the most attended pages).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _stock(model: str, kv_bits: int | None):
     loaded = load(model)
     cache = make_prompt_cache(loaded.model)
     eos = list(loaded.tokenizer.eos_token_ids)
+    note = _quantize_what_mlx_lm_can(cache) if kv_bits else ""
 
     def no_eos(tokens, logits):  # end-of-sequence suppressed
         return logits.at[..., eos].add(-1e9) if eos else logits
@@ -77,7 +79,34 @@ def _stock(model: str, kv_bits: int | None):
                             sampler=make_sampler(0.0), logits_processors=[no_eos], **kw)
         return [int(t) for t, _ in gen]
 
-    return loaded.tokenizer, step, dict
+    return loaded.tokenizer, step, (lambda: {"note": note} if note else {})
+
+
+def _quantize_what_mlx_lm_can(cache: list) -> str:
+    """mlx-lm raises on `kv_bits` for sliding-window caches (RotatingKVCache:
+    "Quantization NYI"), so on models that have them (Gemma 3) the kv4 system quantizes
+    every other cache, as mlx-lm's own `maybe_quantize_kv_cache` does, and leaves those
+    in fp16 (they hold one window each). Returns a note saying so, or ""."""
+    import importlib
+
+    from mlx_lm.models.cache import RotatingKVCache
+
+    generate = importlib.import_module("mlx_lm.generate")  # the package's `generate` is the function
+
+    rotating = sum(isinstance(c, RotatingKVCache) for c in cache)
+    if not rotating:
+        return ""
+    quantize = generate.maybe_quantize_kv_cache
+
+    def skipping_rotating(prompt_cache, *args, **kwargs):
+        keep = [i for i, c in enumerate(prompt_cache) if not isinstance(c, RotatingKVCache)]
+        part = [prompt_cache[i] for i in keep]
+        quantize(part, *args, **kwargs)
+        for i, c in zip(keep, part):
+            prompt_cache[i] = c
+
+    generate.maybe_quantize_kv_cache = skipping_rotating  # read when generate_step starts
+    return f"kv4 on {len(cache) - rotating} of {len(cache)} layers; sliding-window layers fp16 (mlx-lm: NYI)"
 
 
 def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
@@ -216,6 +245,8 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
         row.update(positions=ok[-1]["positions"], peak_mib=round(ok[-1]["peak_rss"] / 2**20, 1),
                    mlx_peak_mib=round(ok[-1]["mlx_peak"] / 2**20, 1),
                    limited=end["end"] in ("time limit", "position limit"))
+        if ok[-1].get("note"):
+            row["note"] = ok[-1]["note"]
         if ok[-1].get("kv_formats"):  # the share of each page format at the capacity step
             total = sum(ok[-1]["kv_formats"].values())
             row["kv_formats"] = {k: round(v / total, 3) for k, v in sorted(ok[-1]["kv_formats"].items())}

@@ -38,7 +38,7 @@ def capacity_markdown(result: dict) -> str:
             continue
         ratios = [capacity_ratio(r, base.get(b)) for b in ("mlx-lm", "mlx-lm-kv4")]
         more = " (limit: at least this)" if r.get("limited") else ""
-        pages = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("kv_formats") or {}).items())
+        pages = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("kv_formats") or {}).items()) or r.get("note", "")
         lines.append(f"| {r['system']} | {r['positions']:,}{more} | {r['peak_mib']:.0f} | {ratios[0]} | "
                      f"{ratios[1]} | {r['ended_by']} | {pages} |")
     return "\n".join(lines) + "\n"

@@ -95,3 +95,26 @@ def test_bench_quality_quick_follows_the_output_contract(tiny_gemma3_dir, tmp_pa
     assert "kv_formats" in next(r for r in forced if r["format"] == "q8c@0.5")
     assert [r["format"] for r in out["systems"] if "error" in r] == ["q8c@0.5"]  # pass-key: teacher-forced only
     assert any(p.suffix == ".md" for p in tmp_path.iterdir())
+
+
+def test_capacity_kv4_quantizes_what_mlx_lm_can_on_sliding_window_models(tiny_gemma3_dir, monkeypatch):
+    import importlib
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+    from bench.capacity import _quantize_what_mlx_lm_can
+    from justfit.models import load
+
+    # the bench's worker replaces mlx-lm's function for its process; here, only for this test
+    generate = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(generate, "maybe_quantize_kv_cache", generate.maybe_quantize_kv_cache)
+    model = load(str(tiny_gemma3_dir)).model
+    cache = make_prompt_cache(model)
+    note = _quantize_what_mlx_lm_can(cache)
+    out = [t for t, _ in generate.generate_step(mx.array([1, 2, 3, 4, 5]), model, prompt_cache=cache,
+                                                max_tokens=3, kv_bits=4, kv_group_size=32, quantized_kv_start=0)]
+    kinds = [type(c) for c in cache]
+    assert len(out) == 3 and RotatingKVCache in kinds  # mlx-lm alone raises "Quantization NYI" here
+    assert kinds.count(QuantizedKVCache) + kinds.count(RotatingKVCache) == len(cache)
+    assert f"kv4 on {kinds.count(QuantizedKVCache)} of {len(cache)} layers" in note and cache[-1].bits == 4
