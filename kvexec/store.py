@@ -169,7 +169,9 @@ class PageStore:
                 # Capacities double up to a block, so a short context wastes little.
                 cap = next_segment_capacity(sum(s.length for s in self.segments), P, self.segment_capacity)
                 lead, D = tuple(k.shape[:2]), k.shape[-1]
-                self._relieve(int(self.fmt.bytes_per_token(lead[0] * lead[1], D) * cap))
+                per_token = self.fmt.bytes_per_token(lead[0] * lead[1], D)
+                cap = self._fitting_capacity(cap, per_token)
+                self._relieve(int(per_token * cap))
                 seg = Segment(start, cap, self.fmt.keys.allocate(lead, cap, D),
                               self.fmt.values.allocate(lead, cap, D), self.fmt)
                 self.segments.append(seg)
@@ -178,8 +180,22 @@ class PageStore:
             seg.length += P
             if self.config.select_pages:
                 seg.key_min, seg.key_max = k.min(axis=-2), k.max(axis=-2)
+            if self.page_limit is not None and seg.length == seg.capacity:
+                self._merge_with_previous(seg)  # small segments made under the limit coalesce
             # A slice: the flushed tokens' buffer goes with the next append's concatenate.
             self.hot_k, self.hot_v = self.hot_k[..., P:, :], self.hot_v[..., P:, :]
+
+    def _fitting_capacity(self, cap: int, per_token: float) -> int:
+        """Under a page limit, the largest of cap, cap/2, ... (whole pages) that fits
+        beside the pages as they are, else one page: making room for a doubled segment
+        would step every older page down at once, for positions not yet written."""
+        P = self.config.page_size
+        if self.page_limit is None:
+            return cap
+        room = self.page_limit - self.page_bytes()
+        while cap > P and per_token * cap > room:
+            cap = max(P, cap // 2 // P * P)
+        return cap
 
     def page_bytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
@@ -205,6 +221,30 @@ class PageStore:
                 return
             seg = min(movable, key=lambda s: (steps.index(s.fmt), s.start))
             _reencode(seg, steps[steps.index(seg.fmt) + 1])
+            self._merge_with_previous(seg)
+
+    def _merge_with_previous(self, seg: Segment) -> None:
+        """Join `seg` to the segment before it when both are full, share a format and
+        together fit one block: the small segments made under a page limit do not stay
+        small blocks for every decode step to visit one by one. (Retention and page
+        selection keep one page per segment.)"""
+        i = self.segments.index(seg)
+        if i == 0 or self.segment_capacity == self.config.page_size:
+            return
+        prev = self.segments[i - 1]
+        if (prev.fmt != seg.fmt or prev.length != prev.capacity or seg.length != seg.capacity
+                or prev.capacity + seg.capacity > self.segment_capacity):
+            return
+        joined = []
+        for codec, a, b in ((seg.fmt.keys, prev.keys, seg.keys), (seg.fmt.values, prev.values, seg.values)):
+            axis = -1 if codec.tokens_last else -2
+            joined.append({name: mx.concatenate([a[name], b[name]], axis=axis) for name in a})
+        mx.eval(joined)  # the two old storages are freed now
+        prev.keys, prev.values = joined
+        prev.capacity += seg.capacity
+        prev.length += seg.length
+        prev.score += seg.score
+        self.segments.pop(i)
 
     def _drop_dead(self, first_query: int) -> None:
         if self.window is None:

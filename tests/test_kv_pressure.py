@@ -62,6 +62,36 @@ def test_pages_stay_within_the_limit_oldest_and_widest_first(share):
     assert sum(steps.index(s.fmt) for s in deeper.segments) > sum(levels)
 
 
+@pytest.mark.parametrize("share", [0.9, 0.75, 0.6, 0.45])
+def test_pages_step_no_deeper_than_the_limit_needs(share):
+    """Segments of up to 8 pages: under the limit a new segment is made only as large as
+    fits (making room for a doubled one would step every older page down at once), and
+    stepped-down neighbours coalesce again, so blocks stay few."""
+    config = KVConfig(page_size=32, hot_window=16, sink_tokens=2, block_tokens=256)
+    steps = ladder(config, 64)
+    rng = np.random.default_rng(1)
+    kv = [mx.array(rng.normal(size=(1, 3, 64, 64)).astype(np.float32)) for _ in range(64)]
+    full, store = PageStore(config), PageStore(config)
+    for i in range(0, 64, 2):
+        full.append(kv[i], kv[i + 1])
+    store.page_limit = int(share * full.page_bytes())
+    worst = 0
+    for i in range(0, 64, 2):
+        store.append(kv[i], kv[i + 1])
+        worst = max(worst, store.page_bytes())
+    assert worst <= store.page_limit
+    # the shallowest rung that would hold every page within the limit
+    need = next(i for i, f in enumerate(steps) if f.bytes_per_token(3, 64) <= share * steps[0].bytes_per_token(3, 64))
+    assert max(steps.index(s.fmt) for s in store.segments) == need
+    paged = sum(s.length for s in store.segments)
+    assert len(store.segments) <= -(-paged // 256) + 2
+    q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(0))  # attention reads the joined segments
+    held_k = mx.concatenate([b.fmt.keys.decode(b.keys) for b in store.blocks()], axis=2)
+    held_v = mx.concatenate([b.fmt.values.decode(b.values) for b in store.blocks()], axis=2)
+    ref = mx.fast.scaled_dot_product_attention(q, held_k, held_v, scale=0.125)
+    assert float(mx.abs(blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125) - ref).max()) < 2e-4
+
+
 def test_attention_is_exact_on_stepped_down_pages():
     """The executor reads each page in its own format: its output equals reference
     attention over the keys and values the pages now hold."""
