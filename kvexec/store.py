@@ -11,7 +11,9 @@ drop segments that no future query can see, so their store is a bounded ring.
 Under a page byte limit (the engine sets one from its budget), pages step down a
 ladder of smaller formats (`KVConfig.pressure`) before a new segment would pass it:
 the oldest segment of the widest format first, so every page steps down once before
-any steps twice, and the segment being filled stays in the page format.
+any steps twice, and the segment being filled stays in the page format. Under the
+limit a new segment is only as large as fits beside the pages, and neighbours that
+end up full and in one format coalesce again, up to a block.
 """
 
 from __future__ import annotations
