@@ -30,6 +30,8 @@ def capacity_markdown(result: dict) -> str:
     base = {r["system"]: r for r in rows}
     lines = [f"# Capacity: {s['model']}, whole-process budget {s['budget']}", "",
              f"Steps of {s['step']} input tokens + {s['out']} generated; machine: {_machine_line(result['machine'])}",
+             *([f"Rows combined from {', '.join(s['combined_from'])} (each row's `source`)."]
+               if s.get("combined_from") else []),
              "", "| system | retained positions | peak (MiB) | x mlx-lm | x mlx-lm-kv4 | ended by | KV pages |",
              "|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
@@ -132,8 +134,45 @@ def render(path) -> None:
         write_views(Path(path).name.split("-")[0], path, result)
 
 
-if __name__ == "__main__":
-    import sys
+# What capacity runs must share for their rows to stand in one table.
+_SAME_RUN = ("model", "budget", "step", "out", "refine")
+_SAME_MACHINE = ("cpu", "cores", "memory_gib", "mlx", "mlx_backend", "mlx_lm", "blas")
 
-    for name in sys.argv[1:]:
-        render(name)
+
+def combine_capacity(paths) -> dict:
+    """One capacity result from runs made apart (a system rerun with a higher position
+    or time limit): each system's row from the last file that has it, tagged with that
+    file. The runs must share model, budget, steps and machine, else ValueError."""
+    import json
+    from pathlib import Path
+
+    results = [(Path(p).name, json.loads(Path(p).read_text())) for p in paths]
+    first = results[0][1]
+    rows: dict[str, dict] = {}
+    for name, r in results:
+        for keys, a, b, what in ((_SAME_RUN, first["settings"], r["settings"], "settings"),
+                                 (_SAME_MACHINE, first["machine"], r["machine"], "machine")):
+            differ = [k for k in keys if a.get(k) != b.get(k)]
+            if differ:
+                raise ValueError(f"{name}: {what} differ from {results[0][0]}'s in {', '.join(differ)}")
+        for row in r["systems"]:
+            rows[row["system"]] = {**row, "source": name}
+    settings = {**first["settings"], "combined_from": [name for name, _ in results]}
+    return {"machine": first["machine"], "settings": settings, "systems": list(rows.values())}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Rewrite the views beside saved results; or, with "
+                                             "--combine, save one capacity result from several runs.")
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--combine", action="store_true")
+    args = ap.parse_args()
+    if args.combine:
+        from bench.common import publish
+
+        publish("capacity", combine_capacity(args.files), False)
+    else:
+        for name in args.files:
+            render(name)

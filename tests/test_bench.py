@@ -1,6 +1,8 @@
 """The benchmark suites' --quick presets on tiny models: every system reported (an
 error row rather than nothing), the output contract, and the files written."""
 
+import pytest
+
 
 def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, monkeypatch):
     """The --quick capacity run: every system gets a row (positions, or an error when
@@ -44,6 +46,33 @@ def test_capacity_ratio_says_how_far_limited_runs_bound_it():
     md = capacity_markdown({"settings": {"model": "m", "budget": "1GiB", "step": 1, "out": 1}, "machine": {},
                             "systems": rows})
     assert "| >= 6.00x | unknown (both limited) |" in md
+
+
+def test_capacity_runs_made_apart_combine_only_when_comparable(tmp_path):
+    import json
+
+    from bench.report import capacity_markdown, combine_capacity
+
+    machine = {"cpu": "x86_64", "cores": 2, "memory_gib": 24, "mlx": "0.3", "date": "d1"}
+    settings = {"model": "m", "budget": "1GiB", "step": 2048, "out": 64, "refine": False, "max_positions": 100}
+    first = {"machine": machine, "settings": settings, "systems": [
+        {"system": "mlx-lm", "positions": 1000, "peak_mib": 900, "ended_by": "budget"},
+        {"system": "justfit-default", "positions": 5000, "peak_mib": 800, "ended_by": "position limit", "limited": True}]}
+    again = {"machine": {**machine, "date": "d2"}, "settings": {**settings, "max_positions": 200}, "systems": [
+        {"system": "justfit-default", "positions": 12000, "peak_mib": 850, "ended_by": "position limit", "limited": True}]}
+    paths = []
+    for i, r in enumerate((first, again)):
+        paths.append(tmp_path / f"capacity-{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    both = combine_capacity(paths)
+    rows = {r["system"]: r for r in both["systems"]}
+    assert rows["justfit-default"]["positions"] == 12000 and rows["justfit-default"]["source"] == "capacity-1.json"
+    assert rows["mlx-lm"]["source"] == "capacity-0.json" and both["settings"]["combined_from"] == \
+        ["capacity-0.json", "capacity-1.json"]
+    assert "| >= 12.00x |" in capacity_markdown(both)
+    paths[1].write_text(json.dumps({**again, "settings": {**settings, "budget": "2GiB"}}))
+    with pytest.raises(ValueError, match="budget"):
+        combine_capacity(paths)
 
 
 def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path, monkeypatch, capsys):
