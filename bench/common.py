@@ -13,6 +13,19 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
+# Read when a suite starts (it imports this module first), not when it saves: a long
+# run's code is the commit it started on, whatever was committed meanwhile.
+_STARTED_AT_COMMIT = _commit()
+
+
 def machine_info() -> dict:
     import justfit  # noqa: F401  (OpenBLAS first)
     import mlx.core as mx
@@ -20,11 +33,7 @@ def machine_info() -> dict:
 
     from justfit.blas import active_blas
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = _STARTED_AT_COMMIT
     from importlib.metadata import version
 
     return {
