@@ -230,7 +230,7 @@ class PageStore:
         together fit one block: the small segments made under a page limit do not stay
         small blocks for every decode step to visit one by one. (Retention and page
         selection keep one page per segment.)"""
-        i = self.segments.index(seg)
+        i = next(j for j, s in enumerate(self.segments) if s is seg)  # by identity: fields hold arrays
         if i == 0 or self.segment_capacity == self.config.page_size:
             return
         prev = self.segments[i - 1]
