@@ -3,6 +3,7 @@ cold prefill (and from the engine's own disk and memory tiers), snapshot size vs
 in-memory state, save/restore throughput.
 
     python -m bench.state --model smollm2 --context 8192
+    python -m bench.state --restart --model smollm2 --context 8192   (bench/state_restart.py)
 
 The conversation is `context` tokens of text; the follow-up is one more user turn.
 Cold: a fresh engine prefills conversation + follow-up. Warm: the conversation's state
@@ -71,9 +72,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--context", type=int, default=8192 - 64)
+    ap.add_argument("--restart", action="store_true", help="a named session across an engine restart, and "
+                    "the cost of writing it through (bench/state_restart.py)")
     args = ap.parse_args(argv)
     from bench.common import machine_info, save
 
+    if args.restart:
+        from bench import state_restart
+
+        with tempfile.TemporaryDirectory(prefix="justfit-state-bench-") as scratch:
+            row = state_restart.run(args.model, args.context, scratch)
+        print(json.dumps(row), file=sys.stderr)
+        print(f"saved {save('state-restart', {'machine': machine_info(), 'rows': [row]})}", file=sys.stderr)
+        return
     row = run(args.model, args.context)
     print(json.dumps(row), file=sys.stderr)
     print(f"saved {save('state', {'machine': machine_info(), 'rows': [row]})}", file=sys.stderr)

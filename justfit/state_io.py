@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from justfit.models import weight_files
-from statetrans import snapshot_bytes
+from statetrans import save_snapshot, snapshot_bytes, state_bytes
+from statetrans.identity import weights_digest
 
 
 @dataclass
@@ -25,22 +28,31 @@ class StateIO:
         return self.file_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-def model_identity(engine) -> str:
-    """Hash of the model's config and weight files' names and sizes: a snapshot only
-    continues on the model that computed it."""
+def state_root(configured: str | None = None) -> Path:
+    """The state directory: `configured`, else $JUSTFIT_STATE_DIR, else beside the
+    model cache."""
+    from justfit.gguf_import import cache_root
+
+    return Path(configured or os.environ.get("JUSTFIT_STATE_DIR") or cache_root().parent / "state")
+
+
+def model_identity(engine, cache_dir: Path | None = None) -> str:
+    """Hash of the model's config and weight files' content (sha256, remembered in
+    `cache_dir` by path, size and mtime): a snapshot only continues on the weights
+    that computed it."""
     h = hashlib.sha256(json.dumps(engine.model_config, sort_keys=True, default=str).encode())
-    for f in weight_files(engine.path):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update(weights_digest(weight_files(engine.path), cache_dir).encode())
     if engine.path is None:
         h.update(str(engine.name).encode())
     return h.hexdigest()[:32]
 
 
-def state_identity(engine) -> dict:
+def state_identity(engine, cache_dir: Path | None = None) -> dict:
     """What a stored state belongs to: the model, its KV settings and weight forms."""
     # As JSON holds it (tuples come back as lists), to compare with a saved manifest.
     kv = json.loads(json.dumps(asdict(engine.config.kv))) if engine.config.kv is not None else None
-    return {"model": model_identity(engine), "model_name": engine.name, "kv": kv, "policy": engine.policy.name}
+    return {"model": model_identity(engine, cache_dir), "model_name": engine.name, "kv": kv,
+            "policy": engine.policy.name}
 
 
 def export_state(engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
@@ -51,8 +63,11 @@ def export_state(engine, path: str, extra: dict | None = None, session: str | No
     if entry is None or not entry.tokens:
         raise ValueError("nothing to save: the conversation holds no state yet")
     start = time.perf_counter()
-    held, written = states.export(entry, path, extra)
-    return StateIO(str(path), len(entry.tokens), held, written, time.perf_counter() - start)
+    arrays, layers = states.arrays(entry)
+    meta = {**states.identity, "tokens": list(entry.tokens), "layers": layers, "session": entry.session,
+            "sampler": entry.sampler, "extra": extra or {}}
+    written = save_snapshot(path, arrays, meta)
+    return StateIO(str(path), len(entry.tokens), state_bytes(arrays), written, time.perf_counter() - start)
 
 
 def import_state(engine, path: str, session: str | None = None) -> StateIO:
@@ -63,3 +78,31 @@ def import_state(engine, path: str, session: str | None = None) -> StateIO:
     engine.states.put([int(t) for t in manifest["tokens"]], cache, session, manifest.get("sampler"))
     return StateIO(str(path), len(manifest["tokens"]), held, snapshot_bytes(path),
                    time.perf_counter() - start, manifest.get("extra") or {})
+
+
+def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
+    """Name the latest conversation `name`: a session, written through to the state
+    directory now and at every later turn of it; `extra` (JSON) is kept beside it."""
+    states = engine.states
+    entry = states.session_entry(name) if states.last is None else states.last
+    if entry is None or not entry.tokens:
+        raise ValueError("nothing to save: the conversation holds no state yet")
+    start = time.perf_counter()
+    if entry.session != name:
+        entry = states.keep_as(entry, name)
+    states.flush()
+    if extra is not None:
+        states.store.write_extra(name, extra)
+    return StateIO(str(states.store.folder(name)), len(entry.tokens), entry.nbytes, entry.disk_bytes,
+                   time.perf_counter() - start, extra or {})
+
+
+def resume_session(engine, name: str) -> StateIO | None:
+    """Session `name` from the state directory (the next request naming it prefills
+    only what is new), with what was kept beside it; None if there is none."""
+    start = time.perf_counter()
+    entry = engine.states.session_entry(name)
+    if entry is None:
+        return None
+    return StateIO(str(engine.states.store.folder(name)), len(entry.tokens), entry.nbytes, entry.disk_bytes,
+                   time.perf_counter() - start, engine.states.store.read_extra(name))

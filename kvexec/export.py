@@ -1,5 +1,7 @@
-"""A page store as plain arrays and JSON-able metadata, and back: what StateTrans
-saves. Pages stay in their compressed form; nothing is re-encoded."""
+"""KVExec's export/import API: a cache layer as plain arrays and JSON-able metadata,
+and back (`export_layer` / `import_layer`), and trimming a stored cache list back to a
+shared prefix (`can_trim` / `trim`). What StateTrans uses; pages stay in their
+compressed form, nothing is re-encoded."""
 
 from __future__ import annotations
 
@@ -7,9 +9,26 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
-from kvexec.cache import PagedKVCache
+from kvexec.cache import PagedKVCache, can_trim, trim
 from kvexec.formats import get_format
 from kvexec.store import KVConfig, PageStore, Segment
+
+KIND = "paged"
+__all__ = ["KIND", "can_trim", "export_layer", "import_layer", "trim"]
+
+
+def export_layer(layer) -> tuple[dict[str, mx.array], dict] | None:
+    """A paged cache layer's arrays and metadata ({"kind": "paged", ...}); None for a
+    layer KVExec does not own (mlx-lm's caches)."""
+    if not isinstance(layer, PagedKVCache):
+        return None
+    arrays, meta = export_store(layer.store)
+    return arrays, {"kind": KIND, **meta}
+
+
+def import_layer(arrays: dict[str, mx.array], meta: dict) -> PagedKVCache:
+    """The paged cache layer `export_layer` described."""
+    return paged_cache_from_store(restore_store(arrays, meta))
 
 
 def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:

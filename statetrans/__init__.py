@@ -2,12 +2,14 @@
 
 `capture` / `rebuild` turn a per-layer cache list into arrays + metadata and back;
 `save_snapshot` / `load_snapshot` put them on disk atomically with checksums;
-`StateTiers` keeps states in memory and on disk, found by token prefix.
+`StateTiers` keeps states in memory and on disk, found by token prefix, and writes
+named sessions through to disk at every turn.
 """
 
+from statetrans.memory_tier import Reuse
 from statetrans.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_bytes
 from statetrans.state import capture, holds, rebuild, state_bytes
-from statetrans.tiers import Reuse, StateTiers
+from statetrans.tiers import StateTiers
 
 __all__ = ["Reuse", "SnapshotError", "StateTiers", "capture", "holds", "load_snapshot", "rebuild", "save_snapshot",
            "snapshot_bytes", "state_bytes"]

@@ -1,148 +1,114 @@
-"""Stored serving states in two tiers: memory, bounded in bytes, and a disk tier of
-snapshots the least recently used states spill to, indexed by token prefix.
+"""Stored serving states in two tiers, memory (bounded in bytes) and disk, indexed by
+token prefix.
 
-A state is anonymous (a prefix cache entry: reusable by any request whose tokens
-share its prefix; its disk copy may be deleted when the disk tier is full) or a
-named session's (swapped to disk when memory is short, never deleted unasked).
+A state is anonymous (a prefix-cache entry: reusable by any request whose tokens
+share its prefix; spilled to `anon/` when memory is short, deleted when the disk tier
+is full) or a named session's: user data, written through to disk at the end of every
+turn (statetrans.writer) as the session's next generation (statetrans.sessions), and
+deleted only by `drop`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
+import atexit
+import copy
 import json
-import shutil
+import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
 
-import kvexec
-from statetrans.prefix import PrefixTrie
-from statetrans.snapshot import MANIFEST, SnapshotError, load_snapshot, save_snapshot
-from statetrans.state import capture, holds, rebuild, state_bytes
+from kvexec.export import can_trim, trim
+from statetrans.disk import locked, sweep_temporaries
+from statetrans.disk_tier import DiskTier
+from statetrans.faults import Faults
+from statetrans.identity import identity_key, read_checked
+from statetrans.memory_tier import Entry, Index, Reuse, cache_nbytes
+from statetrans.sessions import SessionStore
+from statetrans.snapshot import SnapshotError, load_snapshot
+from statetrans.state import capture, copy_cache
+from statetrans.writer import Job, WriteThrough
 
-
-@dataclass
-class Entry:
-    key: str
-    tokens: list[int]
-    cache: list | None = None  # in the memory tier
-    nbytes: int = 0  # in memory
-    path: Path | None = None  # in the disk tier
-    disk_bytes: int = 0
-    session: str | None = None
-    sampler: dict = field(default_factory=dict)  # RNG position, continued on reuse
-    trimmable: bool = True  # all layers can drop trailing positions (not recurrent state)
-    used: int = 0  # LRU clock
-
-
-@dataclass
-class Reuse:
-    """What a request starts from: a state holding `tokens` (a prefix of its own)."""
-
-    cache: list | None
-    tokens: list[int]
-    sampler: dict
-    source: str  # "memory", "disk" or "" (nothing reusable)
-    seconds: float = 0.0  # spent restoring
-    session: str | None = None  # the entry was this session's
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
-def identity_key(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def check_identity(manifest: dict, identity: dict, where: str) -> None:
-    """Refuse a snapshot computed by another model or with other KV settings."""
-    if manifest.get("model") != identity.get("model"):
-        raise SnapshotError(f"{where}: saved with model {manifest.get('model_name')!r} "
-                            f"({manifest.get('model')}), not this engine's {identity.get('model_name')!r}")
-    kv = [(m or {}).get("format", "mlx-lm") for m in (manifest.get("kv"), identity.get("kv"))]
-    if manifest.get("kv") != identity.get("kv"):
-        raise SnapshotError(f"{where}: saved with KV format {kv[0]} (or other KV settings), this engine uses {kv[1]}")
-    if manifest.get("policy") != identity.get("policy"):
-        raise SnapshotError(f"{where}: saved under PhaseSwap policy {manifest.get('policy')!r}, this engine "
-                            f"runs {identity.get('policy')!r} (other weight forms compute other states)")
-
-
-def copy_cache(cache: list) -> list:
-    """An independent copy: the KV store writes its pages in place."""
-    arrays, layers = capture(cache)
-    return rebuild({k: mx.array(v) for k, v in arrays.items()}, layers)
+log = logging.getLogger("justfit.statetrans")
 
 
 class StateTiers:
     def __init__(self, directory: str | Path, identity: dict, layers: int,
-                 memory_limit: int, disk_limit: int):
+                 memory_limit: int, disk_limit: int, faults: Faults | None = None):
         self.identity, self.layers = identity, layers
         self.dir = Path(directory).expanduser() / identity_key(identity)
         self.memory_limit, self.disk_limit = memory_limit, disk_limit
-        self.trie = PrefixTrie()
-        self.entries: dict[str, Entry] = {}
-        self.sessions: dict[str, str] = {}  # name -> entry key
+        self.faults = faults if faults is not None else Faults.from_env()
+        self.index = Index()
+        self.disk = DiskTier(self.dir, identity, self.faults)
+        self.store = SessionStore(self.dir, identity, self.faults)
+        self.writer = WriteThrough(self.store)
         self.last: Entry | None = None  # the most recently stored state
         self.spilled = self.restored = 0  # counts, for stats
-        self._clock = itertools.count(1)
+        self.failures: list[str] = []  # spills that could not be written (the state stayed in memory)
         self._scan()
+        _flush_at_exit(self)
 
-    # -- accounting ---------------------------------------------------------------
-    # (list(...) copies in one step: the server reads these while its engine thread writes)
+    @property
+    def entries(self) -> dict[str, Entry]:
+        return self.index.entries
+
+    @property
+    def sessions(self) -> dict[str, str]:
+        return self.index.sessions
+
     @property
     def memory_bytes(self) -> int:
-        return sum(e.nbytes for e in list(self.entries.values()) if e.cache is not None)
+        return self.index.memory_bytes
 
     @property
     def disk_bytes(self) -> int:
-        return sum(e.disk_bytes for e in list(self.entries.values()) if e.path is not None)
+        return self.index.disk_bytes
 
     # -- storing --------------------------------------------------------------------
     def put(self, tokens: list[int], cache: list, session: str | None = None,
             sampler: dict | None = None) -> Entry:
-        """Keep `cache` (holding exactly `tokens`) in the memory tier. It replaces an
-        anonymous state with the same tokens; the session's previous state stays, as
-        an anonymous one (a checkpoint the LRU tiers bound)."""
+        """Keep `cache` (holding exactly `tokens`) in the memory tier; a session's state
+        is also queued for its next generation on disk. It replaces an anonymous state
+        with the same tokens; the session's previous state, if still in memory, stays
+        as an anonymous one (a checkpoint the LRU tiers bound)."""
         mx.eval([c.state for c in cache])  # nothing pending is stored half-done
-        same = self._same_tokens(tokens, session)
-        if same is not None:
-            self._forget(self.entries[same])
-        e = Entry(uuid.uuid4().hex[:16], list(tokens), cache, sum(_nbytes(c) for c in cache),
-                  session=session, sampler=dict(sampler or {}), trimmable=kvexec.can_trim(cache, 0))
-        self._add(e)
+        same = self.index.same_tokens(tokens, session)
+        if same is not None and same.session is None:
+            self._forget(same)
+        e = Entry(uuid.uuid4().hex[:16], list(tokens), cache, cache_nbytes(cache), session=session,
+                  sampler=dict(sampler or {}), trimmable=can_trim(cache, 0))
+        prev = self.index.add(e)
+        self.last = e
+        if session:
+            e.generation = (prev.generation if prev is not None else 0) + 1
+            if prev is not None:
+                self._retire(prev)
+            arrays, layers = capture(cache)
+            self.writer.submit(self._job(e, arrays, layers))
         return e
 
-    def _add(self, e: Entry) -> None:
-        e.used = next(self._clock)
-        self.entries[e.key] = e
-        self.trie.insert(e.key, e.tokens)
-        if e.session:
-            prev = self.sessions.get(e.session)
-            if prev is not None and prev != e.key:
-                self.entries[prev].session = None
-            self.sessions[e.session] = e.key
-        self.last = e
+    def _job(self, e: Entry, arrays: dict[str, mx.array], layers: list[dict]) -> Job:
+        meta = json.loads(json.dumps({**self.identity, "tokens": e.tokens, "layers": layers, "sampler": e.sampler}))
+        return Job(e, {k: copy.copy(v) for k, v in arrays.items()}, meta)
 
-    def _same_tokens(self, tokens: list[int], session: str | None) -> str | None:
-        for n, key in self.trie.match(tokens):
-            e = self.entries[key]
-            if n == len(tokens) == len(e.tokens) and e.session in (None, session):
-                return key
-        return None
+    def _retire(self, prev: Entry) -> None:
+        """A session's superseded state: an anonymous checkpoint if still in memory
+        (its disk copy is the session's, removed once the newer one is durable)."""
+        if prev.cache is None:
+            self.index.remove(prev)
+            return
+        prev.session, prev.path, prev.disk_bytes, prev.generation = None, None, 0, 0
 
     def _forget(self, e: Entry) -> None:
-        self.entries.pop(e.key, None)
-        if e.key in self.trie:
-            self.trie.remove(e.key)
-        if e.session and self.sessions.get(e.session) == e.key:
-            del self.sessions[e.session]
-        if e.path is not None:
-            shutil.rmtree(e.path, ignore_errors=True)
+        """Out of the index; an anonymous disk copy is deleted (if this process may),
+        a session's never (only `drop` does)."""
+        self.index.remove(e)
+        if e.session is None and e.path is not None:
+            self.disk.delete(e)
         if self.last is e:
             self.last = None
         e.cache = None
@@ -151,18 +117,22 @@ class StateTiers:
     def take(self, tokens: list[int], session: str | None = None, memory_limit: int | None = None) -> Reuse:
         """The stored state sharing the longest usable prefix with `tokens` (at most
         all but the last token, so the request computes logits), trimmed to it, and
-        detached for the request to extend. A state that is extended as it is leaves
-        the index (the request's own state will cover it) unless it cannot be trimmed
-        later (recurrent layers) or is another session's: those stay as checkpoints,
-        on disk when memory is short. Other states spill to disk so the memory tier
-        holds at most `memory_limit`."""
+        detached for the request to extend. A state extended as it is leaves the index
+        (the request's own state will cover it) unless it cannot be trimmed later
+        (recurrent layers) or is another session's: those stay as checkpoints. The
+        session's own state stays on disk until its next generation is durable."""
+        if session:
+            self.session_entry(session)  # also one another process wrote since
         limit = len(tokens) - 1
-        own = self.sessions.get(session) if session else None
-        candidates = [(min(n, limit), key) for n, key in self.trie.match(tokens)]
-        rank = {key: (n, n == len(self.entries[key].tokens), key == own, self.entries[key].cache is not None)
+        own = self.index.sessions.get(session) if session else None
+        candidates = [(min(n, limit), key) for n, key in self.index.trie.match(tokens)]
+        entries = self.index.entries
+        rank = {key: (n, n == len(entries[key].tokens), key == own, entries[key].cache is not None)
                 for n, key in candidates}
         for key in sorted(rank, key=lambda k: rank[k], reverse=True):
-            n, e = rank[key][0], self.entries[key]
+            n, e = rank[key][0], entries.get(key)
+            if e is None:
+                continue
             cut = len(e.tokens) - n
             if n <= 0 or (cut and not e.trimmable):
                 continue
@@ -170,7 +140,7 @@ class StateTiers:
             reuse = self._detach(e, keep, memory_limit)
             if reuse is None:
                 continue
-            if cut and not kvexec.trim(reuse.cache, cut):
+            if cut and not trim(reuse.cache, cut):
                 continue  # e.g. evicted positions: the copy is dropped
             reuse.tokens = reuse.tokens[:n]
             return reuse
@@ -179,147 +149,183 @@ class StateTiers:
 
     def _detach(self, e: Entry, keep: bool, memory_limit: int | None) -> Reuse | None:
         start = time.perf_counter()
+        stays = keep or e.session is not None  # a session's next turn: its disk copy stays indexed
         if not keep and e.cache is not None:  # hand the memory over; nothing to copy
             cache, source = e.cache, "memory"
             e.cache = None
-            self._forget(e)
+            self._release(e, stays)
             self.fit(memory_limit)
         else:
             self.fit(memory_limit, spare=None if keep else e)  # spill first: the copy needs room
             if e.cache is not None:
                 cache, source = copy_cache(e.cache), "memory"
             else:
-                try:
-                    cache, source = self._read(e.path), "disk"
-                except SnapshotError:
-                    self._forget(e)  # damaged or deleted under us: not reusable
+                cache, source = self._load(e), "disk"
+                if cache is None:
                     return None
                 self.restored += 1
-            if keep:
-                e.used = next(self._clock)
-            else:
-                self._forget(e)
+            self._release(e, stays)
         return Reuse(cache, list(e.tokens), dict(e.sampler), source, time.perf_counter() - start, e.session)
+
+    def _release(self, e: Entry, stays: bool) -> None:
+        if stays:
+            self.index.touch(e)
+        else:
+            self._forget(e)
+
+    def _load(self, e: Entry) -> list | None:
+        """`e`'s state read from disk; None when it cannot be (then a damaged anonymous
+        state is forgotten, a damaged session generation gives way to its previous one)."""
+        if e.session is not None:
+            self.writer.wait(e.session)
+        if e.path is None:
+            return None
+        try:
+            return self.read(e.path)[0]
+        except SnapshotError as err:
+            log.warning("not reusing a stored state: %s", err)
+            if e.session is None:
+                self._forget(e)
+                return None
+            self.index.remove(e)
+            older = self.store.find(e.session, below=e.generation)
+            if older is not None:
+                self._adopt(older)
+            return None
 
     # -- tiers ----------------------------------------------------------------------
     def fit(self, memory_limit: int | None = None, spare: Entry | None = None) -> None:
         """Spill least recently used states to disk until the memory tier holds at
         most `memory_limit` (default: the tier's own limit), then delete the least
-        recently used anonymous snapshots past the disk limit."""
+        recently used anonymous snapshots past the disk limit (this process's, or a
+        dead process's: never another live one's)."""
         limit = self.memory_limit if memory_limit is None else min(memory_limit, self.memory_limit)
-        held = sorted((e for e in self.entries.values() if e.cache is not None and e is not spare),
-                      key=lambda e: e.used)
         total = self.memory_bytes
-        for e in held:
+        for e in self.index.in_memory(spare):
             if total <= limit:
                 break
-            self.spill(e)
-            total -= e.nbytes
-        disk = sorted((e for e in self.entries.values() if e.path is not None and e.session is None),
-                      key=lambda e: e.used)
+            if self.spill(e):
+                total -= e.nbytes
         total = self.disk_bytes
-        for e in disk:
+        for e in self.index.anonymous_on_disk():
             if total <= self.disk_limit:
                 break
+            if not self.disk.may_delete(e):
+                continue
             total -= e.disk_bytes
             if e.cache is not None:  # still in memory: only the disk copy goes
-                shutil.rmtree(e.path, ignore_errors=True)
+                self.disk.delete(e)
                 e.path, e.disk_bytes = None, 0
             else:
                 self._forget(e)
 
-    def spill(self, e: Entry) -> None:
-        """Move a state from memory to the disk tier (written once; kept while valid)."""
+    def spill(self, e: Entry) -> bool:
+        """Move a state from memory to the disk tier (written once; a session's is
+        written through already). Whether it left memory: a state whose write fails
+        (a full disk) stays in memory, never lost."""
         if e.cache is None:
-            return
-        if e.path is None:
-            e.path = self.dir / e.key
-            e.disk_bytes = self._write(e.path, e.cache, e.tokens, {"session": e.session, "sampler": e.sampler})
+            return True
+        if e.session is not None:
+            self.writer.wait(e.session)
+            if e.path is None and not self.writer.write(self._job(e, *capture(e.cache))):
+                return False
+        elif e.path is None:
+            try:
+                e.path, e.disk_bytes, e.owner = self.disk.write(e, *capture(e.cache))
+            except Exception as err:  # e.g. no space left: keep it in memory
+                self.failures.append(f"spill of {len(e.tokens)} tokens: {err}")
+                log.warning("could not spill a stored state to disk: %s", err)
+                return False
         e.cache = None
         self.spilled += 1
+        return True
 
-    def _write(self, path: Path, cache: list, tokens: list[int], extra: dict) -> int:
-        arrays, layers = capture(cache)
-        meta = {**self.identity, "tokens": list(tokens), "layers": layers, **extra}
-        return save_snapshot(path, arrays, meta)
+    def flush(self) -> None:
+        """Until every session's latest state is on disk (retrying failed writes)."""
+        self.writer.wait()
+        for e in [e for e in list(self.index.entries.values()) if e.session and e.path is None and e.cache]:
+            self.writer.write(self._job(e, *capture(e.cache)))
 
-    def export(self, e: Entry, path: str | Path, extra: dict | None = None) -> tuple[int, int]:
-        """Save a state as a snapshot at `path`; returns (in-memory bytes, file bytes)."""
+    def arrays(self, e: Entry) -> tuple[dict[str, mx.array], list[dict]]:
+        """`e`'s state as arrays and per-layer metadata, from memory or disk."""
         if e.cache is not None:
-            arrays, layers = capture(e.cache)
-        else:
-            arrays, manifest = load_snapshot(e.path)
-            layers = manifest["layers"]
-        meta = {**self.identity, "tokens": list(e.tokens), "layers": layers, "session": e.session,
-                "sampler": e.sampler, "extra": extra or {}}
-        return state_bytes(arrays), save_snapshot(path, arrays, meta)
-
-    def _read(self, path: Path) -> list:
-        return self.read(path)[0]
+            return capture(e.cache)
+        if e.session is not None:
+            self.writer.wait(e.session)
+        arrays, manifest = load_snapshot(e.path)
+        return arrays, manifest["layers"]
 
     def read(self, path: str | Path) -> tuple[list, dict, int]:
         """A snapshot's cache, manifest and in-memory bytes, checked against this
         model, its KV settings and its layers; raises SnapshotError otherwise."""
-        arrays, manifest = load_snapshot(path)
-        check_identity(manifest, self.identity, str(path))
-        try:
-            cache = rebuild(arrays, manifest["layers"])
-            tokens = [int(t) for t in manifest["tokens"]]
-        except (KeyError, TypeError, ValueError) as err:
-            raise SnapshotError(f"{path}: inconsistent snapshot ({err})") from None
-        if len(cache) != self.layers or not holds(cache, len(tokens)):
-            raise SnapshotError(f"{path}: state does not match its tokens or this model's layers")
-        return cache, manifest, state_bytes(arrays)
+        return read_checked(path, self.identity, self.layers)
 
     def _scan(self) -> None:
-        """Index the disk tier left by earlier runs (manifests only; checked on use)."""
+        """Index what earlier runs and other processes left (manifests only; checked
+        on use), after removing temporaries whose writer is dead."""
+        sweep_temporaries(self.dir.parent, depth=0)
         if not self.dir.is_dir():
             return
-        found = []
-        for d in self.dir.iterdir():
-            if d.name.startswith("."):  # an interrupted write
-                shutil.rmtree(d, ignore_errors=True)
-                continue
-            try:
-                m = json.loads((d / MANIFEST).read_text())
-                check_identity(m, self.identity, str(d))
-                found.append((d.stat().st_mtime, d, m))
-            except (OSError, ValueError, SnapshotError):
-                continue
-        for _, d, m in sorted(found, key=lambda f: f[0]):
-            disk = sum(f.stat().st_size for f in d.iterdir())
-            e = Entry(d.name, [int(t) for t in m["tokens"]], path=d, disk_bytes=disk, session=m.get("session"),
-                      sampler=m.get("sampler") or {},
-                      trimmable=all(_trimmable_meta(layer) for layer in m.get("layers", [])))
-            self._add(e)
+        with locked(self.dir):
+            sweep_temporaries(self.dir)
+        for e in self.disk.scan():
+            self.index.add(e)
+        for e in self.store.scan():
+            self._adopt(e)
         self.last = None
 
+    def _adopt(self, e: Entry) -> None:
+        prev = self.index.add(e)
+        if prev is not None:
+            self.index.remove(prev)
+
     # -- sessions -------------------------------------------------------------------
+    def session_entry(self, name: str) -> Entry | None:
+        """Session `name`'s state: indexed, or found on disk (written by another
+        process since this one looked)."""
+        e = self.index.session(name)
+        if e is None:
+            e = self.store.find(name)
+            if e is not None:
+                self._adopt(e)
+        return e
+
     def fork(self, source: str, name: str) -> Entry:
         """A new session `name` starting from session `source`'s state."""
-        e = self.entries[self.sessions[source]]
-        if e.cache is not None:
-            cache = copy_cache(e.cache)
+        e = self.session_entry(source)
+        if e is None:
+            raise KeyError(f"no session {source!r}")
+        return self.keep_as(e, name)
+
+    def keep_as(self, e: Entry, name: str) -> Entry:
+        """Store `e`'s state as session `name` (written through): an anonymous state in
+        memory becomes the session's without a copy."""
+        if e.session is None and e.cache is not None:
+            cache = e.cache
+            self._forget(e)
         else:
-            cache = self._read(e.path)
+            cache = copy_cache(e.cache) if e.cache is not None else self._load(e)
+        if cache is None:
+            raise SnapshotError(f"the state of {len(e.tokens)} tokens could not be read from disk")
         return self.put(e.tokens, cache, name, e.sampler)
 
     def drop(self, session: str) -> None:
         """Forget a session's state, on disk too."""
-        if session in self.sessions:
-            self._forget(self.entries[self.sessions[session]])
+        self.writer.wait(session)
+        e = self.index.session(session)
+        if e is not None:
+            self._forget(e)
+        self.store.drop(session)
 
     def clear(self) -> None:
         """Forget every anonymous state (sessions stay)."""
-        for e in [e for e in self.entries.values() if e.session is None]:
+        for e in [e for e in self.index.entries.values() if e.session is None]:
             self._forget(e)
         self.last = None
 
 
-def _nbytes(c) -> int:
-    n = getattr(c, "nbytes", None)
-    return n if isinstance(n, int) else sum(a.nbytes for a in c.state if isinstance(a, mx.array))
-
-
-def _trimmable_meta(layer: dict) -> bool:
-    return layer.get("kind") == "paged" or layer.get("class") in ("KVCache", "QuantizedKVCache")
+def _flush_at_exit(tiers: StateTiers) -> None:
+    """At interpreter exit, wait for queued session writes (without keeping `tiers`
+    alive meanwhile)."""
+    ref = weakref.ref(tiers)
+    atexit.register(lambda: (t := ref()) is not None and t.flush())

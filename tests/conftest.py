@@ -17,6 +17,11 @@ import pytest
 os.environ["JUSTFIT_STATE_DIR"] = tempfile.mkdtemp(prefix="justfit-state-")
 atexit.register(shutil.rmtree, os.environ["JUSTFIT_STATE_DIR"], ignore_errors=True)
 
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--long", action="store_true", help="also run the long variants (e.g. 200+ kill injections)")
+
+
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp-parity.json"
 
 

@@ -2,6 +2,10 @@
 refuse what is damaged or foreign without touching the current state."""
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -164,3 +168,54 @@ def test_finished_and_cancelled_requests_leak_no_memory(tiny_gemma3_dir):
     assert len(engine.cached_tokens) == len(engine.encode(PROMPT * 2)) + 1
     engine.reset()
     assert settled() == base
+
+
+def test_state_command_lists_verifies_removes_and_collects(tiny_llama_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    kv = KVConfig(format="fp16", page_size=16, hot_window=16, block_tokens=64)
+    engine = Engine(str(tiny_llama_dir), config=EngineConfig(kv=kv, prefill_chunk=16, state_dir=str(tmp_path),
+                                                             state_memory=0))
+    _tokens(engine, PROMPT, GREEDY)  # anonymous, spilled
+    _tokens(engine, "a named one " * 3, GREEDY)
+    list(engine.generate("mine " * 5, GREEDY, session="mine"))
+    list(engine.generate("theirs " * 5, GREEDY, session="theirs"))
+    engine.flush_sessions()
+    run = lambda *a: CliRunner().invoke(main, ["state", *a, "--state-dir", str(tmp_path)])  # noqa: E731
+
+    out = run("ls")
+    assert out.exit_code == 0 and "mine" in out.output and "theirs" in out.output
+    assert out.output.count("(anonymous)") == 2 and "fp16" in out.output
+    rows = json.loads(run("ls", "--json").output)
+    assert {r["session"] for r in rows} == {None, "mine", "theirs"}
+
+    assert run("verify").output.endswith("4 of 4 snapshots intact\n")
+    anon = next(r["path"] for r in rows if r["session"] is None)
+    (Path(anon) / "arrays.safetensors").write_bytes(b"damaged")
+    out = run("verify")
+    assert out.exit_code == 1 and "broken:" in out.output and "3 of 4" in out.output
+    assert "(removed)" in run("verify", "--remove").output
+    assert run("verify").exit_code == 0
+
+    assert run("rm", "theirs").output == "removed session 'theirs'\n"
+    assert "no session 'theirs'" in run("rm", "theirs").output
+    mine = next(Path(r["path"]) for r in rows if r["session"] == "mine")
+    shutil.copytree(mine, mine.with_name("g000000000002"))  # a newer one, as if cleanup had not run yet
+    assert "mine (superseded)" in run("ls").output
+    # The superseded generation goes; the anonymous state stays: its writer (this process) lives.
+    assert "removed 1 snapshots" in run("gc", "--keep", "0").output
+    assert "superseded" not in run("ls").output and "(anonymous)" in run("ls").output
+    # A state written by a process that has ended is garbage once past --keep; sessions never are.
+    script = (f"import justfit; from justfit import Engine, SamplingParams; from justfit.config import EngineConfig; "
+              f"from kvexec import KVConfig; e = Engine({str(tiny_llama_dir)!r}, config=EngineConfig(kv=KVConfig("
+              f"format='fp16', page_size=16, hot_window=16, block_tokens=64), state_dir={str(tmp_path)!r}, "
+              f"state_memory=0)); list(e.generate('gone ' * 9, SamplingParams(max_tokens=2)))")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[1])
+    assert len(json.loads(run("ls", "--json").output)) == 3
+    assert "removed 1 snapshots" in run("gc", "--keep", "0").output
+    rows = json.loads(run("ls", "--json").output)
+    assert [r["session"] for r in rows] == [None, "mine"] or [r["session"] for r in rows] == ["mine", None]
+    assert Engine(str(tiny_llama_dir), config=EngineConfig(kv=kv, state_dir=str(tmp_path))).sessions() == {
+        "mine": next(r["tokens"] for r in rows if r["session"] == "mine")}
