@@ -1,0 +1,58 @@
+"""`justfit generate`: continue a text once, with no chat template: the natural command
+for base models and scripts. Only the continuation is printed."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from cli import common
+from cli.chat import request_lines
+from cli.terminal import PrefillBar
+from justfit import SamplingParams
+
+
+def prompt_text(prompt: str | None, stdin) -> str:
+    """The text to continue: --prompt as given, else all of piped stdin less the line
+    break(s) it ends with (what `echo` adds)."""
+    if prompt is None:
+        if stdin.isatty():
+            raise common.UserError("give the text with --prompt TEXT, or pipe it on stdin")
+        prompt = stdin.read().rstrip("\r\n")
+    if not prompt.strip():
+        raise common.UserError("nothing to continue: the prompt is empty")
+    return prompt
+
+
+@click.command()
+@common.model_option
+@click.option("--prompt", "-p", default=None, metavar="TEXT", help="The text to continue (default: stdin).")
+@common.sampling_options
+@click.option("--stats", "show_stats", is_flag=True, help="Print the request's phase figures to stderr.")
+@common.engine_options
+def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, budget, whole_process, gguf_bits,
+             kv_format, policy) -> None:
+    """Continue a text, as typed: no chat template, the prompt is not repeated.
+
+    Only the continuation goes to stdout (a final newline only on a terminal), so
+    `justfit generate ... > out.txt` holds exactly what the model wrote.
+    """
+    text = prompt_text(prompt, sys.stdin)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    out, err = sys.stdout, sys.stderr
+    bar = PrefillBar(err, err.isatty())
+    gen = engine.generate(text, sampling, progress=bar)
+    try:
+        for chunk in gen:
+            bar.clear()
+            click.echo(chunk.text, file=out, nl=False)
+            out.flush()
+    finally:
+        gen.close()
+        bar.clear()
+    if out.isatty():
+        click.echo("", file=out)
+    if show_stats:
+        click.echo("\n".join(request_lines(engine.last_stats)), file=err)
