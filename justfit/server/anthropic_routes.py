@@ -1,0 +1,311 @@
+"""Anthropic's Messages API: POST /v1/messages (streamed as Anthropic's named SSE
+events, or whole) and /v1/messages/count_tokens, so Claude Code (ANTHROPIC_BASE_URL)
+and the `anthropic` package talk to the local model. Errors come back in Anthropic's
+shape (see app.py); requests are planned and queued exactly as OpenAI's are."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from aiohttp import web
+
+from justfit.config import SamplingParams
+from justfit.server.openai_routes import chat_tokens, collect, engine_error
+from justfit.server.schema import BadRequest, Options, get, parse_body
+from justfit.server.tools import ToolCalls
+
+# Block types a client may send back that carry nothing for a local model: the model's
+# own earlier reasoning (never produced here) and server-side tool results.
+IGNORED_BLOCKS = ("thinking", "redacted_thinking")
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+def add_routes(app: web.Application, server) -> None:
+    routes = AnthropicRoutes(server)
+    app.router.add_post("/v1/messages", routes.messages)
+    app.router.add_post("/v1/messages/count_tokens", routes.count_tokens)
+
+
+# -- the request ------------------------------------------------------------------------
+def _blocks(content, path: str) -> list[dict]:
+    """Message content as a list of blocks (a string is one text block)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise BadRequest(f"'{path}' must be a string or an array of content blocks", path)
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise BadRequest(f"'{path}[{i}]' must be a content block with a 'type'", f"{path}[{i}]")
+    return content
+
+
+def _result_text(content, path: str) -> str:
+    """A tool_result's content: a string or text blocks."""
+    if content is None:
+        return ""
+    parts = []
+    for i, block in enumerate(_blocks(content, path)):
+        if block["type"] != "text":
+            raise BadRequest(f"'{path}[{i}]': only text tool results are supported", f"{path}[{i}]")
+        parts.append(get(block, "text", str, where=f"{path}[{i}]."))
+    return "".join(parts)
+
+
+def system_text(body: dict) -> str | None:
+    """`system`: a string or text blocks (their cache_control hints are ignored)."""
+    system = body.get("system")
+    if system is None:
+        return None
+    return _result_text(system, "system")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """Anthropic messages as chat-template messages: text joined, tool_use blocks as the
+    assistant's tool_calls, tool_result blocks as "tool" messages."""
+    msgs = get(body, "messages", list)
+    if not msgs:
+        raise BadRequest("'messages' must not be empty", "messages")
+    system = system_text(body)
+    out = [{"role": "system", "content": system}] if system else []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"'{where}' must be an object", where)
+        role = get(m, "role", str, where=f"{where}.")
+        if role not in ("user", "assistant"):
+            raise BadRequest(f"'{where}.role' must be user or assistant, not {role!r}", f"{where}.role")
+        text, calls, results = [], [], []
+        for j, block in enumerate(_blocks(m.get("content"), f"{where}.content")):
+            at, kind = f"{where}.content[{j}]", block["type"]
+            if kind == "text":
+                text.append(get(block, "text", str, where=f"{at}."))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append({"id": get(block, "id", str, where=f"{at}."), "type": "function",
+                              "function": {"name": get(block, "name", str, where=f"{at}."),
+                                           "arguments": get(block, "input", dict, {}, where=f"{at}.")}})
+            elif kind == "tool_result" and role == "user":
+                results.append({"role": "tool", "tool_call_id": get(block, "tool_use_id", str, where=f"{at}."),
+                                "content": _result_text(block.get("content"), f"{at}.content")})
+            elif kind not in IGNORED_BLOCKS:
+                raise BadRequest(f"'{at}': {kind!r} blocks are not supported here (text, tool_use from the "
+                                 "assistant and tool_result from the user are)", at)
+        out.extend(results)  # tool results answer the previous turn's calls: they come first
+        if text or calls or not results:
+            msg = {"role": role, "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def openai_tools(body: dict) -> list[dict] | None:
+    """Anthropic tool definitions in the chat template's (OpenAI's) form; none when
+    tool_choice is "none"."""
+    tools = get(body, "tools", list, None)
+    choice = get(body, "tool_choice", dict, {})
+    if not tools or choice.get("type") == "none":
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise BadRequest(f"'tools[{i}]' must be an object", f"tools[{i}]")
+        if t.get("type") not in (None, "custom"):  # Anthropic's server tools (web search...) run at Anthropic
+            raise BadRequest(f"'tools[{i}]': tool type {t['type']!r} is not available here", f"tools[{i}].type")
+        out.append({"type": "function", "function": {
+            "name": get(t, "name", str, where=f"tools[{i}]."),
+            "description": get(t, "description", str, "", where=f"tools[{i}]."),
+            "parameters": get(t, "input_schema", dict, {"type": "object"}, where=f"tools[{i}].")}})
+    return out
+
+
+def anthropic_options(body: dict) -> Options:
+    """max_tokens is required, as Anthropic's is; temperature, top_p and top_k come from
+    the body (newer clients send them only through extra_body), defaulting to Anthropic's
+    own defaults (temperature 1, no top_p / top_k filter)."""
+    stops = get(body, "stop_sequences", list, [])
+    if len(stops) > 16 or not all(isinstance(s, str) for s in stops):
+        raise BadRequest("'stop_sequences' must be an array of at most 16 strings", "stop_sequences")
+    try:
+        sp = SamplingParams(
+            temperature=get(body, "temperature", float, 1.0, lo=0, hi=2),
+            top_p=get(body, "top_p", float, 1.0, lo=0, hi=1),
+            top_k=get(body, "top_k", int, 0, lo=0),
+            max_tokens=get(body, "max_tokens", int, lo=1),
+            stop=tuple(stops),
+        )
+    except ValueError as e:  # top_p 0
+        raise BadRequest(str(e), None) from None
+    metadata = get(body, "metadata", dict, {})
+    return Options(sp, True, get(body, "stream", bool, False),
+                   session=get(body, "session", str, None) or get(metadata, "session", str, None, where="metadata."),
+                   tools=openai_tools(body))
+
+
+# -- the response -----------------------------------------------------------------------
+def usage(prompt: int, cached: int, output: int) -> dict:
+    """Anthropic counts input tokens served from a cache apart from the rest."""
+    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def tool_blocks(calls: list[dict]) -> list[dict]:
+    """Parsed tool calls (OpenAI's shape, arguments as JSON text) as tool_use blocks."""
+    out = []
+    for call in calls:
+        try:
+            args = json.loads(call["function"]["arguments"] or "{}")
+        except json.JSONDecodeError:
+            args = {}
+        out.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                    "name": call["function"]["name"], "input": args if isinstance(args, dict) else {"value": args}})
+    return out
+
+
+def stop_reason(stats, calls: list) -> tuple[str, str | None]:
+    if calls:
+        return "tool_use", None
+    if stats is not None and stats.stop_sequence:
+        return "stop_sequence", stats.stop_sequence
+    return STOP_REASONS.get(stats.finish_reason if stats else "stop", "end_turn"), None
+
+
+def event(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+def tool_events(calls: list[dict], first: int) -> list[bytes]:
+    """Streamed tool_use blocks from index `first`: each opens with an empty input,
+    which one input_json_delta fills (the call is parsed whole, once it ended)."""
+    out = []
+    for index, block in enumerate(tool_blocks(calls), first):
+        args = json.dumps(block.pop("input"))
+        out += [event("content_block_start", {"index": index, "content_block": {**block, "input": {}}}),
+                event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                        "partial_json": args}}),
+                event("content_block_stop", {"index": index})]
+    return out
+
+
+class AnthropicRoutes:
+    def __init__(self, server):
+        self.server, self.engine = server, server.engine
+
+    def _model(self, body: dict) -> str:
+        """Claude model names (what Claude Code sends unless told otherwise) mean the
+        model served here; other names are checked as on every route."""
+        name = body.get("model")
+        if not (isinstance(name, str) and name.startswith("claude")):
+            self.server.check_model(name)
+        return self.server.model_id
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = parse_body(await request.read())
+        self._model(body)
+        tokens = chat_tokens(self.engine, chat_messages(body), openai_tools(body))
+        return web.json_response({"input_tokens": len(tokens)})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        model = self._model(body)
+        opts = anthropic_options(body)
+        tokens = chat_tokens(self.engine, chat_messages(body), opts.tools)
+        self.server.plan(tokens, opts)
+        job, _ = self.server.submit(tokens, opts, "anthropic")
+        tools = ToolCalls(self.engine.tokenizer, opts.tools)
+        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": model}
+        try:
+            if opts.stream:
+                return await self._stream(request, job, tools, head)
+            return await self._collect(job, tools, head)
+        finally:
+            job.cancel.set()  # a no-op once finished; stops the work if the client left
+
+    async def _collect(self, job, tools: ToolCalls, head: dict) -> web.Response:
+        text, calls, stats, _ = await collect(job, tools)
+        content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_blocks(calls)
+        reason, sequence = stop_reason(stats, calls)
+        cached = stats.cached_tokens if stats else 0
+        return web.json_response({**head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                                  "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0)})
+
+    async def _stream(self, request, job, tools: ToolCalls, head: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        started, text_open, blocks, stats = False, False, 0, None
+
+        async def start(cached: int) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await resp.write(event("message_start", {"message": {
+                    **head, "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": usage(len(job.tokens), cached, 0)}}))
+
+        async def text(piece: str) -> None:
+            nonlocal text_open, blocks
+            if not text_open:
+                text_open = True
+                await resp.write(event("content_block_start", {"index": blocks,
+                                                               "content_block": {"type": "text", "text": ""}}))
+                await resp.write(event("ping", {}))
+            if piece:
+                await resp.write(event("content_block_delta", {"index": blocks,
+                                                               "delta": {"type": "text_delta", "text": piece}}))
+
+        try:
+            async for kind, p in job.stream(tick=self.server.config.keepalive_s):
+                if kind == "progress":
+                    await start(p[0] if not started else 0)  # the first report: what the stored state held
+                elif kind == "tick":  # queued, or a long prefill chunk: keep the connection alive
+                    await start(0)
+                    await resp.write(event("ping", {}))
+                elif kind == "chunk":
+                    await start(0)
+                    shown = tools.feed(p.text)
+                    if shown:
+                        await text(shown)
+                elif kind == "error":
+                    await resp.write(event("error", {"error": anthropic_error(engine_error(p))}))
+                    return resp
+                elif kind == "done":
+                    stats = p
+            await start(0)
+            tail = tools.flush()
+            calls = tools.calls()
+            if tail or not calls:
+                await text(tail)
+            if text_open:
+                await resp.write(event("content_block_stop", {"index": blocks}))
+                blocks += 1
+            for piece in tool_events(calls, blocks):
+                await resp.write(piece)
+            reason, sequence = stop_reason(stats, calls)
+            cached = stats.cached_tokens if stats else 0
+            await resp.write(event("message_delta", {
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0)}))
+            await resp.write(event("message_stop", {}))
+            await resp.write_eof()
+        except ConnectionError:  # the client left: cancel (in messages), nobody to tell
+            job.cancel.set()
+        return resp
+
+
+# -- errors -------------------------------------------------------------------------------
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(e: BadRequest) -> dict:
+    """The inner `error` object of Anthropic's error body."""
+    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+    return {"type": ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error"),
+            "message": message}
+
+
+def error_body(e: BadRequest) -> dict:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error", "error": anthropic_error(e)}

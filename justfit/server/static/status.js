@@ -1,0 +1,172 @@
+// JustFit's status page: polls /v1/justfit/live every 500 ms, keeps the memory history
+// it is sent, and renders it with uPlot. No framework, no build step.
+"use strict";
+
+const POLL_MS = 500;
+const KEEP = 1200; // samples in the chart: ten minutes at two a second
+const KEY = "justfit-api-key";
+const COLORS = { weights_resident: "#4c78a8", weights_materialized: "#9ecae9", transient: "#f58518",
+                 states_memory: "#54a24b" };
+const KV_COLORS = ["#b279a2", "#e45756", "#eeca3b", "#72b7b2", "#ff9da6", "#9d755d", "#bab0ac"];
+const LABELS = { weights_resident: "weights resident", weights_materialized: "weights materialized",
+                 transient: "transient", states_memory: "stored states (memory)" };
+
+let history = [], lastT = 0, chart = null, chartKinds = "", kvColors = {};
+window.justfitLast = null; // the last document rendered (for tests and the curious)
+
+const $ = (id) => document.getElementById(id);
+const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+
+function size(n) {
+  if (n == null) return "none";
+  for (const [u, s] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) if (Math.abs(n) >= s) return (n / s).toFixed(1) + " " + u;
+  return n + " B";
+}
+const num = (n) => (n == null ? "" : Number(n).toLocaleString("en-US"));
+const secs = (s) => (s == null ? "" : s < 1 ? Math.round(s * 1000) + " ms" : s.toFixed(2) + " s");
+
+function cell(value, text, field) {
+  const attrs = field ? ` data-field="${field}"` : "";
+  return `<td data-value="${esc(value ?? "")}"${attrs}>${esc(text ?? value ?? "")}</td>`;
+}
+
+function setField(field, value, text) {
+  for (const el of document.querySelectorAll(`[data-field="${field}"]`)) {
+    el.dataset.value = value ?? "";
+    el.textContent = text ?? value ?? "";
+  }
+}
+
+// -- memory: the kinds, stacked bottom to top -------------------------------------------
+function kinds(sample) {
+  const kv = Object.keys(sample.kv || {}).sort().map((f) => "kv:" + f);
+  return ["weights_resident", "weights_materialized", ...kv, "transient", "states_memory"];
+}
+
+function value(sample, kind) {
+  return kind.startsWith("kv:") ? (sample.kv || {})[kind.slice(3)] || 0 : sample[kind] || 0;
+}
+
+function color(kind) {
+  if (COLORS[kind]) return COLORS[kind];
+  if (!kvColors[kind]) kvColors[kind] = KV_COLORS[Object.keys(kvColors).length % KV_COLORS.length];
+  return kvColors[kind];
+}
+
+const label = (kind) => LABELS[kind] || "KV " + kind.slice(3);
+
+function chartData(order) {
+  const xs = history.map((s) => s.t);
+  const stacked = [], running = history.map(() => 0);
+  for (const kind of order) {
+    history.forEach((s, i) => { running[i] += value(s, kind) / 2 ** 20; });
+    stacked.push(running.slice());
+  }
+  const budget = history.map((s) => (s.budget == null ? null : s.budget / 2 ** 20));
+  // Drawn top of the stack first, so each lower band paints over the one above it.
+  return [xs, ...stacked.reverse(), budget];
+}
+
+function drawChart() {
+  const all = new Set();
+  history.forEach((s) => kinds(s).forEach((k) => all.add(k)));
+  const order = kinds({ kv: Object.fromEntries([...all].filter((k) => k.startsWith("kv:")).map((k) => [k.slice(3), 0])) });
+  const el = $("memchart");
+  if (order.join() !== chartKinds) {
+    if (chart) chart.destroy();
+    chartKinds = order.join();
+    const series = [{}, ...order.slice().reverse().map((k) => ({ label: label(k), stroke: color(k), fill: color(k) + "cc",
+                                                               width: 1, points: { show: false } })),
+                    { label: "budget", stroke: "#d33", dash: [6, 4], width: 2, points: { show: false } }];
+    chart = new uPlot({ width: el.clientWidth || 900, height: 260, series, legend: { show: false },
+                        scales: { y: { range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.05] } },
+                        axes: [{}, { label: "MiB", size: 60 }] }, chartData(order), el);
+  } else {
+    chart.setData(chartData(order));
+  }
+}
+
+function renderKinds(now) {
+  const order = kinds(now);
+  $("kinds").innerHTML = order.map((k) => `<tr><td><span class="swatch" style="background:${color(k)}"></span>${esc(label(k))}</td>` +
+    cell(value(now, k), size(value(now, k)), "mem:" + k) + "</tr>").join("");
+}
+
+// -- tables ------------------------------------------------------------------------------
+function renderRunning(doc) {
+  const r = doc.running, el = $("running");
+  if (!r) { el.className = "empty"; el.innerHTML = '<span data-field="running">idle</span>'; return; }
+  const pct = r.phase === "prefill" ? (100 * r.processed) / Math.max(1, r.prompt_tokens)
+                                    : (100 * r.generated) / Math.max(1, r.max_tokens);
+  el.className = "";
+  el.innerHTML = `<div data-field="running" data-value="${r.phase}">${esc(r.route)} · <b>${r.phase}</b> · ` +
+    `<span data-field="processed" data-value="${r.processed}">${num(r.processed)}</span> of ` +
+    `<span data-field="prompt_tokens" data-value="${r.prompt_tokens}">${num(r.prompt_tokens)}</span> prompt tokens, ` +
+    `<span data-field="generated" data-value="${r.generated}">${num(r.generated)}</span> generated · ${secs(r.elapsed_s)}</div>` +
+    `<div class="bar"><div style="width:${pct.toFixed(1)}%"></div></div>`;
+}
+
+function render(doc) {
+  window.justfitLast = doc;
+  setField("model", doc.model); setField("policy", doc.policy); setField("kv_format", doc.kv_format);
+  setField("blas", doc.blas); setField("backend", doc.backend);
+  setField("budget", doc.budget, doc.budget == null ? "none" : size(doc.budget));
+  setField("context_limit", doc.context_limit, num(doc.context_limit));
+  setField("completed", doc.requests.completed, `${num(doc.requests.completed)} done`);
+  setField("queued", doc.queued.length); setField("states", doc.states.length);
+  renderRunning(doc);
+  $("queued").innerHTML = doc.queued.map((q) => `<tr>${cell(q.route)}${cell(q.prompt_tokens, num(q.prompt_tokens))}` +
+    `${cell(q.max_tokens, num(q.max_tokens))}${cell(q.waited_s, secs(q.waited_s))}</tr>`).join("");
+  $("capacity-kind").textContent = `under the ${doc.capacity_budget_kind}, ${size(doc.capacity_budget)}`;
+  // One column per KV format: positions one request may hold, and what is free beside the running one.
+  $("capacity-head").innerHTML = "<tr><th>KV format</th>" + doc.capacity.map((c) =>
+    `<th class="${c.in_use ? "in-use" : ""}">${esc(c.format)}</th>`).join("") + "</tr>";
+  $("capacity").innerHTML = "<tr><td>max positions</td>" + doc.capacity.map((c) =>
+    cell(c.max_positions, num(c.max_positions), "capacity:" + c.format)).join("") + "</tr><tr><td>left now</td>" +
+    doc.capacity.map((c) => cell(c.left, num(c.left), "left:" + c.format)).join("") + "</tr>";
+  $("recent").innerHTML = doc.recent.map((r) => "<tr>" + cell(r.prompt_tokens, num(r.prompt_tokens)) +
+    cell(r.cached_tokens, num(r.cached_tokens)) + cell(r.restored_from || "-") + cell(r.generated_tokens, num(r.generated_tokens)) +
+    cell(r.queue_s, secs(r.queue_s)) + cell(r.prefill_s, secs(r.prefill_s)) + cell(r.decode_s, secs(r.decode_s)) +
+    cell(r.prefill_tps, num(r.prefill_tps)) + cell(r.decode_tps, num(r.decode_tps)) + cell(r.finish_reason) + "</tr>").join("");
+  $("states").innerHTML = doc.states.map((s) => "<tr>" + cell(s.name ?? "", s.name ?? "(prefix cache)") + cell(s.where) +
+    cell(s.tokens, num(s.tokens)) + cell(s.memory_bytes, size(s.memory_bytes)) + cell(s.disk_bytes, size(s.disk_bytes)) +
+    cell(s.age_s, secs(s.age_s)) + "</tr>").join("");
+  renderKinds(doc.now);
+  if (history.length) drawChart();
+}
+
+// -- polling -----------------------------------------------------------------------------
+function headers() {
+  const key = sessionStorage.getItem(KEY);
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+async function poll() {
+  try {
+    const resp = await fetch(`/v1/justfit/live?since=${lastT}`, { headers: headers(), cache: "no-store" });
+    if (resp.status === 401) {
+      $("keyform").hidden = false;
+      $("conn").className = "conn err"; $("conn").textContent = "API key needed";
+      return; // polling resumes when a key is entered
+    }
+    if (!resp.ok) throw new Error("HTTP " + resp.status);
+    const doc = await resp.json();
+    history.push(...doc.history);
+    if (history.length > KEEP) history = history.slice(-KEEP);
+    if (history.length) lastT = history[history.length - 1].t;
+    render(doc);
+    $("conn").className = "conn ok"; $("conn").textContent = "live";
+  } catch (err) {
+    $("conn").className = "conn err"; $("conn").textContent = "disconnected (" + err.message + ")";
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+$("keyform").addEventListener("submit", (e) => {
+  e.preventDefault();
+  sessionStorage.setItem(KEY, $("key").value);
+  $("keyform").hidden = true;
+  poll();
+});
+window.addEventListener("resize", () => chart && chart.setSize({ width: $("memchart").clientWidth, height: 260 }));
+poll();

@@ -1,0 +1,157 @@
+"""What the status page shows, as one JSON document: memory by kind now and over the
+last minutes (a ring of samples taken twice a second), stored states and sessions,
+running and queued requests with their progress, the last requests' phases, and the
+positions that still fit per KV format."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+import psutil
+
+from justfit.planner import MIN_PREFILL_CHUNK
+from justfit.server.metrics import memory
+from phaseswap.registry import Residency
+
+SAMPLE_EVERY_S = 0.5
+HISTORY = 1200  # samples kept: ten minutes at two a second
+
+
+def kv_bytes_by_format(cache: list | None) -> dict[str, int]:
+    """A running request's KV bytes: pages per format, "full" for full-precision rows
+    (hot window, sinks, sliding windows, mlx-lm's own caches)."""
+    out: dict[str, int] = {}
+    for c in list(cache or []):
+        store = getattr(c, "store", None)
+        total = getattr(c, "nbytes", 0)
+        for seg in list(getattr(store, "segments", []) or []):
+            out[seg.fmt.name] = out.get(seg.fmt.name, 0) + seg.nbytes
+            total -= seg.nbytes
+        out["full"] = out.get("full", 0) + max(0, total)
+    return out
+
+
+def materialized_bytes(engine) -> int:
+    """Dense working copies PhaseSwap holds right now (a layer leased for prefill)."""
+    return sum(c.dense_nbytes for c in list(engine.swap.registry.components.values())
+               if c.state == Residency.MATERIALIZED)
+
+
+@dataclass
+class LiveStatus:
+    """The server's status over time; `sample` is called on a timer, `document` per poll."""
+
+    server: object
+    samples: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    first_seen: dict = field(default_factory=dict)  # stored state key -> when first seen (its age)
+    _capacity: tuple = ()  # (key, rows): capacities for one budget and streaming state
+
+    def sample(self) -> None:
+        """Add a measurement to the history."""
+        self.samples.append(self.measure())
+
+    def measure(self) -> dict:
+        """Memory by kind now."""
+        engine = self.server.engine
+        try:
+            kv = kv_bytes_by_format(engine.live_cache)
+        except (RuntimeError, AttributeError):  # the engine thread changed the cache mid-read
+            kv = {}
+        weights = engine.swap.registry.resident_bytes()
+        materialized = materialized_bytes(engine)
+        states = engine.states.memory_bytes
+        accounted = weights + materialized + sum(kv.values()) + states
+        return {"t": round(time.time(), 3), "weights_resident": weights, "weights_materialized": materialized,
+                "kv": kv, "states_memory": states, "transient": max(0, mx.get_active_memory() - accounted),
+                "budget": engine.config.budget_bytes}
+
+    def _states(self, now: float) -> list[dict]:
+        tiers = self.server.engine.states
+        names = {key: name for name, key in list(tiers.sessions.items())}
+        rows = []
+        for key, e in list(tiers.entries.items()):
+            seen = self.first_seen.setdefault(key, now)
+            rows.append({"name": names.get(key), "tokens": len(e.tokens),
+                         "where": "memory" if e.cache is not None else "disk",
+                         "memory_bytes": e.nbytes if e.cache is not None else 0,
+                         "disk_bytes": e.disk_bytes if e.path is not None else 0,
+                         "age_s": round(now - seen, 1)})
+        for key in set(self.first_seen) - set(tiers.entries):
+            del self.first_seen[key]
+        return sorted(rows, key=lambda r: (r["name"] is None, r["age_s"]))
+
+    def _requests(self, now: float) -> tuple[dict | None, list[dict]]:
+        sched = self.server.scheduler
+        job = sched.running
+
+        def row(j) -> dict:
+            return {"route": j.route or "-", "prompt_tokens": len(j.tokens), "max_tokens": j.sampling.max_tokens,
+                    "waited_s": round((j.started or now) - j.submitted, 2)}
+
+        running = None
+        if job is not None:
+            running = {**row(job), "processed": job.processed, "generated": job.generated,
+                       "phase": "decode" if job.generated else "prefill",
+                       "elapsed_s": round(now - (job.started or now), 2)}
+        return running, [row(j) for j in sched.queued()]
+
+    def _recent(self) -> list[dict]:
+        out = []
+        for st in reversed(list(self.server.metrics.recent)):
+            out.append({"prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
+                        "generated_tokens": st.generated_tokens, "queue_s": round(st.queue_s, 3),
+                        "prefill_s": round(st.prefill_s, 3), "decode_s": round(st.decode_s, 3),
+                        "prefill_tps": round(st.prefill_tps, 1), "decode_tps": round(st.decode_tps, 1),
+                        "finish_reason": st.finish_reason, "restored_from": st.restored_from})
+        return out
+
+    def _budget(self) -> tuple[int, str]:
+        budget = self.server.engine.config.budget_bytes
+        if budget is not None:
+            return budget, "budget"
+        return psutil.Process().memory_info().rss + psutil.virtual_memory().available, "memory available"
+
+    def capacity(self, held: int) -> list[dict]:
+        """Per KV format: the most positions one request may hold under the budget (what
+        `justfit fit` reports), and how many of them are still free beside the running one."""
+        from kvexec import FORMATS, KVConfig, get_format
+
+        engine = self.server.engine
+        budget, _ = self._budget()
+        # Re-plan when the budget changes; free memory (no budget) moves all the time: per 64 MiB.
+        key = (budget // (2**20 if engine.config.budget_bytes else 2**26), tuple(engine.swap.streamed))
+        if not self._capacity or self._capacity[0] != key:
+            head_dim, base = engine.kv_shape[2], engine.config.kv
+            rows = []
+            for name in [*FORMATS, None]:
+                if name is not None and not get_format(name).supports_head_dim(head_dim):
+                    continue
+                kv = None if name is None else replace(base or KVConfig(), format=name)
+                fp = engine.footprint(1, tuple(engine.swap.streamed), kv=kv, chunk=MIN_PREFILL_CHUNK)
+                rows.append({"format": name or "mlx-lm", "max_positions": fp.max_positions(budget),
+                             "in_use": name == (base.format if base else None)})
+            self._capacity = (key, rows)
+        return [{**r, "left": max(0, r["max_positions"] - held)} for r in self._capacity[1]]
+
+    def document(self, since: float = 0.0) -> dict:
+        """Everything the page shows; the history only after `since` (epoch seconds)."""
+        engine, now = self.server.engine, time.monotonic()
+        running, queued = self._requests(now)
+        budget, budget_kind = self._budget()
+        held = running["processed"] + running["generated"] if running else 0
+        return {
+            "t": round(time.time(), 3), "model": self.server.model_id, "policy": engine.policy.name,
+            "blas": engine.blas, "backend": str(mx.default_device()),
+            "kv_format": engine.config.kv.format if engine.config.kv else "mlx-lm",
+            "context_limit": engine.context_limit, "budget": engine.config.budget_bytes,
+            "capacity_budget": budget, "capacity_budget_kind": budget_kind,
+            "now": self.measure(), "memory": memory(engine),
+            "history": [s for s in list(self.samples) if s["t"] > since],
+            "states": self._states(now), "running": running, "queued": queued, "recent": self._recent(),
+            "capacity": self.capacity(held),
+            "requests": {"completed": self.server.scheduler.completed, "failed": self.server.scheduler.failed,
+                         "cancelled": self.server.scheduler.cancelled},
+        }

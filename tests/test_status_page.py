@@ -1,0 +1,140 @@
+"""The status page: its JSON document over a request's life, its auth, and the page
+itself in headless Chromium against a live server (skipped, saying why, without it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from justfit import Engine
+from justfit.config import EngineConfig
+from tests.headless import Browser, chromium_path
+from tests.test_server import LiveServer, request
+
+LONG = {"prompt": "the " * 2500, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_gemma3_dir):
+    return Engine(str(tiny_gemma3_dir), budget="512MiB",
+                  config=EngineConfig(prefill_chunk=64, context_limit=1 << 15))
+
+
+def in_background(live, path, body, key="sekret") -> threading.Thread:
+    t = threading.Thread(target=request, args=(live, "POST", path, body),
+                         kwargs={"headers": {"Authorization": f"Bearer {key}"}}, daemon=True)
+    t.start()
+    return t
+
+
+def wait_running(live, timeout=30.0) -> float:
+    end = time.monotonic() + timeout
+    while live.server.scheduler.running is None and time.monotonic() < end:
+        time.sleep(0.002)
+    assert live.server.scheduler.running is not None, "the request never started"
+    return time.monotonic()
+
+
+def test_live_document_follows_a_request(tiny_engine):
+    live = LiveServer(tiny_engine, api_key="sekret")
+    try:
+        key = {"x-api-key": "sekret"}
+        assert request(live, "GET", "/")[0] == 200  # the page itself holds nothing: no key
+        assert request(live, "GET", "/static/vendor/uPlot.iife.min.js")[0] == 200
+        for path in ("/static/../status_page.py", "/static/%2e%2e/status_page.py", "/static/..%2fstatus_page.py"):
+            status, _, text = request(live, "GET", path)  # never a file outside the static folder
+            assert status in (401, 403, 404) and "def add_routes" not in text, path
+        assert request(live, "GET", "/v1/justfit/live")[0] == 401
+        thread = in_background(live, "/v1/completions", {**LONG, "session": "s1"})
+        wait_running(live)
+        time.sleep(0.3)
+        doc = json.loads(request(live, "GET", "/v1/justfit/live", headers=key)[2])
+        running = doc["running"]
+        assert running["prompt_tokens"] > 2000 and running["phase"] in ("prefill", "decode")
+        assert running["route"] == "openai" and doc["queued"] == []
+        assert sum(doc["now"]["kv"].values()) > 0  # the running request's pages are counted
+        assert doc["now"]["weights_resident"] == doc["memory"]["weights"] > 0 and doc["budget"] == 512 * 2**20
+        fmt = {c["format"]: c for c in doc["capacity"]}
+        assert fmt["q8c"]["in_use"] and fmt["q4c"]["max_positions"] > fmt["q8c"]["max_positions"] > 0
+        assert fmt["q8c"]["left"] < fmt["q8c"]["max_positions"]
+        thread.join(60)
+        live.idle()
+        time.sleep(0.6)  # one more sample after the request
+        since = doc["t"]
+        after = json.loads(request(live, "GET", f"/v1/justfit/live?since={since}",
+                                   headers={"Authorization": "Bearer sekret"})[2])
+        assert after["running"] is None and after["history"] and all(s["t"] > since for s in after["history"])
+        last = after["recent"][0]
+        assert last["prompt_tokens"] == running["prompt_tokens"] and last["generated_tokens"] == 400
+        assert last["prefill_s"] > 0 and last["decode_tps"] > 0
+        (state,) = [s for s in after["states"] if s["name"] == "s1"]
+        assert state["tokens"] >= running["prompt_tokens"] + 399 and state["where"] in ("memory", "disk")
+        assert request(live, "GET", "/v1/justfit/live?since=x", headers=key)[0] == 400
+    finally:
+        live.close()
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="chromium is not installed (./dev installs Debian's "
+                                                    "`chromium` where apt is available): browser test skipped")
+def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
+    """The page during a request: charts drawn, the running request shown within 1 s
+    of starting, its numbers those of the status endpoints; a screenshot."""
+    live = LiveServer(Engine(str(smollm2_gguf), budget="600MiB"), api_key="sekret")
+    key = {"Authorization": "Bearer sekret"}
+    body = {"messages": [{"role": "user", "content": "Tell me about lighthouses. " * 120}], "max_tokens": 8,
+            "temperature": 0, "stream": True}
+
+    async def check() -> dict:
+        async with Browser(height=1500) as b:
+            await b.goto(live.url + "/")
+            # No key yet: the page asks for it, then keeps it in the tab's session storage.
+            assert await b.wait_for("!document.getElementById('keyform').hidden")
+            await b.js("document.getElementById('key').value = 'sekret';"
+                       "document.getElementById('keyform').requestSubmit(); true")
+            assert await b.wait_for("document.querySelectorAll('#memchart canvas').length > 0")
+            assert await b.js("sessionStorage.getItem('justfit-api-key')") == "sekret"
+            short = {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4, "session": "demo"}
+            await asyncio.to_thread(request, live, "POST", "/v1/chat/completions", short, None, key)
+            assert await b.wait_for("document.querySelectorAll('#recent tr').length === 1")
+            in_background(live, "/v1/chat/completions", body)  # cancelled when the server closes
+            started = await asyncio.to_thread(wait_running, live)
+            shown = await b.wait_for("document.querySelector('[data-field=running]').dataset.value === 'prefill'"
+                                     " || document.querySelector('[data-field=running]').dataset.value === 'decode'")
+            seen_after = time.monotonic() - started
+            await b.wait_for("document.querySelector('[data-field=\"mem:kv:full\"]') !== null", timeout=5)
+            page = await b.js("({fields: Object.fromEntries([...document.querySelectorAll('[data-field]')]"
+                              ".map(e => [e.dataset.field, e.dataset.value])), last: window.justfitLast,"
+                              " canvases: document.querySelectorAll('.uplot canvas').length})")
+            status = json.loads((await asyncio.to_thread(request, live, "GET", "/v1/justfit/status", None, None,
+                                                         key))[2])
+            await b.screenshot(tmp_path / "status-page.png")
+            return {"shown": shown, "seen_after": seen_after, "page": page, "status": status}
+
+    try:
+        r = asyncio.run(check())
+    finally:
+        live.close()
+    page, fields, last, status = r["page"], r["page"]["fields"], r["page"]["last"], r["status"]
+    assert r["shown"] and r["seen_after"] < 1.0, f"the page showed the request {r['seen_after']:.2f} s after it began"
+    assert page["canvases"] >= 1
+    # What the page shows is what the endpoints said.
+    assert fields["model"] == status["model"] == last["model"] and fields["policy"] == status["policy"]
+    assert fields["kv_format"] == status["kv_format"] and int(fields["context_limit"]) == status["context_limit"]
+    assert int(fields["budget"]) == status["memory"]["budget"] == 600 * 2**20
+    assert int(fields["mem:weights_resident"]) == status["memory"]["weights"] == last["now"]["weights_resident"]
+    assert int(fields["mem:kv:full"]) == last["now"]["kv"]["full"] > 0  # the running request's KV
+    assert int(fields["prompt_tokens"]) == last["running"]["prompt_tokens"] > 500
+    assert int(fields["capacity:q8c"]) == next(c["max_positions"] for c in last["capacity"] if c["format"] == "q8c")
+    assert int(fields["states"]) == len(last["states"]) == status["states"]["stored"]
+    assert "demo" in status["sessions"] and any(s["name"] == "demo" for s in last["states"])
+    shot = tmp_path / "status-page.png"
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("JUSTFIT_SCREENSHOT"):  # the closing note's copy, e.g. bench/results/status-page-DATE.png
+        shutil.copy(shot, Path(os.environ["JUSTFIT_SCREENSHOT"]))
