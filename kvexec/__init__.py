@@ -1,6 +1,7 @@
 """KVExec: KV cache in compressed pages, attention executed on the pages.
 
-Public API: `KVConfig`, `make_cache(model, config)`, `install(model)`, `trim(cache, n)`,
+Public API: `KVConfig`, `make_cache(model, config)`, `install(model)` (refuses, with
+`SeamBypassed`, a model whose attention bypasses the executor), `trim(cache, n)`,
 `can_trim(cache, n)`, `pin(cache, n)` (retention keeps the prompt),
 `limit_pages(cache, bytes)` (pages step down `KVConfig.pressure` to stay within it),
 `page_formats(cache)`, `ladder(config, head_dim)`, the formats (`FORMATS`,
@@ -8,11 +9,12 @@ Public API: `KVConfig`, `make_cache(model, config)`, `install(model)`, `trim(cac
 """
 
 from kvexec.attention import Block, blockwise_attention
-from kvexec.cache import PagedKVCache, can_trim, for_head_dim, limit_pages, make_cache, page_formats, pin, trim
+from kvexec.cache import (PagedKVCache, SeamBypassed, can_trim, for_head_dim, limit_pages, make_cache, page_formats,
+                          pin, trim)
 from kvexec.formats import FORMATS, KVFormat, get_format
 from kvexec.seam import install
 from kvexec.store import KVConfig, PageStore, ladder
 
-__all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache",
+__all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache", "SeamBypassed",
            "blockwise_attention", "can_trim", "for_head_dim", "get_format", "install", "ladder", "limit_pages",
            "make_cache", "page_formats", "pin", "trim"]

@@ -1,8 +1,10 @@
 """The KV cache object mlx-lm's models talk to, backed by a page store.
 
 `update_and_fetch` writes the new keys and values into the store and hands back
-placeholders; the attention call that follows reaches `attend` through the seam
-(kvexec/seam.py), which runs the blockwise executor on the store.
+placeholders (`KVPlaceholder`); the attention call that follows reaches `attend`
+through the seam (kvexec/seam.py), which runs the blockwise executor on the store.
+Any other read of a placeholder raises `SeamBypassed`: a model attending by itself
+would otherwise see only the current chunk, silently.
 """
 
 from __future__ import annotations
@@ -11,14 +13,84 @@ from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, make_prompt_cache
 
 from kvexec.attention import blockwise_attention
 from kvexec.formats import get_format
 from kvexec.store import KVConfig, PageStore
 
 
-class PagedKVCache:
+class SeamBypassed(ValueError):
+    """A model read a paged cache's keys or values other than through KVExec's executor."""
+
+
+def _bypassed(what: str) -> SeamBypassed:
+    return SeamBypassed(
+        f"{what}: a paged KV cache's keys and values live in compressed pages that only KVExec's "
+        "attention executor reads, reached through mlx-lm's scaled_dot_product_attention; this "
+        "model's attention reads them another way (use mlx-lm's own KV cache for it: kv=None)")
+
+
+class KVPlaceholder:
+    """What `update_and_fetch` returns in place of the cached keys or values: their
+    shape and dtype for code that only looks (as a full cache's would be); reading
+    the data, by any path but the seam, raises SeamBypassed."""
+
+    # Made per layer and step: it keeps what it needs and works out shape and dtype
+    # only when asked (a placeholder costs ~2 us; one per layer per decoded token).
+    __slots__ = ("_like", "_positions", "_dtype")
+
+    def __init__(self, like: mx.array, positions: int, dtype: mx.Dtype | None = None):
+        self._like, self._positions, self._dtype = like, positions, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape a full cache's keys (values) would have: `like`'s, `positions` long."""
+        s = self._like.shape
+        return (*s[:-2], self._positions, s[-1])
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self._like.dtype if self._dtype is None else self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return self._like.ndim
+
+    def astype(self, dtype: mx.Dtype, *args, **kwargs) -> KVPlaceholder:
+        """A placeholder of `dtype`: a cast before the attention call reads nothing."""
+        return KVPlaceholder(self._like, self._positions, dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"KVPlaceholder(shape={self.shape}, dtype={self.dtype})"
+
+    def __getattr__(self, name: str):  # only names not defined above: array methods
+        if name.startswith("__"):  # protocol probes (copy, pickle, hasattr checks) as usual
+            raise AttributeError(name)
+        raise _bypassed(f"KVPlaceholder.{name}")
+
+    def _read(self, *args, **kwargs):
+        raise _bypassed("KVPlaceholder read")
+
+    # Operators are looked up on the type, not through __getattr__. MLX calls
+    # __mlx_array__ when it converts an argument of an arithmetic operator.
+    __mlx_array__ = __array__ = __getitem__ = __iter__ = __float__ = __int__ = __index__ = _read
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _read
+    __matmul__ = __rmatmul__ = __pow__ = __rpow__ = __neg__ = __abs__ = __lt__ = __gt__ = _read
+    __le__ = __ge__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _read
+
+
+def placeholders(keys: mx.array, values: mx.array, positions: int) -> tuple[KVPlaceholder, KVPlaceholder]:
+    """Stand-ins for `positions` cached keys and values shaped like `keys` and `values`."""
+    return KVPlaceholder(keys, positions), KVPlaceholder(values, positions)
+
+
+class PagedKVCache(_BaseCache):
+    """mlx-lm's cache protocol over a PageStore; attention reaches `attend` through the seam."""
+
     def __init__(self, config: KVConfig | None = None, window: int | None = None):
         self.store = PageStore(config or KVConfig(), window)
 
@@ -27,14 +99,17 @@ class PagedKVCache:
     def offset(self) -> int:
         return self.store.offset
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KVPlaceholder, KVPlaceholder]:
+        """Store the new keys and values; placeholders for all of them (see `attend`)."""
         self.store.append(keys, values)
-        return keys, values  # unused: the seam routes attention to `attend`
+        return placeholders(keys, values, self.store.offset)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None  # the executor knows positions and windows itself
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> None:
+        """No mask: the executor knows positions and windows itself."""
+        return None
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Attention of `queries` (the newest positions) over the pages: the executor."""
         store = self.store
         q_start = store.offset - queries.shape[-2]
         scoring = store.config.max_positions is not None and store.config.policy == "score"
@@ -44,25 +119,37 @@ class PagedKVCache:
 
     @property
     def state(self) -> list[mx.array]:
+        """The store's arrays (to evaluate them; kvexec.export saves a layer)."""
         return self.store.arrays()
 
+    @state.setter
+    def state(self, value) -> None:
+        # The arrays alone do not say how the pages are laid out: kvexec.export does.
+        raise TypeError("a paged KV cache is rebuilt by kvexec.export.import_layer, not from its state arrays")
+
     def is_trimmable(self) -> bool:
+        """Trimmable in general; `can_trim` says whether by n positions."""
         return True
 
     def can_trim(self, n: int) -> bool:
+        """Whether the last n positions are still held (a window may have dropped them)."""
         return self.store.can_trim(n)
 
     def trim(self, n: int) -> int:
+        """Drop the last n positions; the number dropped."""
         return self.store.trim(n)
 
     def size(self) -> int:
+        """Positions stored."""
         return self.store.offset
 
     def empty(self) -> bool:
+        """Whether nothing is stored yet."""
         return self.store.offset == 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes the pages hold."""
         return self.store.nbytes
 
 
@@ -113,6 +200,7 @@ def page_formats(cache: list) -> dict[str, int]:
 
 
 def can_trim(cache: list, n: int) -> bool:
+    """Whether every layer can drop its last n positions."""
     return all(c.can_trim(n) if isinstance(c, PagedKVCache) else c.is_trimmable() for c in cache)
 
 

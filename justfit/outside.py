@@ -1,0 +1,48 @@
+"""The outside share of a whole-process budget: what the process holds besides MLX
+(interpreter, libraries, tokenizer, BLAS buffers, Python objects), measured after
+each request and kept as a decaying maximum over recent requests.
+
+A lifetime maximum would be a ratchet: one spike (a huge prompt's tokenization, a
+burst of objects) would shrink the engine's share for good. Here a sample above the
+estimate is taken at once (a sustained rise is honoured from its first request);
+below it, the excess over the latest sample halves every `half_life` requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from justfit.memory import peak_rss_bytes, rss_bytes, trim_heap
+
+
+@dataclass(frozen=True)
+class OutsideDecay:
+    half_life: float = 8.0  # requests over which a past spike's excess halves
+
+    def __post_init__(self) -> None:
+        if not self.half_life > 0:
+            raise ValueError(f"half_life must be > 0 requests, not {self.half_life}")
+
+
+def decayed_max(estimate: int, sample: int, decay: OutsideDecay = OutsideDecay()) -> int:
+    """The next estimate: `sample` when it is higher, else `sample` plus the previous
+    excess over it, decayed by one request."""
+    if sample >= estimate:
+        return sample
+    return sample + int((estimate - sample) * 0.5 ** (1 / decay.half_life))
+
+
+def measure_outside(high_water: int = 0, mlx_peak: int = 0) -> int:
+    """What the process holds besides MLX now, after a heap trim; and, when the request
+    just run raised the process's high-water mark above `high_water` (the mark before
+    it), the larger of that and the mark less the request's MLX peak `mlx_peak`. A
+    request that stays below an earlier mark shows only the first: the kernel keeps
+    one lifetime mark, which JustFit does not reset (benchmarks read it)."""
+    trim_heap()
+    outside = rss_bytes() - mx.get_active_memory()
+    peak = peak_rss_bytes()
+    if mlx_peak and peak > high_water:
+        outside = max(outside, peak - mlx_peak)
+    return outside
