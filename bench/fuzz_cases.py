@@ -8,7 +8,15 @@ import json
 import random
 from dataclasses import dataclass
 
-ROUTES = ["/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show"]
+ROUTES = ["/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show", "/v1/messages",
+          "/v1/messages/count_tokens"]
+_ANTHROPIC = ["model", "max_tokens", "messages", "messages.0", "messages.0.role", "messages.0.content",
+              "messages.0.content.0", "messages.0.content.0.type", "messages.0.content.0.text",
+              "messages.0.content.0.input", "messages.0.content.0.tool_use_id", "messages.0.content.0.content",
+              "messages.0.content.0.content.0", "system", "system.0", "system.0.text", "stop_sequences",
+              "temperature", "top_p", "top_k", "stream", "tools", "tools.0", "tools.0.name", "tools.0.type",
+              "tools.0.input_schema", "tool_choice", "tool_choice.type", "metadata", "metadata.session",
+              "session", "thinking"]
 FIELDS = {  # every known field, as a path into the body
     "/v1/chat/completions": ["model", "messages", "messages.0", "messages.0.role", "messages.0.content",
                              "messages.0.content.0", "messages.0.content.0.text", "messages.0.tool_calls",
@@ -23,13 +31,19 @@ FIELDS = {  # every known field, as a path into the body
     "/api/generate": ["model", "prompt", "system", "context", "raw", "stream", "options", "options.num_predict",
                       "options.temperature", "options.top_p", "options.top_k", "options.seed", "options.stop"],
     "/api/show": ["model", "name"],
+    "/v1/messages": _ANTHROPIC,
+    "/v1/messages/count_tokens": _ANTHROPIC,
 }
 WRONG = [None, True, False, 0, -1, 3, 10**12, -10**12, 2**64, 1.5, -0.5, 5.0, float("nan"), float("inf"),
          float("-inf"), "", "x", "x" * 100_000, [], [1], [-5, 10**9], ["x"] * 100, {}, {"a": 1}, [[[]]],
          {"type": "text"}, {"type": "image_url", "image_url": {"url": "http://x"}}, [{"type": "function"}]]
 OUT_OF_RANGE = [("max_tokens", -1), ("max_tokens", 10**12), ("temperature", 5), ("top_p", 0), ("n", 3),
                 ("stop", [f"s{i}" for i in range(100)]), ("model", "no-such-model"), ("model", "gpt-4o:latest"),
-                ("messages.0.role", "r" * 100_000), ("options.num_predict", -3), ("options.temperature", 5)]
+                ("messages.0.role", "r" * 100_000), ("options.num_predict", -3), ("options.temperature", 5),
+                ("max_tokens", 0), ("stop_sequences", ["s"] * 17), ("messages.0.role", "system"),
+                ("messages.0.content.0.type", "image"), ("messages.0.content.0.type", "tool_result"),
+                ("messages.0.content.0.type", "tool_use"), ("tools.0.type", "web_search_20250305"),
+                ("model", "claude-opus-4-1"), ("system", [{"type": "image"}])]
 
 
 @dataclass
@@ -45,11 +59,14 @@ def base_body(path: str) -> dict:
     """A valid request; max_tokens 2 (and the server's default 4) keep accidents fast."""
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]
     opts = {"num_predict": 2, "temperature": 0}
+    anthropic = {"model": "default", "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}], "temperature": 0}
     return {"/v1/chat/completions": {"model": "default", "messages": msgs, "max_tokens": 2, "temperature": 0},
             "/v1/completions": {"model": "default", "prompt": ["Say hi."], "max_tokens": 2, "temperature": 0},
             "/api/chat": {"model": "default", "messages": msgs, "stream": False, "options": opts},
             "/api/generate": {"model": "default", "prompt": "Say hi.", "stream": False, "options": opts},
-            "/api/show": {"model": "default"}}[path]
+            "/api/show": {"model": "default"},
+            "/v1/messages": anthropic, "/v1/messages/count_tokens": anthropic}[path]
 
 
 def put(body: dict, dotted: str, value) -> dict:
@@ -87,18 +104,22 @@ def raw_cases(path: str, rng: random.Random) -> list[Case]:
             Case("2 MiB body (limit 1 MiB)", path, good[:-1] + b', "pad": "' + b"x" * 2**21 + b'"}')]
 
 
-def make_cases(n: int, seed: int) -> list[Case]:
-    """Deterministic: first every raw and out-of-range case per route, then random
-    wrong-typed fields, until n."""
+def make_cases(n: int, seed: int, routes: list[str] | None = None) -> list[Case]:
+    """Deterministic: first every raw and out-of-range case per route (of `routes`,
+    default all), then random wrong-typed fields, until n."""
     rng = random.Random(seed)
-    special = [c for p in ROUTES for c in raw_cases(p, rng)]
+    routes = routes or ROUTES
+    special = [c for p in routes for c in raw_cases(p, rng)]
     for field, value in OUT_OF_RANGE:
-        path = rng.choice([p for p in ROUTES if field.split(".")[0] in FIELDS[p] or field in FIELDS[p]])
+        fits = [p for p in routes if field.split(".")[0] in FIELDS[p] or field in FIELDS[p]]
+        if not fits:
+            continue
+        path = rng.choice(fits)
         special.append(Case(f"{field}={repr(value)[:40]}", path, dumps(put(base_body(path), field, value))))
     rng.shuffle(special)
     cases = special[:n]
     while len(cases) < n:
-        path = rng.choice(ROUTES)
+        path = rng.choice(routes)
         field, value = rng.choice(FIELDS[path]), rng.choice(WRONG)
         cases.append(Case(f"{field}={repr(value)[:40]}", path, dumps(put(base_body(path), field, value))))
     return cases

@@ -5,6 +5,7 @@ a fuzz of malformed or hostile requests.
     python -m bench.serve ttft --context 8000     # turn 2 TTFT >= 10x faster than turn 1
     python -m bench.serve load --clients 8 --requests 20 --max-queue 16
     python -m bench.serve fuzz --cases 1000 --seed 0
+    python -m bench.serve fuzz --cases 1000 --routes /v1/messages,/v1/messages/count_tokens
     python -m bench.serve all
 
 ttft: turn 1 is a ~`--context`-token user message (cold prefill, streamed with
@@ -241,7 +242,7 @@ async def send_case(s: aiohttp.ClientSession, url: str, case: Case) -> tuple[str
 
 
 async def bench_fuzz(args) -> dict:
-    cases = make_cases(args.cases, args.seed)
+    cases = make_cases(args.cases, args.seed, args.routes.split(",") if args.routes else None)
     hist: dict[str, int] = {}
     failures, conn, oversize = [], [], []
     async with served(args.model, "--max-body", "1MiB", "--max-tokens", "4") as srv:
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-queue", type=int, default=16, help="load: the server's --max-queue")
     ap.add_argument("--cases", type=int, default=1000, help="fuzz: number of requests")
     ap.add_argument("--seed", type=int, default=0, help="fuzz: case generator seed")
+    ap.add_argument("--routes", default=None, help="fuzz: comma-separated routes (default: all, "
+                                                    "e.g. /v1/messages,/v1/messages/count_tokens)")
     args = ap.parse_args(argv)
     import justfit  # noqa: F401  (OpenBLAS before mlx.core)
     from bench.common import machine_info, save

@@ -2,41 +2,52 @@
 
 The interactive loop lives in `ChatSession`, which takes an engine, where its input
 lines come from and where its output goes, so it runs (and is tested) without a TTY.
+On a model without a chat template (or with --raw) the conversation is one growing
+text the model continues as typed (cli/raw_text.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import click
+from jinja2 import TemplateError
 
-from cli import common
+from cli import common, raw_text
+from cli.chat_input import read_message
+from cli.transcript import parse_transcript
 from cli.terminal import PrefillBar, deferred_sigint, line_reader, Stopped, tty_reader
 from justfit import SamplingParams
+from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
 from justfit.errors import JustFitError
 from justfit.memory import format_size
 
-PROMPT = ">>> "
-CONTINUATION = "... "
-BLOCK = '"""'
-ROLES = ("system", "user", "assistant")
 
 HELP = """\
 commands:
   /reset         forget the conversation
   /system [TEXT] show, or set, the system prompt (setting it starts over)
   /stats         last request's speed and memory, BLAS and PhaseSwap policy
-  /save NAME     save the conversation and its computed state to the folder NAME
-                 (NAME.json: the transcript only)
-  /load NAME     resume a conversation saved with /save: from its state, nothing is
-                 recomputed; from a transcript, the next turn prefills it
+  /save NAME     keep the conversation as the session NAME: on disk now and after every
+                 later turn (justfit state ls); a path (with /) saves a state folder,
+                 NAME.json the transcript only
+  /load NAME     resume a session or a conversation saved with /save: from its state,
+                 nothing is recomputed; from a transcript, the next turn prefills it
   /quit          leave (also Ctrl-D)
 input: end a line with \\ to continue it; a \"\"\" line opens a block closed by another.
 Ctrl-C stops a reply and keeps the session."""
+
+
+def session_name(name: str | Path) -> bool:
+    """Whether /save and /load take NAME as a session's name (not a path or .json)."""
+    text = str(name)
+    return bool(text) and "/" not in text and os.sep not in text and not text.startswith((".", "~")) \
+        and not text.endswith(".json")
 
 
 def stats_line(engine) -> str:
@@ -52,25 +63,39 @@ def stats_line(engine) -> str:
     return " · ".join(parts)
 
 
+def request_lines(stats) -> list[str]:
+    """A request's figures: speeds, memory, and one line per phase."""
+    if stats is None:
+        return ["last request: none yet"]
+    lines = [f"last request: {stats.summary()}"]
+    if stats.memory is not None:
+        lines.append(f"memory: {stats.memory.summary()}")
+    return lines + [f"phase {p.summary()}" for p in stats.phases]
+
+
 class ChatSession:
     """A conversation with an engine, driven line by line.
 
     lines: an iterable of input lines, or a `read(prompt) -> str` function that
     raises EOFError at the end (the terminal uses `input`). out: where replies go;
     err: where notices, errors, the progress bar and stats lines go (default: out).
+    raw: no chat template; the conversation is one text the model continues.
     """
 
     def __init__(self, engine, lines: Iterable[str] | Callable[[str], str], out: TextIO,
                  err: TextIO | None = None, *, sampling: SamplingParams | None = None,
                  system: str | None = None, progress: bool = False,
                  progress_min_tokens: int = 256, show_stats: bool = True,
-                 catch_interrupt: bool = True):
+                 catch_interrupt: bool = True, raw: bool = False):
         self.engine = engine
+        self.raw = raw
+        self._kept: list[int] | None = None  # raw: the tokens of `messages`, as computed
         self.read = line_reader(lines)
         self.out, self.err = out, err or out
         self.sampling = sampling or SamplingParams()
         self.system = system
         self.messages: list[dict[str, str]] = []
+        self.session: str | None = None  # named by /save: every turn is written through
         self.progress, self.progress_min_tokens = progress, progress_min_tokens
         self.show_stats = show_stats
         self.catch_interrupt = catch_interrupt
@@ -81,8 +106,19 @@ class ChatSession:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages
 
+    def prompt(self) -> list[dict[str, str]] | list[int]:
+        """What the engine is given for the conversation, whose last message is the
+        new input: chat messages, or in raw mode the tokens of the one text."""
+        if not self.raw:
+            return self.prompt_messages()
+        *before, last = self.messages
+        kept = self._kept if self._kept is not None else raw_text.text_tokens(self.engine, before, self.system)
+        previous = before[-1]["content"] if before else None
+        return raw_text.next_prompt(self.engine, kept, previous, last["content"], self.system)
+
     def reset(self) -> None:
-        self.messages = []
+        self.messages, self._kept = [], None
+        self.session = None  # a saved session stays as it was; this is a new conversation
         self.engine.reset()
 
     def request_stop(self) -> None:
@@ -101,19 +137,21 @@ class ChatSession:
                 raise Stopped
             bar(done, total)
 
+        prompt = self.prompt()
         pieces: list[str] = []
+        ids: list[int] = []
         interrupted = False
         guard = deferred_sigint(self.request_stop) if self.catch_interrupt else nullcontext()
         try:
             with guard:
-                interrupted = self.stream(bar, on_progress, pieces)
+                interrupted = self.stream(prompt, bar, on_progress, pieces, ids)
         except Stopped:
             interrupted = True
         except KeyboardInterrupt:
             # A second Ctrl-C may land mid-step: don't trust the kept state.
             interrupted = True
             self.engine.reset()
-        except (JustFitError, ValueError) as e:
+        except (JustFitError, ValueError, TemplateError) as e:  # the last: a template's raise_exception()
             self.messages.pop()
             hint = " (/reset starts over)" if self.messages else ""
             self.error(f"{common.one_line(e)}{hint}")
@@ -126,7 +164,7 @@ class ChatSession:
         elif not reply:
             self.notice("[no reply]")
         if reply:
-            self.messages.append({"role": "assistant", "content": reply})
+            self.keep_reply(prompt, reply, ids)
         else:
             self.messages.pop()  # nothing came back: forget the question too
         if self.show_stats:
@@ -135,13 +173,24 @@ class ChatSession:
                 self.notice(line)
         return reply
 
-    def stream(self, bar: PrefillBar, progress: Callable[[int, int], None], pieces: list[str]) -> bool:
-        """Generate the reply to the current conversation, echoing it to `out` and
-        collecting it in `pieces`; True when stopped by request_stop()."""
-        gen = self.engine.generate(self.prompt_messages(), self.sampling, progress=progress)
+    def keep_reply(self, prompt: list[dict[str, str]] | list[int], reply: str, ids: list[int]) -> None:
+        """Add the reply to the conversation (in raw mode also its tokens, as computed)."""
+        self.messages.append({"role": "assistant", "content": reply})
+        if self.raw:
+            self._kept = list(prompt) + ids
+        if self.session:  # the transcript beside the session's state, for /load
+            self.engine.annotate_session(self.session, {"transcript": self.transcript()})
+
+    def stream(self, prompt: list[dict[str, str]] | list[int], bar: PrefillBar,
+               progress: Callable[[int, int], None], pieces: list[str], ids: list[int]) -> bool:
+        """Generate the reply to `prompt`, echoing it to `out` and collecting its text
+        in `pieces` and its tokens in `ids`; True when stopped by request_stop()."""
+        gen = self.engine.generate(prompt, self.sampling, progress=progress, session=self.session)
         try:
             for chunk in gen:
                 bar.clear()
+                if chunk.token is not None:
+                    ids.append(chunk.token)
                 if chunk.text:
                     pieces.append(chunk.text)
                     click.echo(chunk.text, file=self.out, nl=False)
@@ -154,41 +203,8 @@ class ChatSession:
 
     # -- input -----------------------------------------------------------------
     def read_input(self) -> str | None:
-        """The next message or command; None at end of input. Handles `\\`
-        continuation lines and \"\"\" blocks."""
-        line = self.read(PROMPT)
-        stripped = line.strip()
-        if stripped.startswith(BLOCK):
-            rest = stripped[len(BLOCK):]
-            if rest.endswith(BLOCK):  # """one line"""
-                return rest[: -len(BLOCK)]
-            parts = [rest] if rest else []
-            while True:
-                try:
-                    line = self.read(CONTINUATION)
-                except EOFError:
-                    break
-                if line.rstrip().endswith(BLOCK):
-                    last = line.rstrip()[: -len(BLOCK)]
-                    if last:
-                        parts.append(last)
-                    break
-                parts.append(line)
-            return "\n".join(parts)
-        if line.endswith("\\"):
-            parts = [line[:-1]]
-            while True:
-                try:
-                    line = self.read(CONTINUATION)
-                except EOFError:
-                    break
-                if line.endswith("\\"):
-                    parts.append(line[:-1])
-                else:
-                    parts.append(line)
-                    break
-            return "\n".join(parts)
-        return line
+        """The next message or command (see read_message)."""
+        return read_message(self.read)
 
     def run(self) -> None:
         """Read and answer until /quit or end of input."""
@@ -251,19 +267,11 @@ class ChatSession:
         e = self.engine
         lines = [
             f"model: {e.name} · policy {e.policy.name} · KV {e.config.kv.format if e.config.kv else 'mlx-lm'}"
-            f" · BLAS {e.blas}",
+            f" · BLAS {e.blas}" + (" · raw text (no chat template)" if self.raw else ""),
             f"conversation: {len(self.messages)} messages, {len(e.cached_tokens)} tokens kept "
             f"of {e.context_limit} context",
         ]
-        s = e.last_stats
-        if s is None:
-            lines.append("last request: none yet")
-        else:
-            lines.append(f"last request: {s.summary()}")
-            if s.memory is not None:
-                lines.append(f"memory: {s.memory.summary()}")
-            lines += [f"phase {p.summary()}" for p in s.phases]
-        return "\n".join(lines)
+        return "\n".join(lines + request_lines(e.last_stats))
 
     def transcript(self) -> dict:
         return {"model": self.engine.name, "system": self.system, "messages": self.messages}
@@ -271,6 +279,11 @@ class ChatSession:
     def save(self, path: str | Path) -> str:
         """A transcript to NAME.json, else the engine's state (with the transcript) to
         the folder NAME; returns what was done, for the user."""
+        if session_name(path):
+            info = self.engine.save_session(str(path), extra={"transcript": self.transcript()})
+            self.session = str(path)
+            return (f"saved {len(self.messages)} messages and the state of {info.tokens} tokens as session "
+                    f"{path!r}; later turns are saved too")
         if str(path).endswith(".json"):
             text = json.dumps(self.transcript(), indent=2, ensure_ascii=False)
             Path(path).expanduser().write_text(text + "\n", encoding="utf-8")
@@ -280,7 +293,12 @@ class ChatSession:
                 f"({info.file_bytes / 2**20:.1f} MiB)")
 
     def load_any(self, path: str | Path) -> str:
-        """Resume a state folder or read a transcript; returns what was done."""
+        """Resume a session, a state folder or read a transcript; returns what was done."""
+        info = self.engine.resume_session(str(path)) if session_name(path) else None
+        if info is not None:
+            self._apply(info.extra.get("transcript"))
+            self.session = str(path)
+            return f"resumed session {path!r}: {len(self.messages)} messages ({info.tokens} tokens of state)"
         if Path(path).expanduser().is_dir():
             before = (self.system, self.messages)
             info = self.engine.load_state(str(path))
@@ -301,25 +319,9 @@ class ChatSession:
         return self._apply(json.loads(Path(path).expanduser().read_text(encoding="utf-8")))
 
     def _apply(self, data) -> str | None:
-        if isinstance(data, list):
-            data = {"messages": data}
-        if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
-            raise ValueError("not a transcript (expected an object with a 'messages' list)")
-        system = data.get("system")
-        if system is not None and not isinstance(system, str):
-            raise ValueError("'system' must be a string")
-        messages = []
-        for i, m in enumerate(data["messages"]):
-            if (not isinstance(m, dict) or m.get("role") not in ROLES
-                    or not isinstance(m.get("content"), str)):
-                raise ValueError(f"message {i} needs a role ({', '.join(ROLES)}) and text content")
-            if m["role"] == "system" and i == 0 and system is None:
-                system = m["content"]
-                continue
-            messages.append({"role": m["role"], "content": m["content"]})
-        self.system, self.messages = system, messages
-        model = data.get("model")
-        return model if isinstance(model, str) else None
+        self.system, self.messages, model = parse_transcript(data)
+        self._kept = None  # raw mode: rebuilt from the text on the next turn
+        return model
 
     # -- output ----------------------------------------------------------------
     def notice(self, text: str) -> None:
@@ -331,26 +333,25 @@ class ChatSession:
 
 @click.command()
 @common.model_option
-@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Most tokens per reply.")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.7, show_default=True,
-              help="Sampling temperature; 0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="Nucleus sampling: keep the smallest token set with this much probability.")
-@click.option("--seed", type=int, default=None, help="Random seed, for repeatable sampling.")
+@common.sampling_options
 @click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
-@common.budget_option
-@common.whole_process_option
-@common.gguf_bits_option
-@common.kv_format_option
-@common.policy_option
-def chat(model, max_tokens, temperature, top_p, seed, system, budget, whole_process, gguf_bits, kv_format,
-         policy) -> None:
+@click.option("--raw", is_flag=True,
+              help="No chat template: the conversation is one text the model continues as typed "
+                   "(automatic for base models, which have no template).")
+@click.option("--template", "template_file", default=None, metavar="FILE",
+              help="A Jinja chat template to use instead of the model's own (or for a base model).")
+@common.engine_options
+def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file, budget, whole_process, gguf_bits,
+         kv_format, policy) -> None:
     """Chat with a model.
 
     In a terminal: an interactive session (/help lists its commands). With stdin
-    piped: all of stdin is one question, and only the answer is printed.
+    piped: all of stdin is one question, and only the answer is printed. A model
+    without a chat template (a base model) continues the text as typed.
     """
+    if raw and template_file:
+        raise click.UsageError("--raw and --template exclude each other")
+    template = read_chat_template(template_file) if template_file else None
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                               max_tokens=max_tokens)
     stdin, stdout, stderr = sys.stdin, sys.stdout, sys.stderr
@@ -364,9 +365,14 @@ def chat(model, max_tokens, temperature, top_p, seed, system, budget, whole_proc
     if interactive and stderr.isatty():
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    if template is not None:
+        use_chat_template(engine.tokenizer, template, f"chat template {template_file}")
+    notice = raw_notice(engine, raw)
     session = ChatSession(engine, tty_reader() if interactive else [], stdout, stderr,
                           sampling=sampling, system=system, progress=stderr.isatty(),
-                          show_stats=interactive, catch_interrupt=interactive)
+                          show_stats=interactive, catch_interrupt=interactive, raw=notice is not None)
+    if notice and (interactive or not raw):  # a piped --raw asked for it: nothing to say
+        session.notice(notice)
     if interactive:
         click.echo(click.style(
             f"{engine.name} · {engine.policy.name} · context {engine.context_limit} · "
@@ -376,14 +382,28 @@ def chat(model, max_tokens, temperature, top_p, seed, system, budget, whole_proc
     answer_once(session, question)
 
 
+def raw_notice(engine, raw: bool) -> str | None:
+    """What to say when the text is continued as typed (None: chat messages)."""
+    if not has_chat_template(engine.tokenizer):
+        return f"{engine.name} is a base model with no chat template: text is continued as typed"
+    if raw:
+        return "raw mode: the chat template is not used, text is continued as typed"
+    return None
+
+
 def answer_once(session: ChatSession, question: str) -> str:
     """Piped mode: stream the reply to `question` to `out`, then a newline. Engine
     refusals propagate (the command group prints them as one `error:` line)."""
     session.messages.append({"role": "user", "content": question})
+    prompt = session.prompt()
     bar = PrefillBar(session.err, session.progress, session.progress_min_tokens)
     pieces: list[str] = []
-    session.stream(bar, bar, pieces)
+    ids: list[int] = []
+    try:
+        session.stream(prompt, bar, bar, pieces, ids)
+    except TemplateError as e:  # e.g. a template that takes no system prompt
+        raise common.UserError(f"the chat template rejected the conversation: {common.one_line(e)}") from e
     click.echo("", file=session.out)
     reply = "".join(pieces)
-    session.messages.append({"role": "assistant", "content": reply})
+    session.keep_reply(prompt, reply, ids)
     return reply

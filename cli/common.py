@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import click
 
@@ -85,6 +86,28 @@ policy_option = click.option(
     help="PhaseSwap policy: cpu (8-bit decode weights, dense prefill just in time), "
          "cpu-exact, dense, quantized (Metal), measured; auto picks by backend.",
 )
+
+
+def options(*decorators: Callable) -> Callable:
+    """Several click options as one decorator, in the order given."""
+    def apply(f: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+    return apply
+
+
+# What chat and generate share: how to sample, and how the engine runs.
+sampling_options = options(
+    click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+                 help="Most tokens to generate (per reply)."),
+    click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.7, show_default=True,
+                 help="Sampling temperature; 0 is greedy."),
+    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+                 help="Nucleus sampling: keep the smallest token set with this much probability."),
+    click.option("--seed", type=int, default=None, help="Random seed, for repeatable sampling."),
+)
+engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option)
 
 
 def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",

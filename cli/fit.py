@@ -16,15 +16,36 @@ from cli import common
 @click.option("--context", type=int, default=None, metavar="N",
               help="Also plan a request of N positions (prompt + reply).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--config", "config_path", default=None, metavar="CONFIG",
+              help="Plan from a Hugging Face config.json (or its folder) alone, before downloading weights.")
+@click.option("--weights-bits", type=click.Choice(["2", "3", "4", "5", "6", "8", "16"]), default="4",
+              show_default=True, help="With --config: the weights' bit width (16: unquantized).")
+@click.option("--compute", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True,
+              help="With --config: activation width (fp16 on Apple GPUs, fp32 on MLX's CPU backend).")
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
-def fit(model, budget, context, as_json, gguf_bits, kv_format, policy) -> None:
+def fit(model, budget, context, as_json, config_path, weights_bits, compute, gguf_bits, kv_format, policy) -> None:
     """Weights, KV bytes per position, transient bound and maximum context per KV
-    format for a memory budget (default: memory available now), without running."""
+    format for a memory budget (default: memory available now), without running;
+    with --config, from a model's config.json alone."""
     from justfit.fit import fit_report, format_fit
 
     budget = budget or psutil.virtual_memory().available
+    if config_path is not None:
+        from justfit.fit_config import config_fit_report, format_config_fit, load_config
+        from kvexec import KVConfig
+
+        if model is not None:
+            raise common.UserError("give --model or --config, not both")
+        kv = None if kv_format == "none" else KVConfig(format=kv_format)
+        try:
+            report = config_fit_report(load_config(config_path), int(weights_bits), budget, context, kv,
+                                       4 if compute == "fp32" else 2)
+        except ValueError as e:
+            raise common.UserError(str(e)) from None
+        click.echo(json.dumps(report, indent=2) if as_json else format_config_fit(report))
+        return
     engine = common.load_engine(model, None, gguf_bits, kv_format, policy)
     report = fit_report(engine, budget, context)
     click.echo(json.dumps(report, indent=2) if as_json else format_fit(report))

@@ -16,9 +16,11 @@ from justfit.errors import JustFitError
 # serve, fit and bench get their entries here when they exist.
 COMMANDS: dict[str, str] = {
     "chat": "cli.chat:chat",
+    "generate": "cli.generate:generate",
     "bench": "cli.bench:bench",
     "fit": "cli.fit:fit",
     "serve": "cli.serve:serve",
+    "state": "cli.state:state",
 }
 
 # What the engine raises for problems the user can act on: its own errors, a model

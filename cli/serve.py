@@ -27,18 +27,22 @@ from cli import common
 @click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Reply length when a request does not say (shrunk to what fits).")
 @click.option("--served-name", default=None, metavar="NAME", help="Model id clients use (default: the model's name).")
+@click.option("--chat-template", "chat_template", default=None, metavar="FILE",
+              help="A Jinja chat template for the chat routes, instead of the model's own; a model "
+                   "with none (a base model) answers chat requests 400 without it.")
 @common.whole_process_option
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, max_tokens, served_name,
-          whole_process, gguf_bits, kv_format, policy) -> None:
+          chat_template, whole_process, gguf_bits, kv_format, policy) -> None:
     """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
 
     Stored conversation states are reused across requests; a request that cannot
     fit the context or the budget gets HTTP 400 (context_length_exceeded) before
     any work. GET /health, /metrics (Prometheus) and /v1/justfit/status report.
     """
+    from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
     from justfit.memory import parse_size
     from justfit.server import ServerConfig, run
 
@@ -46,13 +50,19 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, 
     config = ServerConfig(host=host, port=port, api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name)
+    template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    if template is not None:
+        use_chat_template(engine.tokenizer, template, f"chat template {chat_template}")
     name = served_name or engine.name
 
     def ready(url: str) -> None:
         click.echo(f"serving {name} on {url}/v1 (OpenAI) and {url}/api (Ollama); Ctrl-C stops", file=sys.stderr)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo("warning: listening beyond this machine without --api-key", file=sys.stderr)
+        if not has_chat_template(engine.tokenizer):
+            click.echo(f"note: {name} is a base model with no chat template: chat routes answer 400; "
+                       "send text to /v1/completions or /api/generate, or give --chat-template FILE", file=sys.stderr)
 
     run(engine, config, ready)

@@ -18,6 +18,9 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context: int = 64
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per earlier occurrence of a token
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token seen before
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
     seed: int | None = None
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
@@ -32,6 +35,8 @@ class SamplingParams:
             raise ValueError("top_k and min_p must be >= 0, repetition_penalty > 0")
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs (top alternatives) must be in [0, 20]")
         self.stop = tuple(s for s in self.stop if s)
 
 

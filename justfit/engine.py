@@ -16,13 +16,15 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from justfit import blas
 from justfit.config import EngineConfig, SamplingParams
 from justfit.errors import BudgetExceeded, ContextTooLong
-from justfit.generate import ProgressFn, decode, prefill
+from justfit.generate import ProgressFn, decode, prefill, token_logprobs
 from justfit.gguf_import import RequantOptions, cache_root
-from justfit.memory import (MemoryReport, hold_memory_to, memory_report, parse_size, peak_rss_bytes, rss_bytes,
-                            trim_heap, trimming)
+from justfit.memory import (MemoryReport, hold_memory_to, memory_report, parse_size, peak_rss_bytes, trim_heap,
+                            trimming)
 from justfit.models import LoadedModel, load, weight_files
+from justfit.outside import decayed_max, measure_outside
 from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint, attention_shape, choose_policy, footprint
-from justfit.state_io import StateIO, export_state, import_state, state_identity
+from justfit.state_io import (StateIO, export_state, import_state, resume_session, save_session, state_identity,
+                               state_root)
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import StopMatcher
 import kvexec
@@ -56,7 +58,7 @@ class Engine:
         self.name, self.path = loaded.name, loaded.path
         trim_heap()  # what loading the tokenizer freed goes back to the system
         self._process_budget: int | None = None  # a whole-process budget, if given
-        self._outside = 0  # the most the process was seen to hold besides MLX
+        self._outside = 0  # what the process holds besides MLX: a decaying maximum over requests
         if self.config.budget_bytes is not None and self.config.budget_covers_process:
             # Weights are not read yet (lazy load): what the process holds now besides
             # MLX is the interpreter, libraries and tokenizer; the engine gets the rest.
@@ -86,10 +88,12 @@ class Engine:
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
         trim_heap()  # and what converting the weights freed outside MLX
         c = self.config
-        self.states = StateTiers(_state_dir(c.state_dir), state_identity(self), len(self.new_cache()),
+        state_dir = state_root(c.state_dir)  # also remembers the weights' sha256 (model identity)
+        self.states = StateTiers(state_dir, state_identity(self, state_dir), len(self.new_cache()),
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
                                  c.state_disk)
         self.last_stats: GenerationStats | None = None
+        self.live_cache: list | None = None  # the running request's state, for the status page
 
     # -- prompts ---------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -128,18 +132,11 @@ class Engine:
 
     def _measure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the
-        engine's share, at its largest yet: after a heap trim, and, when a request raised
-        the process's high-water mark (`high_water` before it), that mark less the
-        request's MLX peak. Both grow after load: BLAS buffers, Python objects, and
-        buffers one thread frees while another allocates (SmolLM2: ~10 MiB, then ~13
-        MiB more at peaks)."""
+        engine's share: measured after each request (`high_water`, `mlx_peak`: see
+        justfit.outside.measure_outside), a past spike forgotten over the next requests."""
         if self._process_budget is None:
             return
-        trim_heap()
-        outside = rss_bytes() - mx.get_active_memory()
-        if mlx_peak and peak_rss_bytes() > high_water:
-            outside = max(outside, peak_rss_bytes() - mlx_peak)
-        self._outside = max(self._outside, outside)
+        self._outside = decayed_max(self._outside, measure_outside(high_water, mlx_peak))
         self.config.budget_bytes = self._process_budget - self._outside
 
     # -- planning --------------------------------------------------------------
@@ -204,6 +201,7 @@ class Engine:
         streamed, fp = self.plan(positions)
         budget = self.config.budget_bytes
         if budget is not None and fp.total > budget:
+            self._measure_outside()  # a refused request counts too: a spike must not refuse all for good
             raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
         return streamed, fp
 
@@ -244,7 +242,27 @@ class Engine:
         self.states.fork(source, name)
 
     def drop_session(self, name: str) -> None:
+        """Delete session `name`, on disk too (the only way a session goes)."""
         self.states.drop(name)
+
+    def save_session(self, name: str, extra: dict | None = None) -> StateIO:
+        """Make the latest conversation the named session `name`: on disk now, and
+        after every later turn requested with `session=name`; `extra` (JSON) is kept
+        beside it (see `annotate_session`)."""
+        return save_session(self, name, extra)
+
+    def resume_session(self, name: str) -> StateIO | None:
+        """Session `name` (from the state directory if need be) and its extra, or None;
+        the next request with `session=name` prefills only what is new."""
+        return resume_session(self, name)
+
+    def annotate_session(self, name: str, extra: dict) -> None:
+        """Replace what is kept beside session `name` (e.g. a chat's transcript)."""
+        self.states.store.write_extra(name, extra)
+
+    def flush_sessions(self) -> None:
+        """Until every named session's latest turn is on disk (done at exit too)."""
+        self.states.flush()
 
     def sessions(self) -> dict[str, int]:
         """Named sessions and the positions each holds."""
@@ -277,6 +295,7 @@ class Engine:
             kvexec.limit_pages(cache, None if budget is None else
                                request.page_allowance(budget) // request.shape.full_layers)
         held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
+        self.live_cache = cache
         stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
         rng = {"seed": sp.seed, "step": 0} if sp.seed is not None else (
             reuse.sampler or {"seed": int.from_bytes(os.urandom(4), "little"), "step": 0})
@@ -285,6 +304,7 @@ class Engine:
         finally:
             # Also on cancel or error: what was computed is stored, once evaluated
             # (StateTiers.put), unless an interrupt left the cache and tokens apart.
+            self.live_cache = None
             if held and holds(cache, len(held)):
                 self.states.put(held, cache, session, rng)
             self.states.fit(self._state_allowance(self.footprint(1, self.swap.streamed)))
@@ -317,7 +337,7 @@ class Engine:
         processors = make_logits_processors(
             repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
             repetition_context_size=sp.repetition_context,
-        )
+        ) + _reply_penalties(sp, len(tokens))
         with self.swap.phase("decode") as phase:
             stats.phases.append(phase)
             tail = yield from self._decode(logits, tokens, cache, sp, stats, sampler, processors, record)
@@ -338,7 +358,13 @@ class Engine:
         eos = set() if sp.ignore_eos else set(self.tokenizer.eos_token_ids)
         start = time.perf_counter()
         reason = "length"
-        for token in decode(self.model, logits, cache, sampler, processors, tokens, record):
+        seen: dict[str, tuple] = {}  # the last token's logprobs, when asked for
+
+        def note(token: int, logprobs: mx.array) -> None:
+            seen["last"] = token_logprobs(token, logprobs, sp.logprobs)
+
+        for token in decode(self.model, logits, cache, sampler, processors, tokens, record,
+                            note if sp.logprobs is not None else None):
             if token in eos:
                 reason = "stop"
                 break
@@ -346,7 +372,8 @@ class Engine:
             detok.add_token(token)
             text, hit = stops.feed(detok.last_segment)
             stats.decode_s = time.perf_counter() - start
-            yield Chunk(text, token)  # one per token, text may be "" (partial UTF-8)
+            logprob, top = seen.get("last", (None, None))
+            yield Chunk(text, token, logprob=logprob, top_logprobs=top)  # one per token, text may be "" (partial UTF-8)
             if hit:
                 reason = "stop"
                 break
@@ -355,7 +382,7 @@ class Engine:
         detok.finalize()
         tail = stops.flush(detok.last_segment) if reason == "length" else ""
         stats.decode_s = time.perf_counter() - start
-        stats.finish_reason = reason
+        stats.finish_reason, stats.stop_sequence = reason, stops.hit
         return tail
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
@@ -383,5 +410,11 @@ def _seeded(sampler: Callable[[mx.array], mx.array], rng: dict) -> Callable[[mx.
     return sample
 
 
-def _state_dir(configured: str | None) -> Path:
-    return Path(configured or os.environ.get("JUSTFIT_STATE_DIR") or cache_root().parent / "state")
+def _reply_penalties(sp: SamplingParams, prompt_len: int) -> list:
+    """OpenAI's frequency and presence penalties, over the reply's tokens only (as
+    vLLM does): a prompt's repeated words are no reason to avoid them in the answer."""
+    procs = make_logits_processors(presence_penalty=sp.presence_penalty or None, presence_context_size=sp.max_tokens,
+                                   frequency_penalty=sp.frequency_penalty or None,
+                                   frequency_context_size=sp.max_tokens)
+    return [lambda tokens, logits, p=p: p(tokens[prompt_len:], logits) for p in procs]
+

@@ -86,18 +86,9 @@ def format_fit(r: dict) -> str:
         "",
         f"{'KV format':<10} {'bytes/pos':>10} {'transient':>11} {'max positions':>14} {'streaming layers':>17}",
     ]
-    for row in r["formats"]:
-        mark = " *" if row["format"] == r["kv_format"] else ""
-        lines.append(f"{row['format']:<10} {row['bytes_per_position']:>10.0f} "
-                     f"{format_size(row['transient_bound']):>11} {row['max_positions']:>14,} "
-                     f"{row['max_positions_streaming']:>17,}{mark}")
-    lines.append("(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
-                 "transient at the trained context and the configured chunk; max positions at the smallest "
-                 "chunk; positions past the trained context need a model that extrapolates)")
-    if r.get("pressure"):
-        p = r["pressure"]
-        lines.append(f"with pages stepping down {' > '.join(p['ladder'])} under the budget: "
-                     f"{p['max_positions']:,} positions")
+    lines += format_rows(r, "(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
+                            "transient at the trained context and the configured chunk; max positions at the "
+                            "smallest chunk; positions past the trained context need a model that extrapolates)")
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]
@@ -113,6 +104,23 @@ def format_fit(r: dict) -> str:
                   f"decode: {plan['decode']}",
                   f"  KV pages: {plan['pages']}; streamed from disk: {_names(plan['streamed'])}"]
     return "\n".join(lines)
+
+
+def format_rows(r: dict, note: str) -> list[str]:
+    """The per-format table's rows (the format in use marked, a transient column when the
+    report has one), `note` under it, and the pressure ladder's line."""
+    lines = []
+    for row in r["formats"]:
+        mark = " *" if row["format"] == r["kv_format"] else ""
+        transient = f"{format_size(row['transient_bound']):>11} " if "transient_bound" in row else ""
+        lines.append(f"{row['format']:<10} {row['bytes_per_position']:>10.0f} {transient}"
+                     f"{row['max_positions']:>14,} {row['max_positions_streaming']:>17,}{mark}")
+    lines.append(note)
+    if r.get("pressure"):
+        p = r["pressure"]
+        lines.append(f"with pages stepping down {' > '.join(p['ladder'])} under the budget: "
+                     f"{p['max_positions']:,} positions")
+    return lines
 
 
 def _names(streamed: list[str]) -> str:

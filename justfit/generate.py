@@ -74,18 +74,34 @@ def decode(
     processors: list,
     history: list[int],
     on_processed: Callable[[list[int]], None] | None = None,
+    on_logprobs: Callable[[int, mx.array], None] | None = None,
 ) -> Iterator[int]:
     """Yield sampled tokens forever; the caller stops. Each token is yielded before
-    it is fed to the model, so stopping never computes a step nobody asked for."""
+    it is fed to the model, so stopping never computes a step nobody asked for.
+    `on_logprobs(token, logprobs)` sees the distribution each token was drawn from."""
     context = mx.array(history)
     while True:
         for proc in processors:
             logits = proc(context, logits[None])[0]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token = int(sampler(logprobs[None]).item())
+        if on_logprobs:
+            on_logprobs(token, logprobs)
         yield token
         context = mx.concatenate([context, mx.array([token])])
         logits = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
         mx.eval(logits)
         if on_processed:
             on_processed([token])
+
+
+def token_logprobs(token: int, logprobs: mx.array, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """`token`'s log-probability and the `top` most likely (token, logprob), best first."""
+    chosen = logprobs[token]
+    if top <= 0:
+        return float(chosen.item()), []
+    idx = mx.argpartition(-logprobs, top - 1)[:top]
+    values = logprobs[idx]
+    mx.eval(chosen, idx, values)
+    pairs = sorted(zip(idx.tolist(), values.tolist()), key=lambda p: -p[1])
+    return float(chosen.item()), pairs

@@ -167,6 +167,19 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
             full += 1
         else:
             state += tree_bytes(getattr(c, "state", []))
+    return layers_footprint(positions, full_layers=full, windows=tuple(windows), state_bytes=state, heads=heads,
+                            kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
+                            intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
+                            weights=weight_bytes(model) if weights is None else weights, working=working,
+                            chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed)
+
+
+def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
+                     kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int, weights: int,
+                     working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
+                     pressed: bool = False) -> Footprint:
+    """`footprint` from layer counts and sizes alone, no model: what `justfit fit
+    --config` plans a model with before its weights are downloaded."""
     kv_row = 2 * kv_heads * head_dim * act_bytes
     if kv is None:
         page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
@@ -182,10 +195,10 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
         block, page = kv.block_tokens, kv.page_size
         retain = kv.max_positions
     shape = _Shape(
-        weights=weight_bytes(model) if weights is None else weights, working=working, full_layers=full, windows=tuple(windows), state_bytes=state,
+        weights=weights, working=working, full_layers=full_layers, windows=tuple(windows), state_bytes=state_bytes,
         kv_row=kv_row, page_row=page_row, top_row=top_row, full_tokens=full_tokens, rest_tokens=rest_tokens, page_tokens=page, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
-        intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
+        intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes,
     )
     return _estimate(shape, positions)

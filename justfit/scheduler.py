@@ -40,6 +40,9 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
+    processed: int = 0  # prompt positions computed so far (cached ones included)
+    generated: int = 0  # tokens generated so far
+    route: str = ""  # the API it came through, for the status page
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -47,11 +50,17 @@ class Job:
         except RuntimeError:  # the server's loop is gone: nobody is listening
             self.cancel.set()
 
-    async def stream(self):
+    async def stream(self, tick: float | None = None):
         """(kind, payload) events until "done": "progress" (done, total, elapsed),
-        "chunk" (engine Chunk), "error" (exception), "done" (stats or None)."""
+        "chunk" (engine Chunk), "error" (exception), "done" (stats or None); with
+        `tick`, also ("tick", None) after every `tick` seconds without an event (a
+        long prefill chunk, a wait in the queue), so streams can keep proxies awake."""
         while True:
-            kind, payload = await self.events.get()
+            try:
+                kind, payload = await asyncio.wait_for(self.events.get(), tick)
+            except TimeoutError:
+                yield "tick", None
+                continue
             yield kind, payload
             if kind == "done":
                 return
@@ -70,6 +79,11 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    def queued(self) -> list[Job]:
+        """The jobs waiting, in order (a snapshot)."""
+        with self._queue.mutex:
+            return [j for j in self._queue.queue if j is not None]
 
     def submit(self, job: Job) -> int:
         """Queue `job`; returns how many run or wait before it. Raises QueueFull."""
@@ -104,6 +118,7 @@ class Scheduler:
         def progress(done: int, total: int) -> None:
             if job.cancel.is_set():
                 raise _Cancelled
+            job.processed = done
             job.emit("progress", (done, total, time.monotonic() - job.started))
 
         before = self.engine.last_stats
@@ -111,6 +126,7 @@ class Scheduler:
         failed = False
         try:
             for chunk in gen:
+                job.generated += chunk.token is not None
                 job.emit("chunk", chunk)
                 if job.cancel.is_set():
                     break
@@ -130,6 +146,8 @@ class Scheduler:
             else:
                 self.completed += 1
             stats = self.engine.last_stats if self.engine.last_stats is not before else None
+            if stats is not None:
+                stats.queue_s = job.started - job.submitted
             if self.on_done and stats is not None:
                 self.on_done(stats)
             job.emit("done", stats)

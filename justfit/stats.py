@@ -18,6 +18,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
+    queue_s: float = 0.0  # waited in the server's queue before running
     planned_bytes: int = 0  # the planner's footprint for this request (what was checked against the budget)
     prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
     memory: MemoryReport | None = None
@@ -50,3 +52,5 @@ class Chunk:
     token: int | None = None
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprob: float | None = None  # the token's, when SamplingParams.logprobs asked
+    top_logprobs: list[tuple[int, float]] | None = None  # the most likely tokens there, best first

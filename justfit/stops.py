@@ -7,6 +7,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...] | list[str]):
         self.stops = [s for s in stops if s]
         self._pending = ""
+        self.hit: str | None = None  # the stop string found, once one is
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit now, whether a stop string was hit).
@@ -17,7 +18,9 @@ class StopMatcher:
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self._pending = ""
-            return buf[: min(hits)], True
+            at = min(hits)
+            self.hit = next(s for s in self.stops if buf.find(s) == at)
+            return buf[:at], True
         keep = 0  # longest tail of buf that could still grow into a stop string
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -4,6 +4,7 @@ session is in test_chat_session.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -67,11 +68,15 @@ def assert_one_error_line(result, *needles: str) -> None:
 def test_help_lists_chat(runner):
     result = runner.invoke(main, ["--help"])
     assert result.exit_code == 0
-    assert "chat" in result.output and "JUSTFIT_DEBUG" in result.output
+    assert "chat" in result.output and "generate" in result.output and "JUSTFIT_DEBUG" in result.output
     result = runner.invoke(main, ["chat", "--help"])
     assert result.exit_code == 0
     for option in ("--model", "--max-tokens", "--temperature", "--top-p", "--seed",
-                   "--system", "--budget"):
+                   "--system", "--raw", "--template", "--budget"):
+        assert option in result.output
+    result = runner.invoke(main, ["generate", "--help"])  # chat's sampling and engine options
+    for option in ("--prompt", "--stats", "--max-tokens", "--temperature", "--top-p", "--seed",
+                   "--budget", "--whole-process", "--gguf-bits", "--kv-format", "--policy"):
         assert option in result.output
 
 
@@ -120,6 +125,29 @@ def test_piped_chat_with_system_prompt(runner, loads, engine):
                                   "You are Zorblax."], input="Hi\n")
     assert result.exit_code == 0, result.output
     assert "You are Zorblax." in engine.tokenizer.decode(engine.cached_tokens)
+
+
+def test_generate_prints_only_the_continuation(runner, loads, engine):
+    prompt = "The capital of France is"
+    result = runner.invoke(main, ["generate", "-t", "0", "--max-tokens", "8"], input=prompt + "\n")
+    assert result.exit_code == 0, result.output
+    engine.reset()
+    expected = engine.complete(prompt, GREEDY)
+    assert result.stdout == expected and prompt not in expected and "Assistant" not in expected
+    assert "<|im_start|>" not in engine.tokenizer.decode(engine.cached_tokens)  # no chat template
+    assert result.stderr == "" and loads == [(None, None)]
+
+
+def test_generate_without_a_prompt_on_a_terminal_is_an_error():
+    from cli.generate import prompt_text
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    with pytest.raises(common.UserError, match="--prompt TEXT, or pipe it"):
+        prompt_text(None, Terminal())
+    assert prompt_text("Hi\n", Terminal()) == "Hi\n"  # --prompt is taken as given
 
 
 def test_missing_model_is_one_error_line(runner, tmp_path):

@@ -16,6 +16,7 @@ from aiohttp import web
 import justfit
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.scheduler import Job, QueueFull, Scheduler
+from justfit.server import status_page
 from justfit.server.metrics import Metrics, memory, prometheus
 from justfit.server.schema import BadRequest, Options
 
@@ -32,6 +33,7 @@ class ServerConfig:
     max_queue: int = 16
     default_max_tokens: int = 1024
     model_name: str | None = None  # the id clients use; default: the engine's model name
+    keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
 
 
 class Server:
@@ -77,8 +79,9 @@ class Server:
         raise BadRequest("the request does not fit", "messages", 400, "context_length_exceeded",
                          "context_length_exceeded")
 
-    def submit(self, tokens: list[int], opts: Options) -> tuple[Job, int]:
-        job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session)
+    def submit(self, tokens: list[int], opts: Options, route: str = "") -> tuple[Job, int]:
+        """Queue a planned request (`route`: the API it came through, for the status page)."""
+        job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route)
         try:
             return job, self.scheduler.submit(job)
         except QueueFull as e:
@@ -87,7 +90,7 @@ class Server:
 
     # -- the app --------------------------------------------------------------------
     def app(self) -> web.Application:
-        from justfit.server import ollama_routes, openai_routes
+        from justfit.server import anthropic_routes, ollama_routes, openai_routes
 
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[self._errors, self._cors, self._auth])
@@ -96,6 +99,8 @@ class Server:
         app.router.add_get("/v1/justfit/status", self.status)
         openai_routes.add_routes(app, self)
         ollama_routes.add_routes(app, self)
+        anthropic_routes.add_routes(app, self)
+        status_page.add_routes(app, self)
         app.on_shutdown.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.scheduler.close))
         return app
 
@@ -103,10 +108,11 @@ class Server:
     async def _errors(self, request: web.Request, handler):
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         ollama = request.path.startswith("/api/")
+        anthropic = request.path.startswith("/v1/messages")
         try:
             resp = await handler(request)
         except BadRequest as e:
-            resp = _error_response(e, ollama)
+            resp = _error_response(e, ollama, anthropic)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -114,13 +120,15 @@ class Server:
             msg = {413: f"request body over {self.config.max_body_bytes} bytes",
                    404: f"no route {request.method} {request.path}",
                    405: f"{request.method} not allowed on {request.path}"}.get(status, e.reason)
-            resp = _error_response(BadRequest(msg, None, status, code=e.reason.lower().replace(" ", "_")), ollama)
+            resp = _error_response(BadRequest(msg, None, status, code=e.reason.lower().replace(" ", "_")), ollama,
+                                   anthropic)
         except asyncio.CancelledError:
             self.metrics.observe(route, 499)  # the client went away
             raise
         except Exception:  # a bug: logged here, a clean 500 there
             log.exception("unhandled error on %s", request.path)
-            resp = _error_response(BadRequest("internal server error", None, 500, "server_error"), ollama)
+            resp = _error_response(BadRequest("internal server error", None, 500, "server_error"), ollama,
+                                   anthropic)
         self.metrics.observe(route, resp.status)
         return resp
 
@@ -133,18 +141,19 @@ class Server:
             resp = await handler(request)
         if origin and not resp.prepared:
             resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Api-Key, Anthropic-Version"
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         return resp
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.config.api_key
-        if key and request.path != "/health" and request.method != "OPTIONS":
-            given = request.headers.get("Authorization", "")
-            if given != f"Bearer {key}":
-                raise BadRequest("missing or wrong API key (send 'Authorization: Bearer KEY')", None, 401,
-                                 "authentication_error", "invalid_api_key")
+        public = request.path == "/health" or status_page.is_page(request.path)  # the page asks for the key itself
+        if key and not public and request.method != "OPTIONS":
+            bearer, header = request.headers.get("Authorization", ""), request.headers.get("X-Api-Key")
+            if bearer != f"Bearer {key}" and header != key:  # OpenAI clients send Bearer, Anthropic's x-api-key
+                raise BadRequest("missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                                 None, 401, "authentication_error", "invalid_api_key")
         return await handler(request)
 
     # -- operations -----------------------------------------------------------------
@@ -192,8 +201,10 @@ def _dumps(obj) -> str:
     return json.dumps(obj, default=str)
 
 
-def _error_response(e: BadRequest, ollama: bool) -> web.Response:
-    body = {"error": e.message} if ollama else e.body()
+def _error_response(e: BadRequest, ollama: bool, anthropic: bool = False) -> web.Response:
+    from justfit.server.anthropic_routes import error_body
+
+    body = {"error": e.message} if ollama else error_body(e) if anthropic else e.body()
     resp = web.json_response(body, status=e.status)
     if e.status == 503 and "retry_after" in e.details:
         resp.headers["Retry-After"] = str(e.details["retry_after"])

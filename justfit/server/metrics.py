@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ class Metrics:
     decoded_steps: int = 0
     last_prefill_tps: float = 0.0
     last_decode_tps: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=20))  # the last GenerationStats, for the status page
 
     def observe(self, route: str, status: int) -> None:
         self.requests[(route, status)] += 1
@@ -40,6 +41,7 @@ class Metrics:
         self.decode_seconds += stats.decode_s
         self.decoded_steps += max(0, stats.generated_tokens - 1)
         self.last_prefill_tps, self.last_decode_tps = stats.prefill_tps, stats.decode_tps
+        self.recent.append(stats)
 
     @property
     def cache_hit_ratio(self) -> float:

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 import justfit
+from justfit.chat_template import has_chat_template
 from justfit.server.openai_routes import chat_tokens, engine_error, vocab_size
 from justfit.server.schema import get, messages, ollama_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
@@ -53,6 +54,7 @@ class OllamaRoutes:
         arch = self.engine.model_config.get("model_type", "model")
         m = self._model()
         return web.json_response({"details": m["details"], "modified_at": m["modified_at"], "template": "",
+                                  "has_chat_template": has_chat_template(self.engine.tokenizer),
                                   "model_info": {"general.architecture": arch,
                                                  f"{arch}.context_length": self.engine.context_limit},
                                   "capabilities": ["completion"]})
@@ -73,7 +75,7 @@ class OllamaRoutes:
         if not prompt and not context:  # Ollama's "load the model" call
             return web.json_response({"model": self.server.model_id, "created_at": _now(), "response": "",
                                       "done": True, "done_reason": "load"})
-        if get(body, "raw", bool, False) or not getattr(self.engine.tokenizer, "chat_template", None):
+        if get(body, "raw", bool, False) or not has_chat_template(self.engine.tokenizer):
             text = f"{system}\n\n{prompt}" if system else prompt
             tokens = context + self.engine.encode(text)
         else:
@@ -83,7 +85,7 @@ class OllamaRoutes:
 
     async def _generate(self, request, tokens, opts, chat: bool) -> web.StreamResponse:
         self.server.plan(tokens, opts)
-        job, _ = self.server.submit(tokens, opts)
+        job, _ = self.server.submit(tokens, opts, "ollama")
         tools = ToolCalls(self.engine.tokenizer, opts.tools if chat else None)
         start = time.perf_counter()
         resp = None

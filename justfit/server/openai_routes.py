@@ -10,7 +10,9 @@ import uuid
 
 from aiohttp import web
 
+from justfit.chat_template import has_chat_template
 from justfit.errors import JustFitError
+from justfit.server.logprobs import chat_entry, chat_logprobs, completion_logprobs
 from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
 
@@ -22,7 +24,14 @@ def add_routes(app: web.Application, server) -> None:
     app.router.add_post("/v1/completions", routes.completions)
 
 
+NO_CHAT_TEMPLATE = ("this model has no chat template (it is a base model): send the text to /v1/completions "
+                    "(OpenAI) or /api/generate (Ollama), which continue it as given, or start `justfit serve` "
+                    "with --chat-template FILE")
+
+
 def chat_tokens(engine, msgs: list[dict], tools: list | None) -> list[int]:
+    if not has_chat_template(engine.tokenizer):  # never a made-up role format the model never saw
+        raise BadRequest(NO_CHAT_TEMPLATE, "messages", code="no_chat_template")
     try:
         return engine.apply_chat_template(msgs, tools=tools)
     except Exception as e:  # the template's own rules (e.g. alternating roles)
@@ -46,6 +55,24 @@ def engine_error(e: Exception) -> BadRequest:
     return BadRequest("internal error while generating", None, 500, "server_error")
 
 
+async def collect(job, tools: ToolCalls) -> tuple[str, list[dict], object, list]:
+    """A whole reply: its visible text, the tool calls parsed from it, the stats (None if
+    cancelled) and every chunk; an engine error raised as the client's answer."""
+    parts, chunks, stats, error = [], [], None, None
+    async for event, p in job.stream():
+        if event == "chunk":
+            parts.append(tools.feed(p.text))
+            chunks.append(p)
+        elif event == "error":
+            error = p
+        elif event == "done":
+            stats = p
+    if error is not None:
+        raise engine_error(error)
+    parts.append(tools.flush())
+    return "".join(parts), tools.calls(), stats, chunks
+
+
 class OpenAIRoutes:
     def __init__(self, server):
         self.server, self.engine = server, server.engine
@@ -53,7 +80,8 @@ class OpenAIRoutes:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "justfit",
-             "context_length": self.engine.context_limit}]})
+             "context_length": self.engine.context_limit,
+             "has_chat_template": has_chat_template(self.engine.tokenizer)}]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await request.read())
@@ -65,9 +93,9 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
-        opts = openai_options(body, self.server.config.default_max_tokens)
-        if get(body, "echo", bool, False) or body.get("logprobs") or body.get("best_of", 1) not in (1, None):
-            raise BadRequest("echo, logprobs and best_of are not supported", "echo")
+        opts = openai_options(body, self.server.config.default_max_tokens, chat=False)
+        if get(body, "echo", bool, False) or body.get("best_of", 1) not in (1, None):
+            raise BadRequest("echo and best_of are not supported", "echo")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -82,7 +110,7 @@ class OpenAIRoutes:
     # -- the common part -------------------------------------------------------------
     async def _generate(self, request, tokens, opts, kind: str) -> web.StreamResponse:
         self.server.plan(tokens, opts)
-        job, ahead = self.server.submit(tokens, opts)
+        job, ahead = self.server.submit(tokens, opts, "openai")
         tools = ToolCalls(self.engine.tokenizer, opts.tools if kind == "chat" else None)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:
@@ -97,27 +125,18 @@ class OpenAIRoutes:
                 "created": int(time.time()), "model": self.server.model_id}
 
     async def _collect(self, job, tools: ToolCalls, rid: str, kind: str) -> web.Response:
-        parts, stats, error = [], None, None
-        async for event, p in job.stream():
-            if event == "chunk":
-                parts.append(tools.feed(p.text))
-            elif event == "error":
-                error = p
-            elif event == "done":
-                stats = p
-        if error is not None:
-            raise engine_error(error)
-        parts.append(tools.flush())
-        calls = tools.calls()
+        text, calls, stats, chunks = await collect(job, tools)
+        entries = [chat_entry(self.engine.tokenizer, c) for c in chunks if c.logprob is not None]
         reason = "tool_calls" if calls else (stats.finish_reason if stats else "stop")
-        text = "".join(parts)
+        logprobs = None if job.sampling.logprobs is None else (
+            chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries))
         if kind == "chat":
             message = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
         return web.json_response({**self._head(rid, kind), "choices": [choice], "usage": usage(stats)})
 
     async def _stream(self, request, job, ahead, opts, tools, rid, kind) -> web.StreamResponse:
@@ -130,26 +149,44 @@ class OpenAIRoutes:
             body = {**head, "choices": [choice] if choice else [], **extra}
             return f"data: {json.dumps(body)}\n\n".encode()
 
+        entries: list[dict] = []  # logprobs of tokens whose text is not sent yet
+        sent_chars = 0
+
         def piece(text: str | None = None, reason: str | None = None, **delta) -> bytes:
+            nonlocal sent_chars
+            logprobs = None
+            if entries and (text or reason):
+                logprobs = chat_logprobs(entries[:]) if kind == "chat" else completion_logprobs(entries, sent_chars)
+                entries.clear()
+            sent_chars += len(text or "")
             if kind == "chat":
                 if text:
                     delta["content"] = text
-                return data({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None})
-            return data({"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None})
+                return data({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs})
+            return data({"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs})
 
         try:
             if ahead:
                 await resp.write(f": queued {json.dumps({'ahead': ahead})}\n\n".encode())
             if kind == "chat":
                 await resp.write(piece(role="assistant", content=""))
-            stats, cached = None, None
-            async for event, p in job.stream():
-                if event == "progress":
+            stats, cached, total = None, None, len(job.tokens)
+            async for event, p in job.stream(tick=self.server.config.keepalive_s):
+                if event == "tick":  # a long prefill chunk (or the queue): say so, keep proxies awake
+                    if job.started is not None and not job.generated:
+                        info = {"total": total, "cached": cached or 0, "processed": job.processed,
+                                "elapsed": round(time.monotonic() - job.started, 3)}
+                        await resp.write(f": prompt_progress {json.dumps(info)}\n\n".encode())
+                    else:
+                        await resp.write(f": {'queued' if job.started is None else 'keepalive'}\n\n".encode())
+                elif event == "progress":
                     done, total, elapsed = p
                     cached = done if cached is None else cached
                     info = {"total": total, "cached": cached, "processed": done, "elapsed": round(elapsed, 3)}
                     await resp.write(f": prompt_progress {json.dumps(info)}\n\n".encode())
                 elif event == "chunk":
+                    if p.logprob is not None:
+                        entries.append(chat_entry(self.engine.tokenizer, p))
                     text = tools.feed(p.text)
                     if text:
                         await resp.write(piece(text))

@@ -154,7 +154,30 @@ class Options:
     extra: dict = field(default_factory=dict)
 
 
-def openai_options(body: dict, default_max_tokens: int) -> Options:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives to report per token (None: no logprobs). Chat sends
+    `logprobs: true` and `top_logprobs` (0-20); completions `logprobs` (0-5)."""
+    if not chat:
+        return get(body, "logprobs", int, None, lo=0, hi=5)
+    top = get(body, "top_logprobs", int, None, lo=0, hi=20)
+    if not get(body, "logprobs", bool, False):
+        if top:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def _response_format(body: dict) -> None:
+    """Plain text only: a JSON mode the server cannot guarantee is refused, not ignored."""
+    fmt = get(body, "response_format", dict, None)
+    if fmt is not None and get(fmt, "type", str, where="response_format.") != "text":
+        raise BadRequest(f"response_format {fmt['type']!r} is not supported: this server does not constrain "
+                         "output to JSON; ask for JSON in the prompt, or omit response_format",
+                         "response_format", code="unsupported_response_format")
+
+
+def openai_options(body: dict, default_max_tokens: int, chat: bool = True) -> Options:
+    """A chat (or, `chat` False, a legacy completions) request's options."""
     n = get(body, "n", int, 1)
     if n != 1:
         raise BadRequest("'n' must be 1: one completion per request", "n")
@@ -174,11 +197,13 @@ def openai_options(body: dict, default_max_tokens: int) -> Options:
             max_tokens=max_tokens if given else default_max_tokens,
             stop=_stop(body.get("stop"), "stop"),
             ignore_eos=get(body, "ignore_eos", bool, False),  # extension: benchmarks
+            frequency_penalty=get(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
+            presence_penalty=get(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
+            logprobs=_logprobs(body, chat),
         )
     except ValueError as e:  # e.g. top_p 0
         raise BadRequest(str(e), None) from None
-    for name in ("frequency_penalty", "presence_penalty"):
-        get(body, name, float, 0.0, lo=-2, hi=2)  # accepted, not applied
+    _response_format(body)
     tools = get(body, "tools", list, None)
     return Options(sp, given, stream, get(stream_options, "include_usage", bool, False, where="stream_options."),
                    get(body, "session", str, None), tools or None)
