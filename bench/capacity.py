@@ -1,28 +1,35 @@
 """Memory capacity: the most retained positions each system completes with the
-whole process (model, weights and all) within a memory budget.
+whole process (model, weights and all) within a memory budget, over a sweep of budgets.
 
-    python -m bench.capacity --model smollm2 --budget 700MiB
+    python -m bench.capacity --model smollm2 --budgets preset    # 400,550,800,1100,1600MiB
+    python -m bench.capacity --model smollm2 --budget 700MiB --llama-cpp ~/llama.cpp/build/bin
     python -m bench.capacity --quick          # minutes: small budget, short steps
 
 Protocol (one growing run per system, each in its own process): a conversation that
 grows by `--step` tokens of deterministic repetitive input, then `--out` generated
 tokens (end-of-sequence never ends it), again and again; retained positions = input +
 generated so far. The process's peak memory is sampled (RSS every 10 ms, and the
-kernel's high-water mark); the first step whose peak passes the budget ends the run,
-and the process is stopped as soon as RSS crosses it. Capacity = positions after the
-last step that stayed within budget; after a budget stop a second run repeats the steps
-that fitted and continues in steps of 1/8 (a finer last step is kinder to the system
-measured, the same for all). JustFit also stops when its planner refuses the
-next step (it would not fit). A run that hits `--max-positions` or `--max-seconds`
-reports that it was limited, not the capacity. Every system gets the same input
-tokens and the same output length per step.
+kernel's high-water mark); the first step whose peak passes the budget ends the run.
+Capacity = positions after the last step that stayed within budget; after a budget
+stop a second run repeats the steps that fitted and continues in steps of 1/8. At the
+smallest budget each system runs `--repeats` times (min and max reported). JustFit also
+stops when its planner refuses the next step. A run that hits `--max-positions` or
+`--max-seconds` reports that it was limited; a stock float16 run so limited also gets
+its fitted memory model's capacity, labelled `modeled` (bench/memmodel.py).
 
-Systems: mlx-lm (stock `generate_step`, default KV), mlx-lm-kv4 (`kv_bits=4`,
-`quantized_kv_start=0`; on sliding-window models, the caches mlx-lm can quantize),
-justfit-default (q8c pages, stepping down KVExec's pressure ladder as the budget
-tightens; the row's `kv_formats` says how far), justfit-compact (the format with the
-fewest bytes per position), justfit-retention (default pages, at most `--retain`
-positions kept: sinks, recent window and the most attended pages).
+Stock systems run as their users do: float16 parameters, so float16 activations and
+KV (bench/stock.py); they do not depend on the budget, so one run up to the largest
+budget gives every budget's figure (each edge refined in its own run).
+
+Systems: mlx-lm (defaults), mlx-lm-tuned (prefill_step_size 512, 8-bit KV in groups of
+64 from the first token, mx.set_cache_limit(0); sliding-window layers float16, as mlx-lm
+allows), mlx-lm-kv4 (tuned, 4-bit), llama.cpp-q8_0 / llama.cpp-q4_0 (llama-bench from
+`--llama-cpp DIR`, flash attention, -ctk/-ctv, the same GGUF, whole-process peak RSS,
+n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-default
+(q8c pages stepping down the ladder as the budget tightens), justfit-compact (the
+fewest bytes per position), justfit-retention (at most `--retain` positions kept).
+JustFit rows carry `kv_formats`, `fidelity` (bench/fidelity.py) and
+`past_trained_context`; headline ratios use only rows at top-1 >= 99%.
 """
 
 from __future__ import annotations
@@ -32,241 +39,190 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
-SYSTEMS = ("mlx-lm", "mlx-lm-kv4", "justfit-default", "justfit-compact", "justfit-retention")
-QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120}
-
-
-class _Peak(threading.Thread):
-    """Samples this process's RSS; exits the process (status 3) past the budget."""
-
-    def __init__(self, budget: int):
-        super().__init__(daemon=True)
-        import psutil
-
-        self.proc, self.budget, self.peak = psutil.Process(), budget, 0
-
-    def run(self) -> None:
-        while True:
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            if self.peak > self.budget:
-                print(json.dumps({"end": "budget", "peak_rss": self.peak}), flush=True)
-                os._exit(3)
-            time.sleep(0.01)
-
-
-def _stock(model: str, kv_bits: int | None):
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
-
-    from justfit.models import load
-
-    loaded = load(model)
-    cache = make_prompt_cache(loaded.model)
-    eos = list(loaded.tokenizer.eos_token_ids)
-    note = _quantize_what_mlx_lm_can(cache) if kv_bits else ""
-
-    def no_eos(tokens, logits):  # end-of-sequence suppressed
-        return logits.at[..., eos].add(-1e9) if eos else logits
-
-    def step(tokens: list[int], out: int) -> list[int]:
-        kw = {"kv_bits": kv_bits, "quantized_kv_start": 0} if kv_bits else {}
-        gen = generate_step(mx.array(tokens), loaded.model, prompt_cache=cache, max_tokens=out,
-                            sampler=make_sampler(0.0), logits_processors=[no_eos], **kw)
-        return [int(t) for t, _ in gen]
-
-    return loaded.tokenizer, step, (lambda: {"note": note} if note else {})
-
-
-def _quantize_what_mlx_lm_can(cache: list) -> str:
-    """mlx-lm raises on `kv_bits` for sliding-window caches (RotatingKVCache:
-    "Quantization NYI"), so on models that have them (Gemma 3) the kv4 system quantizes
-    every other cache, as mlx-lm's own `maybe_quantize_kv_cache` does, and leaves those
-    in fp16 (they hold one window each). Returns a note saying so, or ""."""
-    import importlib
-
-    from mlx_lm.models.cache import RotatingKVCache
-
-    generate = importlib.import_module("mlx_lm.generate")  # the package's `generate` is the function
-
-    rotating = sum(isinstance(c, RotatingKVCache) for c in cache)
-    if not rotating:
-        return ""
-    quantize = generate.maybe_quantize_kv_cache
-
-    def skipping_rotating(prompt_cache, *args, **kwargs):
-        keep = [i for i, c in enumerate(prompt_cache) if not isinstance(c, RotatingKVCache)]
-        part = [prompt_cache[i] for i in keep]
-        quantize(part, *args, **kwargs)
-        for i, c in zip(keep, part):
-            prompt_cache[i] = c
-
-    generate.maybe_quantize_kv_cache = skipping_rotating  # read when generate_step starts
-    return f"kv4 on {len(cache) - rotating} of {len(cache)} layers; sliding-window layers fp16 (mlx-lm: NYI)"
-
-
-def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
-    from justfit import Engine, SamplingParams
-    from justfit.config import EngineConfig
-    from kvexec import FORMATS, KVConfig, get_format
-
-    # The budget is the whole process's: the engine takes off what the interpreter,
-    # libraries and tokenizer hold beside it, measured at load.
-    config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
-    if system == "justfit-retention":
-        config.kv = KVConfig(max_positions=retain, pin_prompt=False)
-    engine = Engine(model, config=config)
-    if system == "justfit-compact":  # chosen for this model's head_dim, before any request
-        head_dim = engine.kv_shape[2]
-        usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
-        # fewest bytes per position; of equals, per-channel keys (the better fidelity)
-        engine.config.kv = KVConfig(format=min(usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim),
-                                                                    not f.endswith("c"))))
-    history: list[int] = []
-
-    def step(tokens: list[int], out: int) -> list[int]:
-        nonlocal history
-        sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
-        got = [c.token for c in engine.generate(history + tokens, sp) if c.token is not None]
-        history = history + tokens + got
-        return got
-
-    def details() -> dict:
-        """How the last step ran: prefill chunk, and paged positions per KV format
-        (over all layers; several once pages stepped down under the budget)."""
-        stats = engine.last_stats
-        if stats is None:
-            return {}
-        return {"prefill_chunk": stats.prefill_chunk, "kv_formats": stats.kv_formats,
-                "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,
-                "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
-
-    return engine.tokenizer, step, details
-
-
-def _worker(system: str, model: str, budget: int, step_tokens: int, out: int, max_positions: int,
-            max_seconds: float, retain: int, fine_from: int = 0, fine_step: int = 0) -> None:
-    """Prints one JSON line per completed step, then {"end": reason}."""
-    if system.startswith("justfit"):
-        import justfit  # noqa: F401  (OpenBLAS before mlx.core)
-    import mlx.core as mx
-
-    from bench.common import prompt_tokens
-    from justfit.errors import JustFitError
-    from justfit.memory import peak_rss_bytes
-
-    sampler = _Peak(budget)
-    sampler.start()
-    if system.startswith("justfit"):
-        tokenizer, step, details = _justfit(model, system, budget, retain, max_positions + out + 1)
-    else:
-        tokenizer, step, details = _stock(model, 4 if system == "mlx-lm-kv4" else None)
-    text = prompt_tokens(tokenizer, max_positions)
-    fed = generated = 0
-    pending: list[int] = []  # the last generated token: fed with the next step
-    start = time.perf_counter()
-    while True:
-        size = fine_step if fine_from and fed + generated >= fine_from else step_tokens
-        if fed + generated + size + out > max_positions:
-            break
-        if time.perf_counter() - start > max_seconds:
-            print(json.dumps({"end": "time limit"}), flush=True)
-            return
-        t0 = time.perf_counter()
-        try:
-            got = step(pending + text[fed:fed + size], out)
-        except JustFitError as e:
-            print(json.dumps({"end": "planner refused", "reason": str(e)}), flush=True)
-            return
-        fed, generated = fed + size, generated + len(got)
-        pending = got[-1:]
-        peak = max(sampler.peak, peak_rss_bytes())
-        print(json.dumps({"positions": fed + generated, "input": fed, "generated": generated,
-                          "peak_rss": peak, "mlx_peak": mx.get_peak_memory(),
-                          "step_s": round(time.perf_counter() - t0, 2), **details()}), flush=True)
-        if peak > budget:
-            print(json.dumps({"end": "budget", "peak_rss": peak}), flush=True)
-            return
-    print(json.dumps({"end": "position limit"}), flush=True)
-
-
-def run_system(system: str, args, budget: int) -> dict:
-    """One system's capacity row: a growing run in a fresh process; when it ended on the
-    budget, a second run repeats the steps that fitted and goes on in steps of 1/8."""
-    row = _grow(system, args, budget)
-    if args.refine and row.get("ended_by") == "budget" and "positions" in row:
-        fine = _grow(system, args, budget, row["positions"], max(32, args.step // 8))
-        if fine.get("positions", 0) >= row["positions"]:
-            fine["coarse_positions"] = row["positions"]
-            return fine
-    return row
+SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
+           "justfit-default", "justfit-compact", "justfit-retention")
+QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120, "repeats": 1,
+         "fidelity_tokens": 0}
+MIB = 2**20
 
 
 def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0) -> dict:
+    """One growing run in a fresh process: {"setup", "steps", "end", "error"?}."""
+    from bench.common import progress_bar
+
     cmd = [sys.executable, "-m", "bench.capacity", "--worker", system, "--model", args.model,
            "--budget", str(budget), "--step", str(args.step), "--out", str(args.out),
            "--max-positions", str(args.max_positions), "--max-seconds", str(args.max_seconds),
            "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
-    from bench.common import progress_bar
-
-    steps, end = [], {"end": "crashed"}
-    bar = progress_bar(args.max_positions, system + (" (finer steps)" if fine_step else ""), "pos")
+    run = {"setup": {}, "steps": [], "end": {"end": "crashed"}}
+    bar = progress_bar(args.max_positions, f"{system} @ {budget / MIB:.0f} MiB" + (" (finer)" if fine_step else ""),
+                       "pos")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         try:
             item = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if "end" in item:
-            end = item
+        if "setup" in item:
+            run["setup"] = item["setup"]
+        elif "end" in item:
+            run["end"] = item
         else:
-            steps.append(item)
+            run["steps"].append(item)
             bar.update(item["positions"] - bar.n)
-            bar.set_postfix_str(f"peak {item['peak_rss'] / 2**20:.0f} MiB, step {item['step_s']} s")
             if bar.disable and not args.json:  # no terminal: a line per step for the log
-                plan = f", planned {item['planned'] / 2**20:.0f} of {item['engine_budget'] / 2**20:.0f} MiB, " \
-                    f"chunk {item['prefill_chunk']}, pages {item['kv_formats']}" if "planned" in item else ""
-                print(f"  {system}: {item['positions']:,} positions, peak {item['peak_rss'] / 2**20:.0f} MiB "
-                      f"({item['step_s']} s{plan})", file=sys.stderr, flush=True)
+                print(f"  {system}: {item['positions']:,} positions, peak {item['peak_rss'] / MIB:.0f} MiB "
+                      f"({item['step_s']} s)", file=sys.stderr, flush=True)
     bar.close()
     err = proc.stderr.read()
     proc.wait()
+    if run["end"]["end"] == "crashed":
+        run["error"] = f"exit {proc.returncode}: {(err.strip().splitlines() or ['no output'])[-1]}"
+    return run
+
+
+def row_at(system: str, args, budget: int, run: dict) -> dict:
+    """The capacity row a run gives at `budget`: its last step within the budget."""
+    steps, setup = run["steps"], run["setup"]
     ok = [s for s in steps if s["peak_rss"] <= budget]
-    row = {"system": system, "model": args.model, "budget_mib": round(budget / 2**20, 1),
-           "ended_by": end["end"], "curve": [(s["positions"], round(s["peak_rss"] / 2**20, 1)) for s in steps],
-           "steps": steps}
-    if end["end"] == "crashed":
-        row["error"] = f"exit {proc.returncode}: {(err.strip().splitlines() or ['no output'])[-1]}"
+    passed = len(ok) < len(steps) or run["end"]["end"] == "budget"
+    row = {"system": system, "model": args.model, "budget_mib": round(budget / MIB, 1),
+           "ended_by": "budget" if passed else run["end"]["end"],
+           "curve": [(s["positions"], round(s["peak_rss"] / MIB, 1)) for s in steps], "steps": steps,
+           **{k: v for k, v in setup.items() if k != "pid"}}
+    if "error" in run:
+        row["error"] = run["error"]
     if ok:
-        row.update(positions=ok[-1]["positions"], peak_mib=round(ok[-1]["peak_rss"] / 2**20, 1),
-                   mlx_peak_mib=round(ok[-1]["mlx_peak"] / 2**20, 1),
-                   limited=end["end"] in ("time limit", "position limit"))
-        if ok[-1].get("note"):
-            row["note"] = ok[-1]["note"]
-        if ok[-1].get("kv_formats"):  # the share of each page format at the capacity step
-            total = sum(ok[-1]["kv_formats"].values())
-            row["kv_formats"] = {k: round(v / total, 3) for k, v in sorted(ok[-1]["kv_formats"].items())}
+        last = ok[-1]
+        row.update(positions=last["positions"], peak_mib=round(last["peak_rss"] / MIB, 1),
+                   limited=not passed and run["end"]["end"] in ("time limit", "position limit"))
+        if last.get("mlx_peak") is not None:
+            row["mlx_peak_mib"] = round(last["mlx_peak"] / MIB, 1)
+        for key in ("note", "kv_dtype", "kv_cache", "prefill_step", "weights_dtype", "kv_bits", "flash_attention"):
+            if key in last:
+                row[key] = last[key]
+        if last.get("kv_formats"):  # the share of each page format at the capacity step
+            total = sum(last["kv_formats"].values())
+            row["kv_formats"] = {k: round(v / total, 3) for k, v in sorted(last["kv_formats"].items())}
+            row["kv_positions"] = dict(sorted(last["kv_formats"].items()))
     elif "error" not in row:
-        row["error"] = f"no step completed within the budget ({end['end']})"
+        row["error"] = f"no step completed within the budget ({row['ended_by']})"
+    if run["end"]["end"] == "time limit" and "positions" in row and setup.get("shape"):
+        _model(row, run, budget, args.step)
     return row
+
+
+def _model(row: dict, run: dict, budget: int, step: int) -> None:
+    """A stock run that stopped before the budget: its memory model's capacity there."""
+    from bench.memmodel import fit, kv_bytes_per_position, transient_terms
+    from bench.stock import STOCK
+
+    setup, shape = run["setup"], run["setup"]["shape"]
+    stock = STOCK[row["system"]]
+    kv = kv_bytes_per_position(shape["full_layers"], shape["kv_heads_x_head_dim"], 1, 2, stock.kv_bits,
+                               stock.kv_group_size)
+    chunk = min(stock.prefill_step, step)
+    transient = transient_terms(shape["heads"], shape["hidden"], shape["intermediate"], shape["vocab"], chunk, 2)
+    model = fit([(s["positions"], s["peak_rss"]) for s in run["steps"]], setup["baseline_rss"],
+                setup["weights_bytes"], kv, transient)
+    modeled = model.capacity(budget)
+    if modeled > row["positions"]:
+        row.update(modeled_positions=modeled, modeled=True, memory_model=model.as_dict())
+
+
+def _refined(system: str, args, budget: int, row: dict) -> dict:
+    """After a budget stop, a second run repeating the steps that fitted, then 1/8 steps."""
+    if not args.refine or row.get("ended_by") != "budget" or "positions" not in row:
+        return row
+    fine = row_at(system, args, budget, _grow(system, args, budget, row["positions"], max(32, args.step // 8)))
+    if fine.get("positions", 0) >= row["positions"]:
+        return {**fine, "coarse_positions": row["positions"]}
+    return row
+
+
+def _llama_runs(system: str, args, budgets: list[int]) -> list[dict]:
+    """llama.cpp rows: n_ctx stepped once up to the largest budget, each edge refined."""
+    from bench.llamacpp import capacity_steps
+
+    grid = list(range(args.step, args.max_positions + 1, args.step))
+    steps, end = capacity_steps(args.llama_cpp or "", system, args.model, grid, args.out, max(budgets),
+                                args.max_seconds)
+    rows = []
+    setup = {"trained_context": _trained_context(args.model), "blas": "llama.cpp's own (ggml CPU)"}
+    for budget in budgets:
+        run = {"setup": setup, "steps": list(steps), "end": {"end": end if not end.startswith("error") else "crashed"}}
+        if end.startswith("error"):
+            run["error"] = end[len("error: "):]
+        row = row_at(system, args, budget, run)
+        if args.refine and row.get("ended_by") == "budget" and "positions" in row:
+            fine = [row["positions"] + k * max(32, args.step // 8) for k in range(1, 8)]
+            more, _ = capacity_steps(args.llama_cpp or "", system, args.model, fine, args.out, budget,
+                                     args.max_seconds)
+            row = {**row_at(system, args, budget, {**run, "steps": sorted(steps + more, key=lambda s: s["positions"])}),
+                   "coarse_positions": row["positions"]}
+        rows.append(row)
+    return rows
+
+
+def _trained_context(model: str) -> int | None:
+    """The model's trained context from its converted config (None if unknown)."""
+    from pathlib import Path
+
+    from justfit.models import resolve
+
+    try:
+        config = Path(resolve(model)) / "config.json"
+        return json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+
+
+def _repeat(system: str, args, budget: int, row: dict) -> dict:
+    """Run again at `budget` (args.repeats in all): the row gains min and max."""
+    got = [row.get("positions")]
+    for _ in range(args.repeats - 1):
+        again = _refined(system, args, budget, row_at(system, args, budget, _grow(system, args, budget)))
+        got.append(again.get("positions"))
+    if args.repeats > 1:
+        ok = [g for g in got if g is not None]
+        row = {**row, "repeat_positions": got, **({"min_positions": min(ok), "max_positions": max(ok)} if ok else {})}
+    return row
+
+
+def sweep(system: str, args, budgets: list[int]) -> list[dict]:
+    """Every budget's row for one system (ascending budgets)."""
+    if system.startswith("llama.cpp"):
+        return _llama_runs(system, args, budgets)
+    if system.startswith("justfit"):
+        rows = [_refined(system, args, b, row_at(system, args, b, _grow(system, args, b))) for b in budgets]
+    else:  # stock: independent of the budget, one run to the largest
+        run = _grow(system, args, max(budgets))
+        rows = [_refined(system, args, b, row_at(system, args, b, run)) for b in budgets]
+    rows[0] = _repeat(system, args, budgets[0], rows[0])
+    for r in rows:
+        r["step_tokens"] = args.step
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--budget", default="900MiB", help="whole-process memory budget")
+    ap.add_argument("--budget", default="900MiB", help="whole-process memory budget (one)")
+    ap.add_argument("--budgets", default=None, help="a sweep, e.g. 400,550,800,1100,1600MiB, or 'preset' "
+                                                    "(the model's: bench/sweep.py)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--step", type=int, default=2048,
                     help="input tokens per step (2048: mlx-lm's prefill chunk, so each step's transient "
                          "is that of a fresh run's last chunk)")
     ap.add_argument("--out", type=int, default=256, help="generated tokens per step")
     ap.add_argument("--max-positions", type=int, default=65536)
-    ap.add_argument("--max-seconds", type=float, default=3600, help="per system")
+    ap.add_argument("--max-seconds", type=float, default=3600, help="per run")
     ap.add_argument("--retain", type=int, default=4096, help="positions justfit-retention keeps")
+    ap.add_argument("--repeats", type=int, default=3, help="runs at the smallest budget (min and max reported)")
+    ap.add_argument("--fidelity-tokens", type=int, default=8192,
+                    help="teacher-forced tokens for each JustFit row's format mix (0: not measured)")
+    ap.add_argument("--llama-cpp", default=None, metavar="DIR", help="folder with llama.cpp's llama-bench")
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help="skip the second, finer run after a budget stop")
     ap.add_argument("--fine-from", type=int, default=0, help=argparse.SUPPRESS)
@@ -276,26 +232,38 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from bench.common import apply_quick
-    from justfit.memory import parse_size
 
     apply_quick(args, QUICK, argv)
-
-    budget = parse_size(args.budget)
     if args.worker:
-        _worker(args.worker, args.model, budget, args.step, args.out, args.max_positions, args.max_seconds,
-                args.retain, args.fine_from, args.fine_step)
-        return {}
-    from bench.common import machine_info, publish
+        if not args.worker.startswith("justfit"):
+            import mlx.core  # noqa: F401  (before justfit: stock runs the wheel's own BLAS, as its users do)
+        from bench.capacity_worker import run_worker
+        from justfit.memory import parse_size
 
+        run_worker(args.worker, args.model, parse_size(args.budget), args.step, args.out, args.max_positions,
+                   args.max_seconds, args.retain, args.fine_from, args.fine_step)
+        return {}
+    from bench import fidelity
+    from bench.common import machine_info, publish
+    from bench.sweep import headline, parse_budgets
+    from justfit.memory import parse_size
+
+    names = parse_budgets(args.budgets, args.model) if args.budgets else [args.budget]
+    budgets = sorted(parse_size(b) for b in names)
     rows = []
     for system in args.systems.split(","):
-        rows.append(run_system(system, args, budget))
+        rows += sweep(system, args, budgets)
         if not args.json:
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "steps")}), file=sys.stderr,
-                  flush=True)
+            for r in rows[-len(budgets):]:
+                print(json.dumps({k: v for k, v in r.items() if k not in ("curve", "steps")}), file=sys.stderr,
+                      flush=True)
+    fidelity.attach(rows, args.model, args.fidelity_tokens)
+    for r in rows:
+        fidelity.mark(r)
     settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
-                                              "retain", "refine")}
-    result = {"machine": machine_info(), "settings": settings, "systems": rows}
+                                              "retain", "refine", "repeats", "fidelity_tokens")}
+    settings.update(budget=names[0] if len(names) == 1 else ",".join(names), budgets=names)
+    result = {"machine": machine_info(), "settings": settings, "systems": rows, "headline": headline(rows)}
     publish("capacity", result, args.json)
     return result
 

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# JUSTFIT_BENCH_RESULTS redirects results (tests: a suite run in a subprocess saves there too).
+RESULTS = Path(os.environ.get("JUSTFIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def _commit() -> str:

@@ -1,27 +1,100 @@
-"""llama.cpp's own speed on the same GGUF, through its `llama-bench` binary."""
+"""llama.cpp on the same GGUF: its speed through `llama-bench`, and its capacity
+(whole-process peak RSS of `llama-bench` at a stepped context, flash attention on,
+the KV cache in q8_0 or q4_0 via -ctk/-ctv). Binaries come from `--llama-cpp DIR`
+(e.g. built from the llama.cpp tree vendored in the llama-cpp-python sdist); a
+missing binary gives an error row, never a dropped one."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
+from pathlib import Path
+
+CACHE_TYPES = {"llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
 
 
-def llama_bench(binary: str, model: str, contexts: list[int], decode: int, repeat: int) -> list[dict]:
-    """One row per context: prompt processing (pp) and generation (tg) rates, or an error row."""
+def binary(llama_cpp: str, name: str = "llama-bench") -> str:
+    """`name` in the folder `llama_cpp` (or beside it, when it names a binary)."""
+    path = Path(llama_cpp).expanduser()
+    return str(path.parent / name if path.is_file() else path / name)
+
+
+def _gguf(model: str) -> str:
     from justfit.models import EMBEDDED
 
-    gguf = str(EMBEDDED[model]()) if model in EMBEDDED else model
+    return str(EMBEDDED[model]()) if model in EMBEDDED else model
+
+
+def _bench_cmd(exe: str, gguf: str, prompt: int, decode: int, cache_type: str, repeat: int = 1) -> list[str]:
+    return [exe, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-r", str(repeat), "-fa", "1",
+            "-ctk", cache_type, "-ctv", cache_type, "-t", str(os.cpu_count() or 1), "-o", "json"]
+
+
+def llama_bench(llama_cpp: str, model: str, contexts: list[int], decode: int, repeat: int,
+                systems: tuple[str, ...] = tuple(CACHE_TYPES)) -> list[dict]:
+    """One row per system and context: prompt processing (pp) and generation (tg)
+    rates, or an error row."""
+    exe, gguf = binary(llama_cpp), _gguf(model)
     rows = []
-    for context in contexts:
-        row = {"system": "llama.cpp", "model": model, "context": context, "decode_tokens": decode}
-        cmd = [binary, "-m", gguf, "-p", str(context), "-n", str(decode), "-r", str(repeat), "-o", "json"]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=True).stdout
-            tests = json.loads(out)
-            pp = next(t for t in tests if t.get("n_prompt") == context and not t.get("n_gen"))
-            tg = next(t for t in tests if t.get("n_gen") == decode and not t.get("n_prompt"))
-            row.update(prefill_tps=pp["avg_ts"], decode_tps=tg["avg_ts"], ttft_s=context / pp["avg_ts"])
-        except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError) as e:
-            row["error"] = f"llama-bench failed: {e}"
-        rows.append(row)
+    for system in systems:
+        for context in contexts:
+            row = {"system": system, "model": model, "context": context, "decode_tokens": decode,
+                   "kv_dtype": CACHE_TYPES[system], "flash_attention": True}
+            try:
+                out = subprocess.run(_bench_cmd(exe, gguf, context, decode, CACHE_TYPES[system], repeat),
+                                     capture_output=True, text=True, timeout=3600, check=True).stdout
+                tests = json.loads(out)
+                pp = next(t for t in tests if t.get("n_prompt") == context and not t.get("n_gen"))
+                tg = next(t for t in tests if t.get("n_gen") == decode and not t.get("n_prompt"))
+                row.update(prefill_tps=pp["avg_ts"], decode_tps=tg["avg_ts"], ttft_s=context / pp["avg_ts"])
+            except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError) as e:
+                row["error"] = f"llama-bench failed: {e}"
+            rows.append(row)
     return rows
+
+
+def peak_rss(cmd: list[str], timeout: float) -> tuple[int, int, str]:
+    """Run `cmd`; (its peak RSS in bytes from the kernel's accounting of that one
+    child, exit status, last stderr line)."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        tail = (err.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+    return usage.ru_maxrss * 1024, proc.returncode, tail
+
+
+def capacity_steps(llama_cpp: str, system: str, model: str, positions: list[int], out: int,
+                   budget: int, timeout: float) -> tuple[list[dict], str]:
+    """One fresh `llama-bench` per context in `positions` (prompt = context - out, then
+    `out` generated; n_ctx is their sum), until one passes `budget`. Returns the steps
+    (positions, peak_rss, step_s) and why it ended."""
+    exe = binary(llama_cpp) if llama_cpp else ""
+    if not exe or not Path(exe).is_file():
+        return [], f"error: no llama-bench{' at ' + exe if exe else ''}: pass --llama-cpp DIR (llama.cpp's binaries)"
+    steps = []
+    for n in positions:
+        start = time.perf_counter()
+        rss, code, tail = peak_rss(_bench_cmd(exe, _gguf(model), n - out, out, CACHE_TYPES[system]), timeout)
+        if code != 0:
+            return steps, f"error: llama-bench exit {code}: {tail}"
+        steps.append({"positions": n, "peak_rss": rss, "step_s": round(time.perf_counter() - start, 2),
+                      "kv_dtype": CACHE_TYPES[system], "prefill_step": 512, "weights_dtype": "GGUF as stored",
+                      "flash_attention": True})
+        if rss > budget:
+            return steps, "budget"
+    return steps, "position limit"

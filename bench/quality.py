@@ -10,7 +10,8 @@ chunks), so no logits are stored.
 Pass-key retrieval: noise lines, one pass-key line at each depth, then the question;
 a hit is a greedy reply whose first integer is the key.
 
-The reference is mlx-lm's own KV cache in fp32 (the engine's compute dtype on CPU).
+The reference is mlx-lm's own KV cache in fp32 (the engine's compute dtype on CPU), or
+with `--reference fp16` float16 pages (what capacity rows' fidelity is measured against).
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 512) -> list[dict]:
+def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 512,
+             reference: str = "fp32") -> list[dict]:
+    """Teacher-forced top-1, KL and perplexity of each format against `reference`:
+    "fp32", mlx-lm's own cache in the engine's compute dtype, or "fp16", pages in
+    float16 (the float16-KV reference a stock float16 run keeps)."""
     from bench.common import long_text
 
     engine = Engine(model_name, config=EngineConfig(kv=KVConfig()))
@@ -44,7 +49,8 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
     ids = list(tok.encode(long_text()))[:n_tokens]
     if len(ids) < n_tokens:
         raise SystemExit(f"text has only {len(ids)} tokens")
-    ref_cache = make_prompt_cache(model)
+    ref_cache = make_prompt_cache(model) if reference == "fp32" else \
+        _paged_cache(model, reference, n_tokens, engine.kv_shape)
     caches = {f: _paged_cache(model, f, n_tokens, engine.kv_shape) for f in formats}
     stats = {f: {"agree": 0, "kl": 0.0, "nll": 0.0} for f in ["reference", *formats]}
     scored = 0
@@ -72,7 +78,7 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
     for f in ["reference", *formats]:
         s = stats[f]
         ppl = math.exp(s["nll"] / scored)
-        out.append({"system": f"justfit-{f}" if f != "reference" else "reference-fp32", "model": model_name,
+        out.append({"system": f"justfit-{f}" if f != "reference" else f"reference-{reference}", "model": model_name,
                     "format": f, "tokens": n_tokens, "top1": s["agree"] / scored, "kl": s["kl"] / scored,
                     "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1})
         if "@" in f:  # where the ladder left the pages: positions per format, all layers
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--formats", default="fp16,q8,q4,q3,q2")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--reference", default="fp32", choices=("fp32", "fp16"),
+                    help="fp32: mlx-lm's cache in the compute dtype; fp16: float16 pages")
     ap.add_argument("--passkey-lengths", default="", help="e.g. 1024,2048,4096; empty: skip")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--skip-teacher-forced", action="store_true")
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_quick(args, QUICK, argv)
 
     formats = args.formats.split(",")
-    rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk)
+    rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk, args.reference)
     if args.passkey_lengths:
         lengths = [int(n) for n in args.passkey_lengths.split(",")]
         rows += passkey(args.model, lengths, [float(d) for d in args.depths.split(",")], formats)

@@ -3,77 +3,13 @@ JSON every benchmark saves (bench/results/NAME-TIME.{json,md,png})."""
 
 from __future__ import annotations
 
+from bench.capacity_report import capacity_markdown, capacity_plot, capacity_ratio  # noqa: F401  (views by suite)
+
 
 def _machine_line(m: dict) -> str:
     return (f"{m.get('cpu')} x{m.get('cores')}, {m.get('memory_gib')} GiB, MLX {m.get('mlx')} "
             f"({m.get('mlx_backend')}), mlx-lm {m.get('mlx_lm')}, BLAS {m.get('blas')}, commit {m.get('commit')}, "
             f"{m.get('date')}")
-
-
-def capacity_ratio(row: dict, base: dict | None) -> str:
-    """row's positions over base's, as far as the two runs bound it: a run that hit
-    the clock or the position limit holds at least its figure, so over an exact
-    figure the ratio is a lower bound, under one an upper bound, and between two
-    such runs unknown."""
-    if not base or not base.get("positions") or "positions" not in row:
-        return ""
-    ratio = f"{row['positions'] / base['positions']:.2f}x"
-    if row is base:
-        return ratio
-    low, high = bool(row.get("limited")), bool(base.get("limited"))
-    return {(False, False): ratio, (True, False): ">= " + ratio, (False, True): "<= " + ratio,
-            (True, True): "unknown (both limited)"}[(low, high)]
-
-
-def capacity_markdown(result: dict) -> str:
-    s, rows = result["settings"], result["systems"]
-    base = {r["system"]: r for r in rows}
-    lines = [f"# Capacity: {s['model']}, whole-process budget {s['budget']}", "",
-             f"Steps of {s['step']} input tokens + {s['out']} generated; machine: {_machine_line(result['machine'])}",
-             *([f"Rows combined from {', '.join(s['combined_from'])} (each row's `source`)."]
-               if s.get("combined_from") else []),
-             "", "| system | retained positions | peak (MiB) | x mlx-lm | x mlx-lm-kv4 | ended by | KV pages |",
-             "|---|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        if "positions" not in r:
-            lines.append(f"| {r['system']} | error: {r.get('error', '')} | | | | {r.get('ended_by', '')} | |")
-            continue
-        ratios = [capacity_ratio(r, base.get(b)) for b in ("mlx-lm", "mlx-lm-kv4")]
-        more = " (limit: at least this)" if r.get("limited") else ""
-        pages = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("kv_formats") or {}).items()) or r.get("note", "")
-        lines.append(f"| {r['system']} | {r['positions']:,}{more} | {r['peak_mib']:.0f} | {ratios[0]} | "
-                     f"{ratios[1]} | {r['ended_by']} | {pages} |")
-    return "\n".join(lines) + "\n"
-
-
-def capacity_plot(result: dict, path) -> bool:
-    """Peak memory vs retained positions per system, the budget as a line. False
-    (and nothing written) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    s = result["settings"]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in result["systems"]:
-        if r.get("curve"):
-            xs, ys = zip(*r["curve"])
-            ax.plot(xs, ys, marker=".", label=r["system"])
-    budget = result["systems"][0].get("budget_mib") if result["systems"] else None
-    if budget:
-        ax.axhline(budget, color="red", linestyle="--", label=f"budget {s['budget']}")
-    ax.set_xlabel("retained positions (input + generated)")
-    ax.set_ylabel("whole-process peak memory (MiB)")
-    ax.set_title(f"Capacity: {s['model']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def _table(title: str, result: dict, columns: str, second: str, cells) -> str:

@@ -12,6 +12,10 @@ start to last turn's end), never a sum of per-request rates.
 The budget is the smallest in which one session holds `--positions` (or `--budget`);
 the single-session ceiling is the planner's, with streaming allowed, so the ratio
 (aggregate retained positions / ceiling) is against the most one session could hold.
+Besides the aggregate (N sessions swapped to disk hold N single sessions' positions
+by construction), each run reports what is not: the share of wall time spent swapping
+(states written out and read back in), the TTFT of a turn swapped in from disk vs one
+whose state stayed in memory, and the decode rate vs session s1's turns run alone.
 Verification (default on) replays every turn in an engine without a budget, where
 every session stays in memory and nothing streams, and compares the greedy tokens:
 turns whose KV pages all kept the configured format must match (swaps to disk and
@@ -70,6 +74,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
         budget = probe.footprint(positions, tuple(probe.swap.offload_order())).total
         del probe
     engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))
+    spill_s = _time_spills(engine)
     single = ceiling(engine)
     text = prompt_tokens(engine.tokenizer, 2 * sessions * single)
     sp = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
@@ -120,6 +125,9 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
            "ratio": aggregate / single, "both_at_once_fits": ceiling(engine) >= aggregate,
            "max_mlx_peak": max(t["mlx_peak"] for t in turns), "swaps_to_disk": engine.states.spilled,
            "restores_from_disk": engine.states.restored, "turns": turns}
+    row.update(_not_by_construction(turns, active, spill_s[0]))
+    engine.flush_sessions()  # the writer is done before the folder goes
+    row.update(_alone(model, budget, [(p, o) for n, p, o in replies if n == "s1"], sp, state_dir, row))
     if verify:
         # The same weights form (a budget may have chosen cpu-compact), no budget.
         free = Engine(model, config=EngineConfig(policy=engine.policy.name, state_dir=os.path.join(state_dir, "free")))
@@ -129,12 +137,66 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
             # chunk's queries see in full precision: the replay uses the same one.
             free.config.prefill_chunk = t["prefill_chunk"] or engine.config.prefill_chunk
             t["identical"] = [c.token for c in free.generate(prompt, sp, session=name) if c.token is not None] == out
+        free.flush_sessions()
         # Pages that stepped down KVExec's pressure ladder are lossy by design; the
         # rest (swaps to disk, streamed layers) must change nothing.
         kept = [t for t in turns if set(t["kv_formats"]) <= {base}]
         row["turns_identical_to_unbudgeted"] = f"{sum(t['identical'] for t in turns)}/{len(turns)}"
         row["identical_where_pages_kept_their_format"] = f"{sum(t['identical'] for t in kept)}/{len(kept)}"
     return row
+
+
+def _time_spills(engine) -> list[float]:
+    """Seconds the engine spends writing states out (swap-out), accumulated in the
+    returned one-item list as it runs."""
+    spent = [0.0]
+    spill = engine.states.spill
+
+    def timed(entry):
+        start = time.perf_counter()
+        try:
+            return spill(entry)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    engine.states.spill = timed  # this engine's tiers only
+    return spent
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return round(xs[len(xs) // 2], 3) if xs else None
+
+
+def _not_by_construction(turns: list[dict], active: float, spill_s: float) -> dict:
+    """What the aggregate does not show: the share of wall time spent swapping (states
+    written out, and read back in), and the TTFT of a turn swapped in from disk next to
+    one whose state stayed in memory (same new tokens per turn)."""
+    swap_in = sum(t["restore_s"] for t in turns if t["restored_from"] == "disk")
+    disk = [t["ttft_s"] for t in turns if t["restored_from"] == "disk"]
+    resident = [t["ttft_s"] for t in turns if t["restored_from"] != "disk" and t["cached_tokens"]]
+    return {"swap_out_s": round(spill_s, 2), "swap_in_s": round(swap_in, 2),
+            "swap_share_of_wall": round((spill_s + swap_in) / active, 4) if active else None,
+            "ttft_swapped_in_s": _median(disk), "ttft_resident_s": _median(resident),
+            "turns_swapped_in": len(disk), "turns_resident": len(resident)}
+
+
+def _alone(model: str, budget: int, turns: list[tuple[list[int], list[int]]], sp, state_dir: str,
+           row: dict) -> dict:
+    """Session s1's turns replayed with no other session, same budget: its decode rate
+    beside the shared run's (decode time only, both)."""
+    from justfit import Engine
+    from justfit.config import EngineConfig
+
+    alone = Engine(model, budget=budget, config=EngineConfig(state_dir=os.path.join(state_dir, "alone")))
+    generated = decode_s = 0.0
+    for prompt, _ in turns:
+        generated += sum(c.token is not None for c in alone.generate(prompt, sp, session="s1"))
+        decode_s += alone.last_stats.decode_s
+    alone.flush_sessions()
+    rate = generated / decode_s if decode_s else None
+    return {"alone_decode_tps": round(rate, 2) if rate else None,
+            "decode_vs_alone": round(row["decode_only_tps"] / rate, 3) if rate else None}
 
 
 def main(argv: list[str] | None = None) -> dict:

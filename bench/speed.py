@@ -4,12 +4,17 @@ process on the same prompt tokens.
     python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
     python -m bench.speed --model gemma3 --contexts 1024,4096,8192,16384,32768 --repeat 3
     python -m bench.speed --quick                 # 256 tokens, 8 decoded: a minute
-    python -m bench.speed --llama-cpp ~/llama.cpp/build/bin/llama-bench   # adds llama.cpp
+    python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp-q8_0 and -q4_0
 
 Systems: `justfit-default` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS;
-`justfit@POLICY` for another PhaseSwap policy), `mlx-lm` (stock
-`generate_step` on the same converted model, as a user runs it: the wheel's own BLAS)
-and `mlx-lm+openblas` (stock, with OpenBLAS preloaded, to separate the two effects).
+`justfit@POLICY` for another PhaseSwap policy); stock `generate_step` on the same
+quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
+own BLAS (bench/stock.py): `mlx-lm` (defaults), `mlx-lm-tuned` (prefill step 512, 8-bit
+KV), `mlx-lm-kv4`; `mlx-lm-dense` (not a baseline: JustFit's prefill weight form, dense
+float32 with OpenBLAS, in mlx-lm's model code, so the prefill gain splits into weight
+form vs the rest); llama.cpp-q8_0/-q4_0 (llama-bench, flash attention, -ctk/-ctv).
+On MLX's CPU backend float16 quantized matmuls are tens of times slower than float32
+ones: the float16 rows take long, and say so.
 """
 
 from __future__ import annotations
@@ -20,16 +25,16 @@ import os
 import sys
 import time
 
-SYSTEMS = ("justfit-default", "mlx-lm", "mlx-lm+openblas")
+SYSTEMS = ("justfit-default", "mlx-lm", "mlx-lm-tuned", "mlx-lm-dense")
 QUICK = {"contexts": "256", "decode": 8, "systems": "justfit-default,mlx-lm"}
 
 
 def _worker(system: str, model: str, context: int, decode: int) -> dict:
-    if system != "mlx-lm":
+    if system.startswith("justfit") or system == "mlx-lm-dense":
         import justfit  # noqa: F401  (preloads OpenBLAS)
     import mlx.core as mx
 
-    from justfit.models import load as resolve_and_load
+    from justfit.blas import active_blas
 
     if system.startswith("justfit"):  # "justfit-default" or "justfit@POLICY"
         from justfit import Engine, SamplingParams
@@ -46,16 +51,34 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
                 first = time.perf_counter() - start
         st = engine.last_stats
         return {"prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "ttft_s": first,
-                "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20}
+                "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20,
+                "blas": active_blas(), "weights_dtype": f"{engine.policy.name}: {engine.swap.registry.resident_form}",
+                "kv_dtype": f"{engine.config.kv.format} pages" if engine.config.kv else "mlx-lm cache",
+                "prefill_step": st.prefill_chunk}
 
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    loaded = resolve_and_load(model)  # the same converted weights, mlx-lm's own model code
+    from bench.stock import STOCK, kv_dtype, load_stock, weights_dtype
+
+    setup = STOCK[system]
+    if setup.cache_limit is not None:
+        mx.set_cache_limit(setup.cache_limit)
+    loaded = load_stock(model, setup)  # the same quantized matrices, mlx-lm's own model code
     tokens = _prompt(loaded.tokenizer, context)
+    cache = make_prompt_cache(loaded.model)
+    note = ""
+    if setup.kv_bits:
+        from bench.capacity_worker import quantize_what_mlx_lm_can
+
+        note = quantize_what_mlx_lm_can(cache, setup.kv_bits)
+    kw = {"kv_bits": setup.kv_bits, "kv_group_size": setup.kv_group_size, "quantized_kv_start": 0} \
+        if setup.kv_bits else {}
     mx.reset_peak_memory()
     start = time.perf_counter()
-    steps = generate_step(mx.array(tokens), loaded.model, max_tokens=decode, sampler=make_sampler(0.0))
+    steps = generate_step(mx.array(tokens), loaded.model, max_tokens=decode, sampler=make_sampler(0.0),
+                          prompt_cache=cache, prefill_step_size=setup.prefill_step, **kw)
     next(steps)
     ttft = time.perf_counter() - start
     for _ in range(decode - 1):
@@ -64,7 +87,9 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
     from justfit.memory import peak_rss_bytes
 
     return {"prefill_tps": context / ttft, "decode_tps": (decode - 1) / decode_s, "ttft_s": ttft,
-            "peak_mib": mx.get_peak_memory() / 2**20, "rss_peak_mib": peak_rss_bytes() / 2**20}
+            "peak_mib": mx.get_peak_memory() / 2**20, "rss_peak_mib": peak_rss_bytes() / 2**20,
+            "blas": active_blas(), "weights_dtype": weights_dtype(loaded.model), "kv_dtype": kv_dtype(cache),
+            "kv_bits": setup.kv_bits, "prefill_step": setup.prefill_step, **({"note": note} if note else {})}
 
 
 def _prompt(tokenizer, n):
@@ -83,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
-    ap.add_argument("--llama-cpp", default=None, metavar="PATH", help="a llama-bench binary, run on the same GGUF")
+    ap.add_argument("--llama-cpp", default=None, metavar="DIR",
+                    help="folder with llama.cpp's llama-bench (or the binary), run on the same GGUF")
     ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from bench.common import apply_quick
@@ -115,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
                     vals = sorted(r[key] for r in ok)
                     row[key] = vals[len(vals) // 2]  # median; the best run beside it
                     row[f"{key}_best"] = vals[0] if key in ("ttft_s", "peak_mib", "rss_peak_mib") else vals[-1]
+                for key in ("blas", "weights_dtype", "kv_dtype", "kv_bits", "prefill_step", "note"):
+                    if key in ok[0]:
+                        row[key] = ok[0][key]  # of the worker process, not this one
             else:
                 row["error"] = runs[-1]["error"]
             rows.append(row)

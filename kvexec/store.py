@@ -44,9 +44,24 @@ class KVConfig:
     # than the step before are skipped. k8cv4 keeps the keys (+0.3% perplexity on
     # SmolLM2 applied to every page), q4c +0.9%, q3c +4.4% (README, KVExec).
     pressure: tuple[str, ...] = ("k8cv4", "q4c", "q3c")
+    # Fidelity floor: pages step down only to rungs whose measured teacher-forced top-1
+    # for this model (`measured_top1`, format -> top-1 from bench/quality.py against
+    # float16 pages) is at least `fidelity_floor`; an unmeasured rung ends the ladder.
+    # None: every rung. Past the floor, `past_floor` says what happens: "refuse" (the
+    # planner sizes with the last allowed rung and refuses what does not fit) or
+    # "retain" (the least attended unpinned pages are dropped to stay within the limit).
+    fidelity_floor: float | None = None
+    measured_top1: tuple[tuple[str, float], ...] = ()
+    past_floor: str = "refuse"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pressure", tuple(self.pressure))  # JSON gives lists back
+        measured = self.measured_top1.items() if isinstance(self.measured_top1, dict) else self.measured_top1
+        object.__setattr__(self, "measured_top1", tuple((str(k), float(v)) for k, v in measured))
+        if self.fidelity_floor is not None and not 0 < self.fidelity_floor <= 1:
+            raise ValueError(f"fidelity_floor must be in (0, 1], not {self.fidelity_floor}")
+        if self.past_floor not in ("refuse", "retain"):
+            raise ValueError(f"past_floor must be refuse or retain, not {self.past_floor!r}")
         for name in (self.format, *self.pressure):
             get_format(name)
         if self.policy not in ("score", "random"):
@@ -69,15 +84,22 @@ def allocated_positions(paged: int, page: int, limit: int) -> int:
     """Positions the segments holding `paged` positions have room for."""
     held = 0
     while held < paged:
-        held += next_segment_capacity(held, page, limit)
+        step = next_segment_capacity(held, page, limit)
+        if step == limit:  # every later segment is `limit` too: the rest in one step (plans at 1M+ positions)
+            return held + -(-(paged - held) // limit) * limit
+        held += step
     return held
 
 
 def ladder(config: KVConfig, head_dim: int) -> list[KVFormat]:
     """The page format, then each pressure format that stores this head_dim in pages
-    of `page_size` and takes fewer bytes than the step before it."""
+    of `page_size` and takes fewer bytes than the step before it, down to the last rung
+    that holds the fidelity floor (when one is set)."""
     steps = [get_format(config.format)]
+    measured = dict(config.measured_top1)
     for name in config.pressure:
+        if config.fidelity_floor is not None and measured.get(name, -1.0) < config.fidelity_floor:
+            break  # this rung (and every smaller one after it) is below the floor or unmeasured
         fmt = get_format(name)
         if (fmt.supports_head_dim(head_dim) and config.page_size % fmt.token_multiple == 0
                 and fmt.bytes_per_token(1, head_dim) < steps[-1].bytes_per_token(1, head_dim)):
@@ -220,10 +242,22 @@ class PageStore:
         while self.page_bytes() + incoming > self.page_limit:
             movable = [s for s in self.segments if s.fmt != steps[-1] and s.fmt in steps]
             if not movable:
+                if self.config.past_floor == "retain":
+                    self._drop_for(incoming)
                 return
             seg = min(movable, key=lambda s: (steps.index(s.fmt), s.start))
             _reencode(seg, steps[steps.index(seg.fmt) + 1])
             self._merge_with_previous(seg)
+
+    def _drop_for(self, incoming: int) -> None:
+        """Past the fidelity floor with `past_floor="retain"`: drop the least attended
+        unpinned segments (oldest first among equals) until `incoming` bytes fit."""
+        while self.page_bytes() + incoming > self.page_limit:
+            movable = [i for i, s in enumerate(self.segments) if s.start >= max(self.pinned, self.sinks)]
+            if not movable:
+                return
+            i = min(movable, key=lambda j: (self.segments[j].score, j))
+            self.evicted += self.segments.pop(i).length
 
     def _merge_with_previous(self, seg: Segment) -> None:
         """Join `seg` to the segment before it when both are full, share a format and

@@ -6,25 +6,44 @@ import pytest
 
 def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, monkeypatch):
     """The --quick capacity run: every system gets a row (positions, or an error when
-    nothing fit), and JSON, markdown and a PNG plot are written."""
+    nothing fit), each row says how it ran, and JSON, markdown and a PNG plot are written;
+    a budget sweep reads every budget, with min and max at the smallest."""
     import bench.common
+    from bench.capacity import SYSTEMS
     from bench.capacity import main as capacity
 
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
     args = ["--quick", "--model", str(tiny_llama_dir), "--step", "64", "--out", "8", "--max-positions", "300"]
     result = capacity([*args, "--budget", "4GiB", "--json"])
     rows = {r["system"]: r for r in result["systems"]}
-    assert set(rows) == {"mlx-lm", "mlx-lm-kv4", "justfit-default", "justfit-compact", "justfit-retention"}
-    assert "divisible" in rows.pop("mlx-lm-kv4")["error"]  # its 64-value groups do not fit head_dim 16
+    assert set(rows) == set(SYSTEMS) and result["headline"][0]["budget_mib"] == 4096
+    for name in ("mlx-lm-tuned", "mlx-lm-kv4"):  # mlx-lm's 64-value groups do not fit head_dim 16
+        assert "divisible" in rows.pop(name)["error"]
+    for name in ("llama.cpp-q8_0", "llama.cpp-q4_0"):  # no --llama-cpp: an error row, never dropped
+        assert "no llama-bench" in rows.pop(name)["error"]
     for r in rows.values():
         assert r["positions"] == 288 and r["limited"] and r["peak_mib"] < 4096  # 4 steps of 64 + 8
-    tight = capacity([*args, "--budget", "20MiB", "--systems", "mlx-lm,justfit-default", "--json"])
-    assert [r["system"] for r in tight["systems"]] == ["mlx-lm", "justfit-default"]
-    assert all("error" in r and "positions" not in r for r in tight["systems"])  # reported, not dropped
+        assert r["budget_mib"] == 4096 and r["blas"] and r["prefill_step"] and r["kv_dtype"] and r["weights_dtype"]
+        assert r["past_trained_context"] is False and "kv_bits" in r
+    assert rows["mlx-lm"]["kv_dtype"] == "float16" and rows["mlx-lm"]["weights_dtype"].startswith("float16")
+    # each worker's own BLAS: stock mlx-lm runs the wheel's, as its users do
+    assert "reference BLAS" in rows["mlx-lm"]["blas"] and "OpenBLAS" in rows["justfit-default"]["blas"]
+    assert rows["justfit-lossless"]["pressure"] == [] and rows["justfit-default"]["pressure"]
+    assert "hot window float32" in rows["justfit-default"]["kv_dtype"] and "modeled" not in rows["mlx-lm"]
+    assert rows["justfit-default"]["headline"] == "fidelity not measured"  # --quick measures none
+    swept = capacity([*args, "--budgets", "20MiB,4GiB", "--systems", "mlx-lm,justfit-lossless", "--repeats", "2",
+                      "--json"])
+    got = {(r["system"], r["budget_mib"]): r for r in swept["systems"]}
+    assert set(got) == {(s, b) for s in ("mlx-lm", "justfit-lossless") for b in (20, 4096)}
+    for s in ("mlx-lm", "justfit-lossless"):  # nothing fits 20 MiB: reported, not dropped
+        assert "error" in got[s, 20] and "positions" not in got[s, 20] and got[s, 20]["repeat_positions"] == [None] * 2
+        assert got[s, 4096]["positions"] == 288
+    assert swept["settings"]["budgets"] == ["20MiB", "4GiB"] and len(swept["headline"]) == 2
     names = sorted(p.suffix for p in tmp_path.iterdir())
     assert names.count(".json") == 2 and ".md" in names and ".png" in names
-    md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
-    assert "justfit-default" in md and "error" in md
+    md = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".md"]
+    assert any("justfit-default" in t and "no llama-bench" in t for t in md)
+    assert any("## Budget 20 MiB" in t and "## Budget 4096 MiB" in t for t in md)
 
 
 def test_capacity_ratio_says_how_far_limited_runs_bound_it():
@@ -32,7 +51,7 @@ def test_capacity_ratio_says_how_far_limited_runs_bound_it():
     bounds, and between two such runs nothing is claimed."""
     from bench.report import capacity_markdown, capacity_ratio
 
-    stock, kv4 = {"system": "mlx-lm", "positions": 2000}, {"system": "mlx-lm-kv4", "positions": 4000, "limited": True}
+    stock, kv4 = {"system": "mlx-lm", "positions": 2000}, {"system": "mlx-lm-tuned", "positions": 4000, "limited": True}
     exact, least = {"positions": 8000}, {"positions": 12000, "limited": True}
     assert capacity_ratio(stock, stock) == "1.00x" and capacity_ratio(kv4, kv4) == "1.00x"
     assert capacity_ratio(exact, stock) == "4.00x"
@@ -46,6 +65,8 @@ def test_capacity_ratio_says_how_far_limited_runs_bound_it():
     md = capacity_markdown({"settings": {"model": "m", "budget": "1GiB", "step": 1, "out": 1}, "machine": {},
                             "systems": rows})
     assert "| >= 6.00x | unknown (both limited) |" in md
+    modeled = {"system": "mlx-lm", "positions": 2000, "modeled_positions": 3000, "limited": True}
+    assert capacity_ratio(exact, modeled) == "2.67x (modeled)"
 
 
 def test_capacity_runs_made_apart_combine_only_when_comparable(tmp_path):
@@ -85,11 +106,14 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
     speed(["--quick", "--model", str(tiny_llama_dir), "--json", "--llama-cpp", str(tmp_path / "no-such-binary")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["system"]: r for r in out["systems"]}
-    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp"} and "machine" in out
+    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp-q8_0", "llama.cpp-q4_0"} and "machine" in out
     for name in ("justfit-default", "mlx-lm"):
         r = rows[name]
         assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
-    assert "llama-bench failed" in rows["llama.cpp"]["error"]  # a failure is a row, never dropped
+        assert r["blas"] and r["weights_dtype"] and r["kv_dtype"] and r["prefill_step"]
+    assert rows["mlx-lm"]["kv_dtype"] == "float16" and "reference BLAS" in rows["mlx-lm"]["blas"]
+    for name in ("llama.cpp-q8_0", "llama.cpp-q4_0"):  # a failure is a row, never dropped
+        assert "llama-bench failed" in rows[name]["error"]
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
     assert "| justfit-default | 256 |" in md
 
@@ -105,6 +129,9 @@ def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
     kept, of = row["identical_where_pages_kept_their_format"].split("/")
     assert kept == of and int(of) == sum(set(t["kv_formats"]) <= {"q8c"} for t in row["turns"]) > 0
     assert all(t["identical"] for t in row["turns"])
+    # what is not true by construction: time swapping, swapped-in vs resident TTFT, decode vs alone
+    assert 0 < row["swap_share_of_wall"] < 1 and row["swap_out_s"] > 0 and row["turns_swapped_in"] > 0
+    assert row["ttft_swapped_in_s"] > 0 and row["alone_decode_tps"] > 0 and row["decode_vs_alone"] > 0
 
 
 def test_bench_quality_quick_follows_the_output_contract(tiny_gemma3_dir, tmp_path, monkeypatch, capsys):
@@ -132,7 +159,7 @@ def test_capacity_kv4_quantizes_what_mlx_lm_can_on_sliding_window_models(tiny_ge
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-    from bench.capacity import _quantize_what_mlx_lm_can
+    from bench.capacity_worker import quantize_what_mlx_lm_can
     from justfit.models import load
 
     # the bench's worker replaces mlx-lm's function for its process; here, only for this test
@@ -140,7 +167,7 @@ def test_capacity_kv4_quantizes_what_mlx_lm_can_on_sliding_window_models(tiny_ge
     monkeypatch.setattr(generate, "maybe_quantize_kv_cache", generate.maybe_quantize_kv_cache)
     model = load(str(tiny_gemma3_dir)).model
     cache = make_prompt_cache(model)
-    note = _quantize_what_mlx_lm_can(cache)
+    note = quantize_what_mlx_lm_can(cache)
     out = [t for t, _ in generate.generate_step(mx.array([1, 2, 3, 4, 5]), model, prompt_cache=cache,
                                                 max_tokens=3, kv_bits=4, kv_group_size=32, quantized_kv_start=0)]
     kinds = [type(c) for c in cache]

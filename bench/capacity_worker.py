@@ -1,0 +1,173 @@
+"""One capacity run in its own process (`python -m bench.capacity --worker SYSTEM ...`):
+prints a `setup` JSON line (what this process runs: dtypes, BLAS, shapes, the memory
+it holds before the first step), one line per completed step, then {"end": reason}."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class Peak(threading.Thread):
+    """Samples this process's RSS; exits the process (status 3) past the budget."""
+
+    def __init__(self, budget: int):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.proc, self.budget, self.peak = psutil.Process(), budget, 0
+
+    def run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            if self.peak > self.budget:
+                print(json.dumps({"end": "budget", "peak_rss": self.peak}), flush=True)
+                os._exit(3)
+            time.sleep(0.01)
+
+
+def quantize_what_mlx_lm_can(cache: list, bits: int = 4) -> str:
+    """mlx-lm raises on `kv_bits` for sliding-window caches (RotatingKVCache:
+    "Quantization NYI"), so on models that have them (Gemma 3) the quantized systems
+    quantize every other cache, as mlx-lm's own `maybe_quantize_kv_cache` does, and
+    leave those in float16 (they hold one window each). Returns a note saying so, or ""."""
+    import importlib
+
+    from mlx_lm.models.cache import RotatingKVCache
+
+    generate = importlib.import_module("mlx_lm.generate")  # the package's `generate` is the function
+
+    rotating = sum(isinstance(c, RotatingKVCache) for c in cache)
+    if not rotating:
+        return ""
+    quantize = generate.maybe_quantize_kv_cache
+
+    def skipping_rotating(prompt_cache, *args, **kwargs):
+        keep = [i for i, c in enumerate(prompt_cache) if not isinstance(c, RotatingKVCache)]
+        part = [prompt_cache[i] for i in keep]
+        quantize(part, *args, **kwargs)
+        for i, c in zip(keep, part):
+            prompt_cache[i] = c
+
+    generate.maybe_quantize_kv_cache = skipping_rotating  # read when generate_step starts
+    return (f"kv{bits} on {len(cache) - rotating} of {len(cache)} layers; sliding-window layers float16 "
+            "(mlx-lm: NYI)")
+
+
+def _stock_setup(system: str, model: str):
+    from bench.stock import STOCK, make_stock
+    from justfit.planner import footprint
+
+    loaded, step, details = make_stock(system, model)
+    setup = STOCK[system]
+    shape = footprint(loaded.model, loaded.config, 1, setup.prefill_step, kv=None, act_bytes=2).shape
+    kv_heads_dim = shape.kv_row // 2 // 2  # kv_heads * head_dim (K+V, 2 bytes each)
+    facts = {"trained_context": loaded.config.get("max_position_embeddings"),
+             "shape": {"full_layers": shape.full_layers, "kv_heads_x_head_dim": kv_heads_dim, "heads": shape.heads,
+                       "hidden": shape.hidden, "intermediate": shape.intermediate, "vocab": shape.vocab},
+             "weights_bytes": shape.weights}
+    return loaded.tokenizer, step, details, facts
+
+
+def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+    from kvexec import FORMATS, KVConfig, get_format
+
+    # The budget is the whole process's: the engine takes off what the interpreter,
+    # libraries and tokenizer hold beside it, measured at load.
+    config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
+    if system == "justfit-retention":
+        config.kv = KVConfig(max_positions=retain, pin_prompt=False)
+    elif system == "justfit-lossless":  # the page format only: no page ever steps down
+        config.kv = KVConfig(pressure=())
+    engine = Engine(model, config=config)
+    if system == "justfit-compact":  # chosen for this model's head_dim, before any request
+        head_dim = engine.kv_shape[2]
+        usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
+        # fewest bytes per position; of equals, per-channel keys (the better fidelity)
+        engine.config.kv = KVConfig(format=min(usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim),
+                                                                    not f.endswith("c"))))
+    history: list[int] = []
+
+    def step(tokens: list[int], out: int) -> list[int]:
+        nonlocal history
+        sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+        got = [c.token for c in engine.generate(history + tokens, sp) if c.token is not None]
+        history = history + tokens + got
+        return got
+
+    hot = "float32" if engine.policy.fp32 else "float16"
+
+    def details() -> dict:
+        """How the last step ran: prefill chunk, and paged positions per KV format
+        (over all layers; several once pages stepped down under the budget)."""
+        stats = engine.last_stats
+        if stats is None:
+            return {}
+        return {"prefill_chunk": stats.prefill_chunk, "prefill_step": stats.prefill_chunk,
+                "kv_formats": stats.kv_formats,
+                "kv_dtype": f"pages {','.join(sorted(stats.kv_formats)) or 'none yet'}, hot window {hot}",
+                "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,
+                "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
+
+    kv = engine.config.kv
+    facts = {"trained_context": engine.model_config.get("max_position_embeddings"),
+             "weights_dtype": f"{engine.policy.name}: resident {engine.swap.registry.resident_form}, "
+                              f"compute {'float32' if engine.policy.fp32 else 'float16'}",
+             "kv_bits": None, "kv_format": kv.format, "pressure": list(kv.pressure),
+             "head_dim": engine.kv_shape[2]}
+    return engine.tokenizer, step, details, facts
+
+
+def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int, max_positions: int,
+               max_seconds: float, retain: int, fine_from: int = 0, fine_step: int = 0) -> None:
+    """Prints one JSON line per completed step, then {"end": reason}."""
+    if system.startswith("justfit"):
+        import justfit  # noqa: F401  (OpenBLAS before mlx.core; stock mlx-lm runs the wheel's own BLAS)
+    import mlx.core as mx
+
+    from bench.common import prompt_tokens
+    from justfit.blas import active_blas
+    from justfit.errors import JustFitError
+    from justfit.memory import peak_rss_bytes
+
+    sampler = Peak(budget)
+    sampler.start()
+    if system.startswith("justfit"):
+        tokenizer, step, details, facts = _justfit(model, system, budget, retain, max_positions + out + 1)
+    else:
+        tokenizer, step, details, facts = _stock_setup(system, model)
+    text = prompt_tokens(tokenizer, max_positions)
+    import psutil
+
+    print(json.dumps({"setup": {**facts, "blas": active_blas(), "baseline_rss": psutil.Process().memory_info().rss,
+                                "pid": os.getpid()}}), flush=True)
+    fed = generated = 0
+    pending: list[int] = []  # the last generated token: fed with the next step
+    start = time.perf_counter()
+    while True:
+        size = fine_step if fine_from and fed + generated >= fine_from else step_tokens
+        if fed + generated + size + out > max_positions:
+            break
+        if time.perf_counter() - start > max_seconds:
+            print(json.dumps({"end": "time limit"}), flush=True)
+            return
+        t0 = time.perf_counter()
+        try:
+            got = step(pending + text[fed:fed + size], out)
+        except JustFitError as e:
+            print(json.dumps({"end": "planner refused", "reason": str(e)}), flush=True)
+            return
+        fed, generated = fed + size, generated + len(got)
+        pending = got[-1:]
+        peak = max(sampler.peak, peak_rss_bytes())
+        print(json.dumps({"positions": fed + generated, "input": fed, "generated": generated,
+                          "peak_rss": peak, "mlx_peak": mx.get_peak_memory(),
+                          "step_s": round(time.perf_counter() - t0, 2), **details()}), flush=True)
+        if peak > budget:
+            print(json.dumps({"end": "budget", "peak_rss": peak}), flush=True)
+            return
+    print(json.dumps({"end": "position limit"}), flush=True)

@@ -1,0 +1,88 @@
+"""A stock system's memory model, fitted to its measured points: where a float16 run
+cannot reach a budget in the time it is given, its capacity there is modeled, never
+taken from a float32 run.
+
+    peak(P) = process baseline (weights loaded) + KV bytes(P) + chunk transient(P) + c
+
+Baseline (RSS after load, before the first step; the weights' bytes, reported beside
+it, are part of it) is measured in the worker; KV bytes per position follow from the cache's dtype and shape (checked against
+the cache's own bytes); the transient is the planner's first-order model of mlx-lm's
+prefill (scores, MLP and hidden activations of one chunk); `c`, what none of these
+terms hold (allocator slack, MLX's buffer cache), is the mean residual over the
+measured points (with three or more, the transient's per-position part is fitted with
+it), and the largest residual left is the model's error, shown with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    baseline: int  # bytes: the process before the first step, weights loaded
+    weights: int  # of the baseline, for the breakdown
+    kv_per_position: float
+    transient_per_position: float  # attention scores grow with the positions they see
+    transient_fixed: float  # MLP, hidden and logits of one chunk
+    constant: float  # fitted: the mean residual
+    error: float  # fitted: the largest |residual - constant| over the points
+    points: int
+
+    def peak(self, positions: int) -> float:
+        """Modeled whole-process peak for `positions` retained positions, in bytes."""
+        return (self.baseline + self.constant + self.transient_fixed
+                + positions * (self.kv_per_position + self.transient_per_position))
+
+    def capacity(self, budget: int) -> int:
+        """The most positions whose modeled peak stays within `budget` (0 if none)."""
+        per = self.kv_per_position + self.transient_per_position
+        return max(0, int((budget - self.peak(0)) // per))
+
+    def as_dict(self) -> dict:
+        mib = lambda x: round(x / MIB, 2)  # noqa: E731
+        return {"baseline_mib": mib(self.baseline), "weights_mib": mib(self.weights),
+                "kv_bytes_per_position": round(self.kv_per_position, 1),
+                "transient_bytes_per_position": round(self.transient_per_position, 1),
+                "transient_fixed_mib": mib(self.transient_fixed), "constant_mib": mib(self.constant),
+                "error_mib": mib(self.error), "points": self.points}
+
+
+def transient_terms(heads: int, hidden: int, intermediate: int, vocab: int, chunk: int,
+                    act_bytes: int) -> tuple[float, float]:
+    """(bytes per position seen, fixed bytes) of one prefill chunk: the scores and their
+    exponentials (float32 on MLX's CPU path), then MLP, hidden and logits rows; as the
+    planner models them (justfit/planner.py)."""
+    per_position = chunk * heads * 4 * 2
+    fixed = chunk * intermediate * 3 * act_bytes + chunk * hidden * 4 * act_bytes + vocab * 4
+    return per_position, fixed
+
+
+def fit(points: list[tuple[int, int]], baseline: int, weights: int, kv_per_position: float,
+        transient: tuple[float, float]) -> MemoryModel:
+    """The model through measured (positions, peak bytes) points. Baseline, weights and
+    KV bytes are measured or follow from shapes; of the transient, the fixed part is
+    the planner's, and with three or more distinct points its per-position part is
+    fitted by least squares with the constant (else the planner's is kept)."""
+    if not points:
+        raise ValueError("no measured points to fit")
+    per, fixed = transient
+    xs = [p for p, _ in points]
+    residuals = [peak - baseline - fixed - p * kv_per_position for p, peak in points]
+    if len(set(xs)) >= 3:
+        mx_, mr = sum(xs) / len(xs), sum(residuals) / len(residuals)
+        per = max(0.0, sum((x - mx_) * (r - mr) for x, r in zip(xs, residuals)) / sum((x - mx_) ** 2 for x in xs))
+    left = [r - per * x for x, r in zip(xs, residuals)]
+    constant = sum(left) / len(left)
+    error = max(abs(v - constant) for v in left)
+    return MemoryModel(baseline, weights, kv_per_position, per, fixed, constant, error, len(points))
+
+
+def kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int, itemsize: int, bits: int | None = None,
+                          group: int = 64) -> float:
+    """K+V bytes of one position over `layers` growing layers; with `bits`, mlx-lm's
+    quantized cache (packed values plus a scale and a bias per group, in the dtype)."""
+    per_value = itemsize if not bits else bits / 8 + 2 * itemsize / group
+    return 2 * layers * kv_heads * head_dim * per_value

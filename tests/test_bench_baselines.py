@@ -1,0 +1,141 @@
+"""The capacity bench's baselines and claims: stock systems run float16 as their users
+do, headline ratios only from rows of equal fidelity, fitted memory models, llama.cpp
+rows when its binaries are absent."""
+
+import importlib
+
+import pytest
+
+
+@pytest.mark.parametrize("system", ["mlx-lm", "mlx-lm-tuned"])
+def test_stock_systems_hold_a_float16_kv_cache(system, tiny_gemma3_dir, monkeypatch):
+    """After a forward pass the stock systems' KV (a quantized cache: its scales) is
+    float16, never the float32 of JustFit's import, and the row says so."""
+    from dataclasses import replace
+
+    from bench.stock import STOCK, make_stock
+
+    # mlx-lm's group of 64 does not divide the tiny model's head_dim of 32
+    monkeypatch.setitem(STOCK, "mlx-lm-tuned", replace(STOCK["mlx-lm-tuned"], kv_group_size=32))
+    generate = importlib.import_module("mlx_lm.generate")  # the kv systems patch it for their process
+    monkeypatch.setattr(generate, "maybe_quantize_kv_cache", generate.maybe_quantize_kv_cache)
+    loaded, step, details = make_stock(system, str(tiny_gemma3_dir))
+    assert len(step([1, 2, 3, 4, 5, 6, 7, 8], 3)) == 3
+    facts = details()
+    assert facts["kv_dtype"] == "float16" and facts["weights_dtype"].startswith("float16")
+    assert facts["prefill_step"] == (2048 if system == "mlx-lm" else 512)
+    assert facts["kv_bits"] == (None if system == "mlx-lm" else 8)
+    # sliding-window layers stay float16 RotatingKVCache (mlx-lm cannot quantize them)
+    assert ("QuantizedKVCache" in facts["kv_cache"]) == (system != "mlx-lm")
+    assert "RotatingKVCache" in facts["kv_cache"]
+
+
+def _row(system, budget, positions, **kw):
+    return {"system": system, "budget_mib": budget, "positions": positions, "peak_mib": budget - 1,
+            "ended_by": "budget", **kw}
+
+
+def test_headline_ratios_use_only_rows_at_top1_99_and_mark_past_the_trained_context():
+    from bench.capacity_report import capacity_markdown
+    from bench.fidelity import mark
+    from bench.sweep import headline
+
+    rows = [_row("mlx-lm", 400, 1000, trained_context=8192), _row("mlx-lm-tuned", 400, 2000),
+            _row("justfit-default", 400, 40000, trained_context=8192, fidelity={"spec": "q8c@0.4", "top1": 0.936}),
+            _row("justfit-lossless", 400, 6000, trained_context=8192, fidelity={"spec": "q8c", "top1": 0.998}),
+            _row("justfit-retention", 400, 90000, trained_context=8192, fidelity={"spec": "q8c", "top1": 0.998}),
+            _row("justfit-compact", 400, 9000, trained_context=8192),  # fidelity not measured
+            _row("mlx-lm", 800, 3000), _row("justfit-lossless", 800, 12000, trained_context=8192, limited=True,
+                                            fidelity={"spec": "q8c", "top1": 0.995})]
+    for r in rows:
+        mark(r)
+    by = {(r["system"], r["budget_mib"]): r for r in rows}
+    assert by["justfit-default", 400]["headline"] == "top-1 93.60% < 99%"
+    assert by["justfit-retention", 400]["headline"] == "evicts positions"
+    assert by["justfit-compact", 400]["headline"] == "fidelity not measured"
+    assert by["justfit-default", 400]["past_trained_context"] and not by["justfit-lossless", 400]["past_trained_context"]
+    assert by["justfit-lossless", 800]["past_trained_context"]
+    other = _row("justfit-compact", 400, 50000, fidelity={"spec": "q8c@0.5", "top1": 0.999, "mix_distance": 0.4,
+                                                         "measured_mix": {"q4c": 1}})
+    mark(other)
+    assert other["headline"].startswith("fidelity measured on another mix")  # never a headline
+    small, large = headline(rows + [other])
+    assert small["justfit"] == "justfit-lossless" and small["positions"] == 6000  # not 40,000 nor 90,000
+    assert small["mlx-lm"] == "6.00x" and small["mlx-lm-tuned"] == "3.00x" and small["llama.cpp-q8_0"] == ""
+    assert large["mlx-lm"] == ">= 4.00x"
+    md = capacity_markdown({"machine": {}, "settings": {"model": "m", "budget": "400,800MiB", "step": 1, "out": 1,
+                                                         "budgets": ["400MiB", "800MiB"]},
+                            "systems": rows, "headline": [small, large]})
+    assert "top-1 93.60% < 99%; past trained context 8,192" in md and "| 400 | justfit-lossless | 6,000 | 6.00x" in md
+
+
+def test_memory_model_fitted_to_measured_points_predicts_them_and_the_budget():
+    from bench.memmodel import fit, kv_bytes_per_position, transient_terms
+
+    kv = kv_bytes_per_position(30, 3, 64, 2)  # SmolLM2, float16
+    assert kv == 23040 and kv_bytes_per_position(30, 3, 64, 2, bits=8) == 30 * 2 * 3 * 64 * (1 + 4 / 64)
+    per, fixed = transient_terms(9, 576, 1536, 49152, 512, 2)
+    truth = lambda p: 150 * 2**20 + 7 * 2**20 + fixed + p * (kv + 30000)  # noqa: E731  (baseline holds the weights)
+    points = [(p, int(truth(p))) for p in (2304, 4608, 6912, 9216)]
+    model = fit(points, 150 * 2**20, 90 * 2**20, kv, (per, fixed))
+    assert model.error < 1024 and abs(model.transient_per_position - 30000) < 1
+    budget = 1600 * 2**20
+    assert abs(model.capacity(budget) - (budget - truth(0)) / (kv + 30000)) <= 1
+    two = fit(points[:2], 150 * 2**20, 90 * 2**20, kv, (per, fixed))  # too few points: the planner's term
+    assert two.transient_per_position == per and two.error > 0
+
+
+def test_llama_cpp_rows_are_errors_when_its_binaries_are_absent(tmp_path):
+    from argparse import Namespace
+
+    from bench.capacity import sweep
+
+    args = Namespace(model="smollm2", step=256, out=16, max_positions=1024, max_seconds=10, refine=True,
+                     llama_cpp=str(tmp_path), repeats=3, json=True)
+    rows = sweep("llama.cpp-q8_0", args, [400 * 2**20, 800 * 2**20])
+    assert [r["budget_mib"] for r in rows] == [400, 800]
+    assert all("no llama-bench" in r["error"] and "positions" not in r for r in rows)
+
+
+def test_fidelity_of_a_rows_format_mix_is_measured_against_float16_pages(tiny_gemma3_dir, tmp_path, monkeypatch):
+    from bench.fidelity import attach, mix_spec
+
+    monkeypatch.setenv("JUSTFIT_BENCH_RESULTS", str(tmp_path))  # the quality run's files go here
+    from kvexec import get_format
+
+    q8c, q4c = (get_format(f).bytes_per_token(1, 64) for f in ("q8c", "q4c"))
+    assert mix_spec({"q8c": 1.0}, "q8c", 64) == "q8c"
+    assert mix_spec({"q8c": 0.5, "q4c": 0.5}, "q8c", 64) == f"q8c@{(q8c + q4c) / 2 / q8c:.3f}"
+    rows = [{"system": "justfit-default", "positions": 5000, "kv_format": "q8c", "head_dim": 32,
+             "kv_formats": {"q8c": 0.5, "q4c": 0.5}},
+            {"system": "justfit-lossless", "positions": 3000, "kv_format": "q8c", "head_dim": 32,
+             "kv_formats": {"q8c": 1.0}}, {"system": "mlx-lm", "positions": 1000}]
+    attach(rows, str(tiny_gemma3_dir), 1024)  # pages begin past sinks + hot window + a page
+    mixed, lossless, stock = rows
+    assert "fidelity" not in stock and lossless["fidelity"]["spec"] == "q8c"
+    for r in (mixed, lossless):
+        f = r["fidelity"]
+        assert 0 <= f["top1"] <= 1 and f["kl"] >= 0 and f["reference"] == "fp16 pages" and f["tokens"] == 1024
+    assert mixed["fidelity"]["spec"].startswith("q8c@") and mixed["fidelity"]["measured_mix"]
+    assert 0 <= mixed["fidelity"]["mix_distance"] <= 1
+    assert any(p.name.startswith("quality-") for p in tmp_path.iterdir())
+
+
+def test_mlx_lm_dense_holds_the_same_weights_dequantized(tiny_gemma3_dir):
+    """mlx-lm-dense (speed only): every quantized matrix dequantized, giving the
+    quantized model's logits; the stock systems keep the packed matrices."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from bench.stock import dequantize, weights_dtype
+    from justfit.models import load
+
+    model = load(str(tiny_gemma3_dir)).model
+    nn.quantize(model, group_size=32, bits=4)  # the tiny import is dense: pack it as a 4-bit model would be
+    assert "uint32" in weights_dtype(model)
+    x = mx.array([[1, 2, 3, 4, 5]])
+    packed = model(x)
+    dequantize(model)
+    assert weights_dtype(model) == "float32"
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    assert mx.allclose(model(x), packed, atol=1e-4).item()
