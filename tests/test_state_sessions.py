@@ -8,33 +8,22 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 import shutil
 
 import pytest
 
 import statetrans.snapshot as snapshot_mod
-from justfit import Engine, SamplingParams
-from justfit.config import EngineConfig
-from kvexec import KVConfig
+from justfit import SamplingParams
 from statetrans.identity import DIGESTS, file_sha256
 from statetrans.snapshot import SnapshotError
+from tests.state_engines import paged_engine, run_tokens, words
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-PAGES = KVConfig(format="fp16", page_size=16, hot_window=16, block_tokens=64)
-
-
-def _engine(path, state_dir, **kw) -> Engine:
-    return Engine(str(path), config=EngineConfig(kv=PAGES, prefill_chunk=16, state_dir=str(state_dir), **kw))
+_engine, _words = paged_engine, words
 
 
 def _run(engine, tokens, session=None) -> list[int]:
-    return [c.token for c in engine.generate(tokens, GREEDY, session=session) if c.token is not None]
-
-
-def _words(n, seed) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 250) for _ in range(n)]
+    return run_tokens(engine, tokens, GREEDY, session)
 
 
 def _generations(engine, name) -> list[int]:

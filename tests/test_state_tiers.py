@@ -9,28 +9,19 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from kvexec import KVConfig
 from statetrans.prefix import PrefixTrie
+from tests.state_engines import SMALL_PAGES, paged_engine, run_tokens, words
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-SMALL_PAGES = KVConfig(format="fp16", page_size=16, hot_window=16, block_tokens=64)
+_engine, _words = paged_engine, words
 
 
 def _run(engine, tokens, sp=GREEDY, session=None) -> list[int]:
-    return [c.token for c in engine.generate(tokens, sp, session=session) if c.token is not None]
-
-
-def _engine(path, state_dir, **kw) -> Engine:
-    return Engine(str(path), config=EngineConfig(kv=SMALL_PAGES, prefill_chunk=16, state_dir=str(state_dir), **kw))
+    return run_tokens(engine, tokens, sp, session)
 
 
 def _cold(path, tokens, sp=GREEDY) -> list[int]:
     return _run(Engine(str(path), config=EngineConfig(kv=SMALL_PAGES, prefill_chunk=16)), tokens, sp)
-
-
-def _words(n, seed) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 250) for _ in range(n)]
 
 
 def test_prefix_trie_matches_brute_force():
