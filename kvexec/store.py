@@ -49,7 +49,7 @@ class KVConfig:
     # float16 pages) is at least `fidelity_floor`; an unmeasured rung ends the ladder.
     # None: every rung. Past the floor, `past_floor` says what happens: "refuse" (the
     # planner sizes with the last allowed rung and refuses what does not fit) or
-    # "retain" (the least attended unpinned pages are dropped to stay within the limit).
+    # "retain" (unpinned pages are dropped as retention's `policy` chooses, to stay within the limit).
     fidelity_floor: float | None = None
     measured_top1: tuple[tuple[str, float], ...] = ()
     past_floor: str = "refuse"
@@ -250,14 +250,10 @@ class PageStore:
             self._merge_with_previous(seg)
 
     def _drop_for(self, incoming: int) -> None:
-        """Past the fidelity floor with `past_floor="retain"`: drop the least attended
-        unpinned segments (oldest first among equals) until `incoming` bytes fit."""
-        while self.page_bytes() + incoming > self.page_limit:
-            movable = [i for i, s in enumerate(self.segments) if s.start >= max(self.pinned, self.sinks)]
-            if not movable:
-                return
-            i = min(movable, key=lambda j: (self.segments[j].score, j))
-            self.evicted += self.segments.pop(i).length
+        """Past the fidelity floor with `past_floor="retain"`: drop unpinned segments
+        (as retention does) until `incoming` bytes fit."""
+        while self.page_bytes() + incoming > self.page_limit and self._drop_one():
+            pass
 
     def _merge_with_previous(self, seg: Segment) -> None:
         """Join `seg` to the segment before it when both are full, share a format and
@@ -298,15 +294,21 @@ class PageStore:
         budget = self.config.max_positions
         if budget is None:
             return
-        while self.retained() > budget:
-            movable = [i for i, s in enumerate(self.segments) if s.start >= max(self.pinned, self.sinks)]
-            if not movable:
-                return  # only pinned tokens left; the planner refuses such requests up front
-            if self.config.policy == "random":
-                i = self._rng.choice(movable)
-            else:
-                i = min(movable, key=lambda j: (self.segments[j].score, j))
-            self.evicted += self.segments.pop(i).length
+        while self.retained() > budget and self._drop_one():
+            pass  # stops with only pinned tokens left; the planner refuses such requests up front
+
+    def _drop_one(self) -> bool:
+        """Drop one unpinned segment, chosen by the retention policy (least attended,
+        oldest first among equals, or random); False when none is left to drop."""
+        movable = [i for i, s in enumerate(self.segments) if s.start >= max(self.pinned, self.sinks)]
+        if not movable:
+            return False
+        if self.config.policy == "random":
+            i = self._rng.choice(movable)
+        else:
+            i = min(movable, key=lambda j: (self.segments[j].score, j))
+        self.evicted += self.segments.pop(i).length
+        return True
 
     def observe(self, block: Block, mass: float) -> None:
         """Attention mass a block received (summed over heads and queries)."""
