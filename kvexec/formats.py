@@ -5,23 +5,44 @@ along head_dim (per token), or, for keys, along tokens (per channel, as KIVI doe
 key outliers live in fixed channels). Either way `scores` and `weighted` compute
 q K^T and p V straight on the stored form with `quantized_matmul`, and
 `bytes_per_token` is the exact storage cost.
+
+A rotated affine codec first turns each KV head by the fixed random Hadamard rotation
+of kvexec/rotated.py (orthogonal, so q K^T is unchanged when q turns too): outliers
+spread over every coordinate, so per-token groups lose less. Scores rotate q once per
+block, p V is rotated back once; the rotation costs no storage.
+
+Names: the fixed ones in FORMATS, or `k<bits>[c][r][<group>]v<bits>[r][<group>]` (c:
+key groups per channel, r: rotated, group default 32), e.g. `k6cr64v4r`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+_NAME = re.compile(r"k(\d)(c?)(r?)(\d*)v(\d)(r?)(\d*)")
+
+
+def _rotation(x: mx.array) -> mx.array:
+    from kvexec.rotated import rotation
+
+    return rotation(x.shape[1], x.shape[-1])
+
 
 @dataclass(frozen=True)
 class Codec:
+    """How one side of a page (keys or values) is stored: full precision or affine groups."""
+
     bits: int  # 16 or 32: full precision
     group_size: int = 32
     per_channel: bool = False  # groups run along tokens instead of head_dim
+    rotated: bool = False  # quantized in the space of kvexec.rotated.rotation (see module doc)
 
     @property
     def quantized(self) -> bool:
+        """Whether values are quantized rather than kept in fp16 or fp32."""
         return self.bits < 16
 
     @property
@@ -30,20 +51,25 @@ class Codec:
         return self.per_channel and self.quantized
 
     def encode(self, x: mx.array) -> dict[str, mx.array]:
+        """`x` in stored form: itself in fp16 or fp32, or packed weights with fp16 scales and biases."""
         if not self.quantized:
             return {"x": x.astype(mx.float16 if self.bits == 16 else mx.float32)}
         x = x.astype(mx.float32)
+        if self.rotated:
+            x = x @ _rotation(x)
         if self.per_channel:
             x = x.swapaxes(-1, -2)
         w, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
         return {"w": w, "scales": scales.astype(mx.float16), "biases": biases.astype(mx.float16)}
 
     def decode(self, enc: dict[str, mx.array]) -> mx.array:
+        """The stored form back as fp32 vectors."""
         if not self.quantized:
             return enc["x"].astype(mx.float32)
         x = mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
                           group_size=self.group_size, bits=self.bits)
-        return x.swapaxes(-1, -2) if self.per_channel else x
+        x = x.swapaxes(-1, -2) if self.per_channel else x
+        return x @ _rotation(x).swapaxes(-1, -2) if self.rotated else x
 
     # Storage along the token axis: -2 for per-token layouts, -1 (in packed units) per channel.
     def _widths(self, head_dim: int) -> dict[str, tuple[mx.Dtype, int, int]]:
@@ -59,6 +85,7 @@ class Codec:
                 "biases": (mx.float16, groups, 1)}
 
     def allocate(self, lead: tuple[int, ...], capacity: int, head_dim: int) -> dict[str, mx.array]:
+        """Zeroed storage for `capacity` tokens of `head_dim`-wide vectors under leading dims `lead`."""
         out = {}
         for name, (dtype, extent, units) in self._widths(head_dim).items():
             if self.tokens_last:
@@ -83,6 +110,7 @@ class Codec:
                 storage[name][..., start : start + n, :] = arr
 
     def view(self, storage: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
+        """The stored form of tokens [start, end) in `storage`."""
         if self.tokens_last:
             return {name: a[..., slice(*self._span(name, start, end))] for name, a in storage.items()}
         return {name: a[..., start:end, :] for name, a in storage.items()}
@@ -91,6 +119,8 @@ class Codec:
         """q @ K^T on the stored form."""
         if not self.quantized:
             return q @ enc["x"].astype(q.dtype).swapaxes(-1, -2)
+        if self.rotated:
+            q = q @ _rotation(q)
         return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=not self.per_channel,
                                    group_size=self.group_size, bits=self.bits)
 
@@ -98,10 +128,12 @@ class Codec:
         """p @ V on the stored form (values are stored per token)."""
         if not self.quantized:
             return p @ enc["x"].astype(p.dtype)
-        return mx.quantized_matmul(p, enc["w"], enc["scales"], enc["biases"], transpose=False,
-                                   group_size=self.group_size, bits=self.bits)
+        out = mx.quantized_matmul(p, enc["w"], enc["scales"], enc["biases"], transpose=False,
+                                  group_size=self.group_size, bits=self.bits)
+        return out @ _rotation(out).swapaxes(-1, -2) if self.rotated else out
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
+        """Storage bytes of one token over `kv_heads` heads, scales and biases included."""
         if not self.quantized:
             return kv_heads * head_dim * self.bits / 8
         return kv_heads * head_dim * (self.bits / 8 + 4 / self.group_size)  # fp16 scale + bias
@@ -109,12 +141,15 @@ class Codec:
 
 @dataclass(frozen=True)
 class KVFormat:
+    """A named page format: one codec for keys, one for values."""
+
     name: str
     keys: Codec  # or kvexec.rotated.RotatedCodec: the same interface
     values: Codec
 
     @property
     def quantized(self) -> bool:
+        """Whether keys or values are quantized."""
         return self.keys.quantized or self.values.quantized
 
     @property
@@ -123,8 +158,19 @@ class KVFormat:
         return self.keys.group_size if self.keys.tokens_last else 1
 
     def supports_head_dim(self, head_dim: int) -> bool:
-        """Groups along head_dim need it to hold whole groups of 32."""
-        return all(not c.quantized or c.tokens_last or head_dim % 32 == 0 for c in (self.keys, self.values))
+        """Groups along head_dim need it to hold whole groups; rotations a power of two."""
+        for c in (self.keys, self.values):
+            if not c.quantized:
+                continue
+            if getattr(c, "rotated", False) and head_dim & (head_dim - 1):
+                return False
+            if not c.tokens_last and head_dim % getattr(c, "group_size", 32):
+                return False
+        return True
+
+    def bits_per_value(self, kv_heads: int, head_dim: int) -> float:
+        """Storage bits per stored K or V value, every scale, bias and norm included."""
+        return 8 * self.bytes_per_token(kv_heads, head_dim) / (2 * kv_heads * head_dim)
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """K and V storage of one token in one layer."""
@@ -154,10 +200,26 @@ FORMATS = {
 }
 
 
+def parse_format(name: str) -> KVFormat | None:
+    """The format a `k<bits>[c][r][<group>]v<bits>[r][<group>]` name describes, else None."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        return None
+    kb, kc, kr, kg, vb, vr, vg = m.groups()
+    keys = Codec(int(kb), int(kg or 32), per_channel=bool(kc), rotated=bool(kr))
+    values = Codec(int(vb), int(vg or 32), rotated=bool(vr))
+    for c in (keys, values):
+        if c.bits not in (2, 3, 4, 5, 6, 8) or c.group_size not in (32, 64, 128):
+            raise ValueError(f"KV format {name!r}: bits must be 2-6 or 8 and groups 32, 64 or 128")
+    return KVFormat(name, keys, values)
+
+
 def get_format(name: str | KVFormat) -> KVFormat:
+    """The format `name` names (a fixed one or a parsed name); a KVFormat is returned as it is."""
     if isinstance(name, KVFormat):
         return name
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV format {name!r} (known: {', '.join(FORMATS)})") from None
+    fmt = FORMATS.get(name) or parse_format(name)
+    if fmt is None:
+        raise ValueError(f"unknown KV format {name!r} (known: {', '.join(FORMATS)}, "
+                         "or k<bits>[c][r][<group>]v<bits>[r][<group>])")
+    return fmt

@@ -65,17 +65,21 @@ def _unpack(words: mx.array, bits: int, d: int) -> mx.array:
 
 @dataclass(frozen=True)
 class RotatedCodec:
+    """Keys or values as a codebook index per rotated coordinate and an fp16 norm per token."""
+
     bits: int
     tokens_last = False  # stored [.., tokens, ..] like per-token affine codes
 
     @property
     def quantized(self) -> bool:
+        """Always true: a rotated codec stores codes."""
         return True
 
     def _levels(self) -> mx.array:
         return mx.array(lloyd_max_gaussian(self.bits), dtype=mx.float32)
 
     def encode(self, x: mx.array) -> dict[str, mx.array]:
+        """`x` in stored form: packed codes of its rotated, normalized coordinates, and its norms."""
         kvh, d = x.shape[1], x.shape[-1]
         xr = x.astype(mx.float32) @ rotation(kvh, d)
         norm = mx.sqrt((xr * xr).sum(axis=-1, keepdims=True))
@@ -92,28 +96,35 @@ class RotatedCodec:
         return u * (enc["norms"].astype(mx.float32) / math.sqrt(d))
 
     def decode(self, enc: dict[str, mx.array]) -> mx.array:
+        """The stored vectors back in the original space, fp32."""
         xr = self._rotated(enc)
         return xr @ rotation(xr.shape[1], xr.shape[-1]).swapaxes(-1, -2)
 
     def allocate(self, lead: tuple[int, ...], capacity: int, head_dim: int) -> dict[str, mx.array]:
+        """Zeroed codes and norms for `capacity` tokens of `head_dim`-wide vectors under `lead`."""
         return {"codes": mx.zeros((*lead, capacity, head_dim * self.bits // 32), dtype=mx.uint32),
                 "norms": mx.zeros((*lead, capacity, 1), dtype=mx.float16)}
 
     def write(self, storage: dict[str, mx.array], enc: dict[str, mx.array], start: int, n: int) -> None:
+        """Write n encoded tokens in place at token index `start`."""
         for name, arr in enc.items():
             storage[name][..., start : start + n, :] = arr
 
     def view(self, storage: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
+        """The stored form of tokens [start, end) in `storage`."""
         return {name: a[..., start:end, :] for name, a in storage.items()}
 
     def scores(self, q: mx.array, enc: dict[str, mx.array]) -> mx.array:
+        """q @ K^T in the rotated space: q turns, the keys are not turned back."""
         kr = self._rotated(enc)
         qr = q @ rotation(kr.shape[1], kr.shape[-1])
         return qr @ kr.swapaxes(-1, -2)
 
     def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
+        """p @ V computed in the rotated space, then rotated back once."""
         vr = self._rotated(enc)
         return (p @ vr) @ rotation(vr.shape[1], vr.shape[-1]).swapaxes(-1, -2)
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
+        """Storage bytes of one token's codes and norms over `kv_heads` heads."""
         return kv_heads * (head_dim * self.bits / 8 + 2)  # codes + fp16 norm

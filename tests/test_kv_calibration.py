@@ -1,0 +1,82 @@
+"""Per-model KV calibration: the per-layer choice rule, determinism, the cache per
+model identity, and a calibrated (mixed) configuration the caches and planner follow."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import _get_classes
+
+import kvexec
+import kvexec.calibrate as calibrate_mod
+from kvexec import KVConfig, get_format
+from kvexec.calibrate import Calibration, cached_calibration, calibrate, calibrated_config
+
+TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=2,
+            num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
+CANDIDATES = ("k4crv3r", "k4crv4r", "k6cv4r", "q8c")
+
+
+class ByteTokenizer:
+    """Text as its UTF-8 bytes: the tiny model's vocabulary is the 256 byte values."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    mx.random.seed(0)
+    model_class, args_class = _get_classes(TINY)
+    model = model_class(args_class.from_dict(TINY))
+    model.apply(lambda a: a.astype(mx.float32))
+    mx.eval(model.parameters())
+    kvexec.install(model)
+    return model
+
+
+def test_calibration_picks_the_smallest_format_within_tolerance_and_is_deterministic(tiny_model):
+    a = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=0.05, max_tokens=600)
+    b = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=0.05, max_tokens=600)
+    assert a == b and len(a.formats) == 3 and a.tokens == 600
+    sizes = [get_format(c).bytes_per_token(1, 64) for c in a.candidates]
+    assert sizes == sorted(sizes)  # candidates are tried smallest first
+    for chosen, errors in zip(a.formats, a.errors):
+        fitting = [c for c in a.candidates if errors[c] <= 0.05]
+        assert chosen == (fitting[0] if fitting else a.candidates[-1])
+    # the errors order the formats as their widths do: 8-bit pages lose least
+    assert all(e["q8c"] < e["k4crv3r"] for e in a.errors)
+    tight = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=1e-9, max_tokens=600)
+    assert tight.formats == ("q8c",) * 3  # nothing fits: the widest candidate
+
+
+def test_calibration_is_cached_per_model_identity(tiny_model, tmp_path, monkeypatch):
+    first = cached_calibration(tiny_model, ByteTokenizer(), "tiny-a", tmp_path, CANDIDATES, 0.05)
+    files = list(tmp_path.glob("kv-calibration-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["formats"] == list(first.formats)
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("a cached calibration was measured again")
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", measured_again)
+    assert cached_calibration(tiny_model, ByteTokenizer(), "tiny-a", tmp_path, CANDIDATES, 0.05) == first
+    monkeypatch.undo()
+    other = cached_calibration(tiny_model, ByteTokenizer(), "tiny-b", tmp_path, CANDIDATES, 0.05)
+    assert other.model == "tiny-b" and len(list(tmp_path.glob("kv-calibration-*.json"))) == 2
+    files[0].write_text("{not json")  # a damaged cache file is measured again, not trusted
+    assert cached_calibration(tiny_model, ByteTokenizer(), "tiny-a", tmp_path, CANDIDATES, 0.05) == first
+
+
+def test_calibrated_config_sets_each_layers_format_and_the_planner_counts_it(tiny_model):
+    cal = Calibration("tiny", ("q8c", "k4crv4r", "k6cv4r"), ({}, {}, {}), 0.05, CANDIDATES, 600)
+    kv = calibrated_config(KVConfig(page_size=128), cal)
+    cache = kvexec.make_cache(tiny_model, kv)
+    assert [c.store.fmt.name for c in cache] == list(cal.formats)
+    tiny_model(mx.array(list(range(200)) * 3)[None], cache=cache)
+    assert kvexec.page_formats(cache) == {f: 256 for f in cal.formats}  # 600 - sinks - hot window: 2 pages
+    mean = sum(get_format(f).bytes_per_token(1, 64) for f in cal.formats) / 3
+    assert kvexec.page_bytes_per_token(kv, 1, 64) == pytest.approx(mean)
+    assert cal.bits_per_value(1, 64) == pytest.approx(8 * mean / 128)
+    with pytest.raises(ValueError, match="layer"):
+        kvexec.make_cache(tiny_model, calibrated_config(KVConfig(), Calibration("tiny", ("q8c",), ({},), 0.05,
+                                                                                 CANDIDATES, 600)))
