@@ -115,15 +115,17 @@ def row_at(system: str, args, budget: int, run: dict) -> dict:
 
 def _model(row: dict, run: dict, budget: int, step: int) -> None:
     """A stock run that stopped before the budget: its memory model's capacity there."""
-    from bench.memmodel import fit, kv_bytes_per_position, transient_terms
+    from bench.memmodel import SCORE_BYTES, fit, kv_bytes_per_position, transient_terms
     from bench.stock import STOCK
 
     setup, shape = run["setup"], run["setup"]["shape"]
     stock = STOCK[row["system"]]
-    kv = kv_bytes_per_position(shape["full_layers"], shape["kv_heads_x_head_dim"], 1, 2, stock.kv_bits,
+    itemsize = 4 if stock.dtype == "float32" else 2
+    kv = kv_bytes_per_position(shape["full_layers"], shape["kv_heads_x_head_dim"], 1, itemsize, stock.kv_bits,
                                stock.kv_group_size)
     chunk = min(stock.prefill_step, step)
-    transient = transient_terms(shape["heads"], shape["hidden"], shape["intermediate"], shape["vocab"], chunk, 2)
+    transient = transient_terms(shape["heads"], shape["hidden"], shape["intermediate"], shape["vocab"], chunk,
+                                itemsize, SCORE_BYTES.get((stock.dtype, stock.kv_bits)))
     model = fit([(s["positions"], s["peak_rss"]) for s in run["steps"]], setup["baseline_rss"],
                 setup["weights_bytes"], kv, transient)
     modeled = model.capacity(budget)
@@ -142,25 +144,34 @@ def _refined(system: str, args, budget: int, row: dict) -> dict:
 
 
 def _llama_runs(system: str, args, budgets: list[int]) -> list[dict]:
-    """llama.cpp rows: n_ctx stepped once up to the largest budget, each edge refined."""
-    from bench.llamacpp import capacity_steps
+    """llama.cpp rows: per budget, the largest n_ctx whose reserved memory plus compute
+    buffer fits (bench.llamacpp.reserve_edge; `--repeats` times at the smallest budget),
+    checked against full passes at `--llama-validate` contexts."""
+    from bench.llamacpp import reserve_edge, validate
 
-    grid = list(range(args.step, args.max_positions + 1, args.step))
-    steps, end = capacity_steps(args.llama_cpp or "", system, args.model, grid, args.out, max(budgets),
-                                args.max_seconds)
-    rows = []
     setup = {"trained_context": _trained_context(args.model), "blas": "llama.cpp's own (ggml CPU)"}
-    for budget in budgets:
-        run = {"setup": setup, "steps": list(steps), "end": {"end": end if not end.startswith("error") else "crashed"}}
+    checks = [int(n) for n in (args.llama_validate or "").split(",") if n]
+    checked = validate(args.llama_cpp or "", system, args.model, checks, args.out, args.max_seconds) if checks else []
+    rows = []
+    for i, budget in enumerate(budgets):
+        runs = [reserve_edge(args.llama_cpp or "", system, args.model, budget, args.max_positions)
+                for _ in range(args.repeats if i == 0 else 1)]
+        steps, end = runs[0]
+        run = {"setup": setup, "steps": steps, "end": {"end": "crashed" if end.startswith("error") else end}}
         if end.startswith("error"):
             run["error"] = end[len("error: "):]
         row = row_at(system, args, budget, run)
-        if args.refine and row.get("ended_by") == "budget" and "positions" in row:
-            fine = [row["positions"] + k * max(32, args.step // 8) for k in range(1, 8)]
-            more, _ = capacity_steps(args.llama_cpp or "", system, args.model, fine, args.out, budget,
-                                     args.max_seconds)
-            row = {**row_at(system, args, budget, {**run, "steps": sorted(steps + more, key=lambda s: s["positions"])}),
-                   "coarse_positions": row["positions"]}
+        if len(runs) > 1:
+            got = [row_at(system, args, budget, {"setup": setup, "steps": st, "end": {"end": e}}).get("positions")
+                   for st, e in runs]
+            ok = [g for g in got if g is not None]
+            row.update(repeat_positions=got, **({"min_positions": min(ok), "max_positions": max(ok)} if ok else {}))
+        last = next((s for s in reversed(steps) if s["positions"] == row.get("positions")), None)
+        if last:
+            row.update({k: last[k] for k in ("kv_bytes_per_position", "kv_buffer_mib", "compute_buffer_mib",
+                                              "reserved_rss", "method")})
+        if checked:
+            row["validation"] = checked
         rows.append(row)
     return rows
 
@@ -223,6 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fidelity-tokens", type=int, default=8192,
                     help="teacher-forced tokens for each JustFit row's format mix (0: not measured)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR", help="folder with llama.cpp's llama-bench")
+    ap.add_argument("--llama-validate", default="", metavar="N,N",
+                    help="contexts at which llama.cpp rows also run a full pass (llama-bench) to check the "
+                         "reserved-memory edge")
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help="skip the second, finer run after a budget stop")
     ap.add_argument("--fine-from", type=int, default=0, help=argparse.SUPPRESS)
@@ -235,7 +249,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     apply_quick(args, QUICK, argv)
     if args.worker:
-        if not args.worker.startswith("justfit"):
+        if args.worker.startswith("justfit"):
+            from justfit import runtime
+
+            runtime.setup()  # OpenBLAS before anything loads mlx.core
+        else:
             import mlx.core  # noqa: F401  (before justfit: stock runs the wheel's own BLAS, as its users do)
         from bench.capacity_worker import run_worker
         from justfit.memory import parse_size

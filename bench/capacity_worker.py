@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import replace
 
 
 class Peak(threading.Thread):
@@ -80,16 +81,16 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
     # libraries and tokenizer hold beside it, measured at load.
     config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
     if system == "justfit-retention":
-        config.kv = KVConfig(max_positions=retain, pin_prompt=False)
+        config = replace(config, kv=KVConfig(max_positions=retain, pin_prompt=False))
     elif system == "justfit-lossless":  # the page format only: no page ever steps down
-        config.kv = KVConfig(pressure=())
+        config = replace(config, kv=KVConfig(pressure=()))
     engine = Engine(model, config=config)
     if system == "justfit-compact":  # chosen for this model's head_dim, before any request
         head_dim = engine.kv_shape[2]
         usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
         # fewest bytes per position; of equals, per-channel keys (the better fidelity)
-        engine.config.kv = KVConfig(format=min(usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim),
-                                                                    not f.endswith("c"))))
+        engine.config = replace(engine.config, kv=KVConfig(format=min(
+            usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim), not f.endswith("c")))))
     history: list[int] = []
 
     def step(tokens: list[int], out: int) -> list[int]:
@@ -126,7 +127,9 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
                max_seconds: float, retain: int, fine_from: int = 0, fine_step: int = 0) -> None:
     """Prints one JSON line per completed step, then {"end": reason}."""
     if system.startswith("justfit"):
-        import justfit  # noqa: F401  (OpenBLAS before mlx.core; stock mlx-lm runs the wheel's own BLAS)
+        from justfit import runtime
+
+        runtime.setup()  # OpenBLAS before mlx.core (bench.capacity already did, when it started us)
     import mlx.core as mx
 
     from bench.common import prompt_tokens

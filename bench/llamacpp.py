@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -78,6 +79,69 @@ def peak_rss(cmd: list[str], timeout: float) -> tuple[int, int, str]:
     return usage.ru_maxrss * 1024, proc.returncode, tail
 
 
+def _completion_cmd(exe: str, gguf: str, n_ctx: int, cache_type: str) -> list[str]:
+    return [exe, "-m", gguf, "-c", str(n_ctx), "-n", "4", "-p", "Hello", "-no-cnv", "-fa", "on", "-fit", "off",
+            "-ctk", cache_type, "-ctv", cache_type, "-t", str(os.cpu_count() or 1), "--temp", "0"]
+
+
+def _buffer_mib(log: str, what: str) -> float:
+    """The sum of llama.cpp's logged `what` buffer sizes (e.g. "KV", "compute"), MiB."""
+    return sum(float(m) for m in re.findall(rf"{what} buffer size = +([0-9.]+) MiB", log))
+
+
+def reserve_step(llama_cpp: str, system: str, model: str, n_ctx: int, timeout: float) -> dict:
+    """One `llama-completion` with an `n_ctx` context and a short prompt: its whole-process
+    peak RSS holds the KV cache for all of n_ctx (llama.cpp clears the buffer when it
+    makes it) but only the part of the compute buffer a short prompt touches; the row's
+    peak adds the compute buffer's reserved size, what a last 512-token ubatch at n_ctx
+    fills (checked against full passes: bench.llamacpp.capacity_steps)."""
+    import tempfile
+
+    exe = binary(llama_cpp, "llama-completion")
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        start = time.perf_counter()
+        rss, code, tail = peak_rss(_completion_cmd(exe, _gguf(model), n_ctx, CACHE_TYPES[system]) +
+                                   ["--log-file", log.name], timeout)
+        text = Path(log.name).read_text(errors="replace")
+    if code != 0:
+        raise RuntimeError(f"llama-completion exit {code}: {tail}")
+    kv, compute = _buffer_mib(text, "KV"), _buffer_mib(text, "compute")
+    return {"positions": n_ctx, "peak_rss": int(rss + compute * 2**20), "reserved_rss": rss,
+            "kv_buffer_mib": kv, "compute_buffer_mib": compute,
+            "kv_bytes_per_position": round(kv * 2**20 / n_ctx, 1), "step_s": round(time.perf_counter() - start, 2),
+            "kv_dtype": CACHE_TYPES[system], "prefill_step": 512, "weights_dtype": "GGUF as stored",
+            "flash_attention": True, "method": "n_ctx reserved + compute buffer"}
+
+
+def reserve_edge(llama_cpp: str, system: str, model: str, budget: int, limit: int, grain: int = 256,
+                 timeout: float = 600) -> tuple[list[dict], str]:
+    """The largest n_ctx (a multiple of `grain`, at most `limit`) whose reserve_step
+    peak stays within `budget`: a line through two probes, then steps of `grain` across
+    the edge. Returns every probe (ascending) and why it ended."""
+    exe = binary(llama_cpp, "llama-completion") if llama_cpp else ""
+    if not exe or not Path(exe).is_file():
+        return [], f"error: no llama-completion{' at ' + exe if exe else ''}: pass --llama-cpp DIR"
+    probes: dict[int, dict] = {}
+
+    def probe(n: int) -> dict:
+        if n not in probes:
+            probes[n] = reserve_step(llama_cpp, system, model, n, timeout)
+        return probes[n]
+
+    try:
+        a, b = probe(grain * 4), probe(min(limit, grain * 64))
+        slope = max(1.0, (b["peak_rss"] - a["peak_rss"]) / (b["positions"] - a["positions"]))
+        n = max(grain, min(limit, int((a["positions"] + (budget - a["peak_rss"]) / slope) // grain * grain)))
+        while n > grain and probe(n)["peak_rss"] > budget:
+            n -= grain
+        while n + grain <= limit and probe(n + grain)["peak_rss"] <= budget:
+            n += grain
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return sorted(probes.values(), key=lambda s: s["positions"]), f"error: {e}"
+    steps = sorted(probes.values(), key=lambda s: s["positions"])
+    return steps, "budget" if any(s["peak_rss"] > budget for s in steps) else "position limit"
+
+
 def capacity_steps(llama_cpp: str, system: str, model: str, positions: list[int], out: int,
                    budget: int, timeout: float) -> tuple[list[dict], str]:
     """One fresh `llama-bench` per context in `positions` (prompt = context - out, then
@@ -89,7 +153,9 @@ def capacity_steps(llama_cpp: str, system: str, model: str, positions: list[int]
     steps = []
     for n in positions:
         start = time.perf_counter()
-        rss, code, tail = peak_rss(_bench_cmd(exe, _gguf(model), n - out, out, CACHE_TYPES[system]), timeout)
+        # -pg: one test that prefills n - out tokens and then generates `out` in one context of n
+        cmd = _bench_cmd(exe, _gguf(model), 0, 0, CACHE_TYPES[system]) + ["-pg", f"{n - out},{out}"]
+        rss, code, tail = peak_rss(cmd, timeout)
         if code != 0:
             return steps, f"error: llama-bench exit {code}: {tail}"
         steps.append({"positions": n, "peak_rss": rss, "step_s": round(time.perf_counter() - start, 2),
@@ -98,3 +164,18 @@ def capacity_steps(llama_cpp: str, system: str, model: str, positions: list[int]
         if rss > budget:
             return steps, "budget"
     return steps, "position limit"
+
+
+def validate(llama_cpp: str, system: str, model: str, contexts: list[int], out: int, timeout: float) -> list[dict]:
+    """reserve_step's peak against a full pass's (llama-bench, the context filled) at
+    each of `contexts`: the reserved-memory method's error, where it can be measured."""
+    full, end = capacity_steps(llama_cpp, system, model, contexts, out, 2**62, timeout)
+    rows = []
+    for f in full:
+        r = reserve_step(llama_cpp, system, model, f["positions"], timeout)
+        rows.append({"positions": f["positions"], "full_pass_peak_mib": round(f["peak_rss"] / 2**20, 1),
+                     "reserved_peak_mib": round(r["peak_rss"] / 2**20, 1),
+                     "error_mib": round((r["peak_rss"] - f["peak_rss"]) / 2**20, 1), "full_pass_s": f["step_s"]})
+    if end.startswith("error"):
+        rows.append({"error": end[len("error: "):]})
+    return rows

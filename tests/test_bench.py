@@ -20,7 +20,7 @@ def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, mon
     for name in ("mlx-lm-tuned", "mlx-lm-kv4"):  # mlx-lm's 64-value groups do not fit head_dim 16
         assert "divisible" in rows.pop(name)["error"]
     for name in ("llama.cpp-q8_0", "llama.cpp-q4_0"):  # no --llama-cpp: an error row, never dropped
-        assert "no llama-bench" in rows.pop(name)["error"]
+        assert "no llama-completion" in rows.pop(name)["error"]
     for r in rows.values():
         assert r["positions"] == 288 and r["limited"] and r["peak_mib"] < 4096  # 4 steps of 64 + 8
         assert r["budget_mib"] == 4096 and r["blas"] and r["prefill_step"] and r["kv_dtype"] and r["weights_dtype"]
@@ -42,7 +42,7 @@ def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, mon
     names = sorted(p.suffix for p in tmp_path.iterdir())
     assert names.count(".json") == 2 and ".md" in names and ".png" in names
     md = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".md"]
-    assert any("justfit-default" in t and "no llama-bench" in t for t in md)
+    assert any("justfit-default" in t and "no llama-completion" in t for t in md)
     assert any("## Budget 20 MiB" in t and "## Budget 4096 MiB" in t for t in md)
 
 

@@ -91,10 +91,11 @@ def test_llama_cpp_rows_are_errors_when_its_binaries_are_absent(tmp_path):
     from bench.capacity import sweep
 
     args = Namespace(model="smollm2", step=256, out=16, max_positions=1024, max_seconds=10, refine=True,
-                     llama_cpp=str(tmp_path), repeats=3, json=True)
+                     llama_cpp=str(tmp_path), llama_validate="4096", repeats=3, json=True)
     rows = sweep("llama.cpp-q8_0", args, [400 * 2**20, 800 * 2**20])
     assert [r["budget_mib"] for r in rows] == [400, 800]
-    assert all("no llama-bench" in r["error"] and "positions" not in r for r in rows)
+    assert all("no llama-completion" in r["error"] and "positions" not in r for r in rows)
+    assert all("no llama-bench" in r["validation"][0]["error"] for r in rows)
 
 
 def test_fidelity_of_a_rows_format_mix_is_measured_against_float16_pages(tiny_gemma3_dir, tmp_path, monkeypatch):
