@@ -14,7 +14,9 @@ import time
 
 
 def _worker() -> dict:
-    import justfit  # noqa: F401  (preloads OpenBLAS unless JUSTFIT_BLAS=off)
+    from justfit import runtime
+
+    runtime.setup()  # preloads OpenBLAS unless JUSTFIT_BLAS=off
     import mlx.core as mx
 
     from justfit import Engine, SamplingParams

@@ -28,7 +28,9 @@ _STARTED_AT_COMMIT = _commit()
 
 
 def machine_info() -> dict:
-    import justfit  # noqa: F401  (OpenBLAS first)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS first
     import mlx.core as mx
     import psutil
 

@@ -17,8 +17,12 @@ import argparse
 import json
 import time
 
-import justfit  # noqa: F401  (OpenBLAS first)
-import mlx.core as mx
+from justfit import runtime
+
+if __name__ == "__main__":  # run as a script; importers (the CLI, tests) set up themselves
+    runtime.setup()  # OpenBLAS first, before mlx.core
+
+import mlx.core as mx  # noqa: E402
 
 from kvexec import FORMATS, KVConfig, PageStore, blockwise_attention, get_format
 
@@ -88,7 +92,8 @@ def decode(context: int, formats: list[str], steps: int, policy: str = "auto") -
         else:
             kv = None if name == "justfit-mlx-lm-kv" else KVConfig(format=name)
             model, dtype = Engine("smollm2", config=EngineConfig(kv=kv, policy=policy)).model, mx.float32
-        cache = kvexec.make_cache(model, KVConfig(format=name)) if name in FORMATS else make_prompt_cache(model)
+        paged = name not in ("mlx-lm", "justfit-mlx-lm-kv")
+        cache = kvexec.make_cache(model, KVConfig(format=name)) if paged else make_prompt_cache(model)
         for c in cache:
             for start in range(0, context, 2048):
                 k = mx.random.normal((1, KV_HEADS, min(2048, context - start), D)).astype(dtype)

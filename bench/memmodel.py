@@ -50,12 +50,21 @@ class MemoryModel:
                 "error_mib": mib(self.error), "points": self.points}
 
 
+# Peak bytes of one mlx-lm prefill attention call per (chunk x query head x position
+# seen), by (activation dtype, KV bits), measured on MLX 0.32's CPU backend at SmolLM2's
+# shape, chunk 256, 2,048 positions seen (bench/results/attn-transient-20261201-*.json):
+# one scores array in the activations' dtype plus the mask, not float32 scores and
+# exponentials as the planner assumes for JustFit's own path.
+SCORE_BYTES = {("float16", None): 2.18, ("float32", None): 4.24}
+
+
 def transient_terms(heads: int, hidden: int, intermediate: int, vocab: int, chunk: int,
-                    act_bytes: int) -> tuple[float, float]:
-    """(bytes per position seen, fixed bytes) of one prefill chunk: the scores and their
-    exponentials (float32 on MLX's CPU path), then MLP, hidden and logits rows; as the
-    planner models them (justfit/planner.py)."""
-    per_position = chunk * heads * 4 * 2
+                    act_bytes: int, score_bytes: float | None = None) -> tuple[float, float]:
+    """(bytes per position seen, fixed bytes) of one prefill chunk: the attention
+    scores, then MLP, hidden and logits rows. `score_bytes` is the measured peak of one
+    attention call per (chunk x head x position seen) (bench/attn_transient.py); None
+    keeps the planner's float32 scores and exponentials (justfit/planner.py)."""
+    per_position = chunk * heads * (4 * 2 if score_bytes is None else score_bytes)
     fixed = chunk * intermediate * 3 * act_bytes + chunk * hidden * 4 * act_bytes + vocab * 4
     return per_position, fixed
 

@@ -60,8 +60,10 @@ def license_perplexity(loaded, add_bos: bool):
 
 
 def load_dense(name: str, bits: int | str = "native"):
-    import justfit  # noqa: F401
-    from justfit.gguf_import import RequantOptions
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS before mlx.core
+    from justfit.gguf.convert import RequantOptions
     from justfit.models import load
     from phaseswap import materialize_dense
 
@@ -71,7 +73,9 @@ def load_dense(name: str, bits: int | str = "native"):
 
 
 def engine_row(name: str, policy: str, r: dict) -> dict:
-    import justfit  # noqa: F401
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS before mlx.core
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
 

@@ -38,7 +38,9 @@ def _generate(engine, context: int) -> tuple[list[int], object]:
 
 
 def peak_worker(model: str, fmt: str, context: int) -> dict:
-    import justfit  # noqa: F401  (OpenBLAS must load before mlx.core)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS must load before mlx.core
     import mlx.core as mx
 
     engine = _engine(model, fmt)
@@ -52,7 +54,9 @@ def peak_worker(model: str, fmt: str, context: int) -> dict:
 
 
 def stream_worker(model: str, budget: str, context: int) -> dict:
-    import justfit  # noqa: F401  (OpenBLAS must load before mlx.core)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS must load before mlx.core
     import mlx.core as mx
 
     from justfit.memory import parse_size

@@ -21,8 +21,12 @@ import json
 import math
 import sys
 
-import justfit  # noqa: F401  (OpenBLAS first)
-import mlx.core as mx
+from justfit import runtime
+
+if __name__ == "__main__":  # run as a script; importers (the CLI, tests) set up themselves
+    runtime.setup()  # OpenBLAS first, before mlx.core
+
+import mlx.core as mx  # noqa: E402
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -80,11 +84,18 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
         ppl = math.exp(s["nll"] / scored)
         out.append({"system": f"justfit-{f}" if f != "reference" else f"reference-{reference}", "model": model_name,
                     "format": f, "tokens": n_tokens, "top1": s["agree"] / scored, "kl": s["kl"] / scored,
-                    "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1})
+                    "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1,
+                    "bits_per_value": _bits_per_value(reference if f == "reference" else f, engine.kv_shape)})
         if "@" in f:  # where the ladder left the pages: positions per format, all layers
             out[-1]["kv_formats"] = kvexec.page_formats(caches[f])
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
+
+
+def _bits_per_value(spec: str, kv_shape: tuple[int, int, int]) -> float | None:
+    """Page storage bits per K or V value, every scale, bias and norm included (for
+    `FMT@SHARE`, FMT's before any page steps down; the reference's: fp32 or fp16)."""
+    return kvexec.get_format(spec.partition("@")[0]).bits_per_value(kv_shape[1], kv_shape[2])
 
 
 def _paged_cache(model, spec: str, n_tokens: int, kv_shape: tuple[int, int, int]) -> list:

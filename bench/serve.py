@@ -19,81 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
 from bench.fuzz_cases import Case, make_cases
-
-
-# -- the server subprocess --------------------------------------------------------------
-@dataclass
-class Served:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(model: str, extra: tuple[str, ...], tmp: Path) -> tuple[str, subprocess.Popen]:
-    """Start `justfit serve` on a free port, logging to tmp/server.log. Its stored
-    states go to a fresh folder so nothing from earlier runs is warm."""
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "justfit"), "serve", "--port", str(port), "--model", model, *extra]
-    env = {**os.environ, "JUSTFIT_STATE_DIR": str(tmp / "state")}
-    with open(tmp / "server.log", "wb") as f:
-        return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-
-
-@contextlib.asynccontextmanager
-async def served(model: str, *extra: str):
-    """A `justfit serve` subprocess, ready (GET /health is 200), stopped on exit."""
-    tmp = Path(tempfile.mkdtemp(prefix="justfit-serve-bench-"))
-    (url, proc), log = spawn(model, extra, tmp), tmp / "server.log"
-    try:
-        await wait_healthy(url, proc, log)
-        yield Served(url, proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the server's own clean shutdown
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-async def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.25)
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s: {log.read_text()[-2000:]}")
+from bench.server_process import served
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -291,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--routes", default=None, help="fuzz: comma-separated routes (default: all, "
                                                     "e.g. /v1/messages,/v1/messages/count_tokens)")
     args = ap.parse_args(argv)
-    import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS before mlx.core
     from bench.common import machine_info, save
 
     results = {}

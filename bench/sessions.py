@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 
 # 512 positions set a budget whose single-session ceiling (~1.7K on SmolLM2) is memory's,
@@ -55,7 +56,9 @@ def ceiling(engine) -> int:
 
 def run(model: str, positions: int, budget: int | None, turn: int, reply: int, verify: bool,
         sessions: int = 2) -> dict:
-    import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS before mlx.core
 
     with tempfile.TemporaryDirectory(prefix="justfit-sessions-") as state_dir:  # swapped states go here
         return _run(model, positions, budget, turn, reply, verify, sessions, state_dir)
@@ -135,7 +138,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
         for t, (name, prompt, out) in zip(turns, replies):
             # The budget may have shrunk the prefill chunk, which decides which keys a
             # chunk's queries see in full precision: the replay uses the same one.
-            free.config.prefill_chunk = t["prefill_chunk"] or engine.config.prefill_chunk
+            free.config = replace(free.config, prefill_chunk=t["prefill_chunk"] or engine.config.prefill_chunk)
             t["identical"] = [c.token for c in free.generate(prompt, sp, session=name) if c.token is not None] == out
         free.flush_sessions()
         # Pages that stepped down KVExec's pressure ladder are lossy by design; the

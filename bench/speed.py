@@ -31,7 +31,9 @@ QUICK = {"contexts": "256", "decode": 8, "systems": "justfit-default,mlx-lm"}
 
 def _worker(system: str, model: str, context: int, decode: int) -> dict:
     if system.startswith("justfit") or system == "mlx-lm-dense":
-        import justfit  # noqa: F401  (preloads OpenBLAS)
+        from justfit import runtime
+
+        runtime.setup()  # preloads OpenBLAS
     import mlx.core as mx
 
     from justfit.blas import active_blas

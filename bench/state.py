@@ -26,7 +26,9 @@ def run(model: str, context: int) -> dict:
 
 
 def _run(model: str, context: int, scratch: str) -> dict:
-    import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS before mlx.core
     from bench.common import prompt_tokens
     from justfit import Engine, SamplingParams
 

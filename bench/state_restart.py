@@ -36,7 +36,9 @@ def run(model: str, context: int, scratch: str, timeout: float = 1800) -> dict:
 
 
 def _engine(model: str, state: str):
-    import justfit  # noqa: F401  (OpenBLAS before mlx.core)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS before mlx.core
     from justfit import Engine
     from justfit.config import EngineConfig
 

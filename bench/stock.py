@@ -31,6 +31,9 @@ STOCK = {
     # Speed only, not a baseline: JustFit's prefill weight form (dense float32, OpenBLAS)
     # in mlx-lm's own model code, to split JustFit's prefill gain into weight form vs the rest.
     "mlx-lm-dense": StockSetup(dense=True, dtype="float32"),
+    # Not a baseline either: mlx-lm's defaults in float32, fast on this CPU, run only to
+    # check the float16 rows' memory model (bench/memmodel.py) on a run that reaches its budget.
+    "mlx-lm-fp32": StockSetup(dtype="float32"),
 }
 
 

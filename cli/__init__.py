@@ -1,7 +1,3 @@
-"""The `justfit` command line.
-
-`import justfit` comes first, before anything imports `mlx.core`, so OpenBLAS is
-preloaded and MLX's CPU backend binds to it (see justfit/blas.py).
-"""
-
-import justfit  # noqa: F401  (must stay the first import)
+"""The `justfit` command line. Importing it changes nothing in the process: the
+command's entry (`cli.main:main`) calls `justfit.runtime.setup()` before any
+subcommand's module loads `mlx.core`."""

@@ -7,8 +7,6 @@ from typing import Callable
 
 import click
 
-from justfit.memory import parse_size
-
 
 class UserError(click.ClickException):
     """A problem the user can fix: printed as one `error: ...` line, exit status 1."""
@@ -30,6 +28,8 @@ def one_line(exc: BaseException) -> str:
 def _parse_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None
+    from justfit.memory import parse_size  # here: importing the CLI must not load mlx.core (see cli/main.py)
+
     try:
         return parse_size(value)
     except ValueError as e:
@@ -63,6 +63,26 @@ gguf_bits_option = click.option(
 )
 
 
+class LazyChoice(click.Choice):
+    """A click.Choice whose choices are read when first needed (parsing, help): reading
+    them imports kvexec or phaseswap, hence mlx.core, which must wait until the
+    command's runtime.setup() has preloaded OpenBLAS (see cli/main.py)."""
+
+    def __init__(self, load: Callable[[], list[str]]):
+        self._load, self._choices = load, None
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._choices is None:
+            self._choices = tuple(self._load())
+        return self._choices
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the loader decides
+        pass
+
+
 def _kv_formats() -> list[str]:
     from kvexec import FORMATS
 
@@ -70,8 +90,8 @@ def _kv_formats() -> list[str]:
 
 
 kv_format_option = click.option(
-    "--kv-format", type=click.Choice(_kv_formats()), default="q8c", show_default=True,
-    help="KV page format (see README: KVExec); none uses mlx-lm's own KV cache.",
+    "--kv-format", type=LazyChoice(_kv_formats), default="q8c", show_default=True,
+    help="KV page format (see docs/KVEXEC.md); none uses mlx-lm's own KV cache.",
 )
 
 
@@ -82,7 +102,7 @@ def _policies() -> list[str]:
 
 
 policy_option = click.option(
-    "--policy", type=click.Choice(_policies()), default="auto", show_default=True,
+    "--policy", type=LazyChoice(_policies), default="auto", show_default=True,
     help="PhaseSwap policy: cpu (8-bit decode weights, dense prefill just in time), "
          "cpu-exact, dense, quantized (Metal), measured; auto picks by backend.",
 )

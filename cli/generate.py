@@ -8,7 +8,7 @@ import sys
 import click
 
 from cli import common
-from cli.chat import request_lines
+from cli.chat_session import request_lines
 from cli.terminal import PrefillBar
 from justfit import SamplingParams
 

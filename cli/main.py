@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 import os
 
-import cli  # noqa: F401  (preloads OpenBLAS via `import justfit` before mlx loads)
 import click
 
 import justfit
+from justfit import runtime
 from cli.common import UserError, one_line
 from justfit.errors import JustFitError
 
@@ -34,6 +34,11 @@ def debug() -> bool:
 
 
 class JustFitGroup(click.Group):
+    def main(self, *args, **kwargs):
+        # Before any subcommand's module loads mlx.core: OpenBLAS only binds if first.
+        runtime.setup()
+        return super().main(*args, **kwargs)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *COMMANDS})
 

@@ -1,18 +1,24 @@
 """JustFit: a local long-context LLM engine on MLX.
 
-OpenBLAS is preloaded here, before anything imports `mlx.core`, so MLX's CPU
-backend binds to it (see justfit/blas.py).
+Importing this package changes nothing in the process: what JustFit needs from it
+(OpenBLAS, the shared MLX stream) happens in `justfit.runtime.setup()`, which the
+command line, the server and `Engine` call. The engine's names are imported on first
+use, so `from justfit import runtime` loads nothing else (in particular not
+`mlx.core`, which must come after OpenBLAS).
 """
 
-from justfit import blas as _blas
+from __future__ import annotations
 
-_blas.preload()
-
-from justfit.streams import use_shared_stream  # noqa: E402
-
-use_shared_stream()  # lets the server's engine thread evaluate arrays made here
-
-from justfit.engine import Engine, GenerationStats, SamplingParams  # noqa: E402
+import importlib
 
 __all__ = ["Engine", "GenerationStats", "SamplingParams"]
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it, imported when first asked for.
+_LAZY = {"Engine": "justfit.engine", "GenerationStats": "justfit.stats", "SamplingParams": "justfit.config"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'justfit' has no attribute {name!r}")

@@ -9,6 +9,14 @@ from typing import Any
 # What a supplied template must be able to render before it is used.
 SAMPLE = [{"role": "user", "content": "Hello"}]
 
+# Used when a model ships no chat template (base models).
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+    "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n' }}"
+    "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
 
 class ChatTemplateError(ValueError):
     """A chat template file that cannot be read or rendered."""
@@ -50,6 +58,18 @@ def use_chat_template(tokenizer: Any, template: str, source: str = "the chat tem
     of the model's own if it has one."""
     check_chat_template(tokenizer, template, source)
     tokenizer.chat_template = template  # mlx-lm's wrapper forwards it to the HF tokenizer
+
+
+def render_chat(tokenizer: Any, messages: list[dict], tools: list | None = None) -> list[int]:
+    """Token ids of `messages` (and `tools`) rendered for a reply to follow, with
+    FALLBACK_TEMPLATE when the tokenizer has no template of its own."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    if tools:
+        kwargs["tools"] = tools
+    if not getattr(tokenizer, "chat_template", None):
+        kwargs["chat_template"] = FALLBACK_TEMPLATE
+    out = tokenizer.apply_chat_template(messages, **kwargs)
+    return list(out["input_ids"] if isinstance(out, dict) else out)
 
 
 def _reason(e: BaseException) -> str:

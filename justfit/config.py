@@ -1,4 +1,5 @@
-"""Request and engine settings, as plain dataclasses."""
+"""Request and engine settings, as frozen dataclasses: change one with
+`dataclasses.replace`, never in place (an engine keeps its own copy)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from kvexec import KVConfig
 from phaseswap.policy import get_policy
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy."""
 
@@ -37,10 +38,10 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs (top alternatives) must be in [0, 20]")
-        self.stop = tuple(s for s in self.stop if s)
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model.
 
@@ -57,7 +58,7 @@ class EngineConfig:
     budget_covers_process: bool = False  # the budget includes what the process holds outside MLX
     policy: str = "auto"
     prefill_chunk: int = 512
-    gguf_bits: int | str = "native"  # see justfit.gguf_import
+    gguf_bits: int | str = "native"  # see justfit.gguf.convert
     gguf_embed_bits: int = 8
     context_limit: int | None = None  # defaults to the model's trained context
     kv: KVConfig | None = field(default_factory=KVConfig)  # None: mlx-lm's own KV cache
@@ -71,6 +72,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extra", dict(self.extra))  # a copy: the caller's dict is never shared
         get_policy(self.policy)  # raises on an unknown name
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")

@@ -2,10 +2,13 @@
 
 
 class JustFitError(Exception):
+    """An error the user can act on; its message says how."""
     pass
 
 
 class ContextTooLong(JustFitError):
+    """The prompt plus the tokens to generate exceed the positions allowed."""
+
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int,
                  what: str = "positions this model supports"):
         self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
@@ -17,6 +20,8 @@ class ContextTooLong(JustFitError):
 
 
 class BudgetExceeded(JustFitError):
+    """A request needs more memory than the budget allows."""
+
     def __init__(self, needed: int, budget: int, fits_positions: int, positions: int):
         from justfit.memory import format_size
 

@@ -47,12 +47,12 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
                               "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK,
                                                                 pressed=True).max_positions(budget)}
     if context is not None:
-        saved = engine.config.budget_bytes
-        engine.config.budget_bytes = budget
+        saved = engine.config
+        engine.config = replace(saved, budget_bytes=budget)  # planned under the budget asked about
         try:
             streamed, fp = engine.plan(context)
         finally:
-            engine.config.budget_bytes = saved
+            engine.config = saved
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
             "beyond_context": context > engine.context_limit,
@@ -75,6 +75,7 @@ def _forms(forms: dict[str, str]) -> str:
 
 
 def format_fit(r: dict) -> str:
+    """`fit_report`'s result as readable text: the weights, a row per KV format, and the plan."""
     w = r["weights"]
     lines = [
         f"model {r['model']} · policy {r['policy']} · budget {format_size(r['budget'])} · "

@@ -19,6 +19,8 @@ GROUP = 64  # mlx-lm's default quantization group: an fp16 scale and bias per 64
 
 @dataclass(frozen=True)
 class ConfigShape:
+    """What a model's config.json says about its shapes: what its memory is computed from."""
+
     model_type: str
     kinds: tuple[str, ...]  # per layer: "full", "sliding" or "linear"
     window: int | None
@@ -37,6 +39,7 @@ class ConfigShape:
 
     @property
     def params(self) -> int:
+        """Parameters in all: embedding, head, layers and the small ones."""
         return self.embed_params + self.head_params + sum(self.layer_params) + self.small_params
 
 

@@ -8,15 +8,9 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from phaseswap.registry import transformer_body
+
 ProgressFn = Callable[[int, int], None]  # (processed, total)
-
-
-def _body(model: nn.Module) -> nn.Module | None:
-    """The transformer without its output head, when the model exposes one."""
-    inner = getattr(model, "model", None)
-    if isinstance(inner, nn.Module) and hasattr(inner, "layers"):
-        return inner
-    return None
 
 
 def _eval_cache(cache: list) -> None:
@@ -38,7 +32,7 @@ def prefill(
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
-    body = _body(model)
+    body = transformer_body(model)
     head, last = tokens[:-1], tokens[-1:]
     total = len(tokens)
     done = 0

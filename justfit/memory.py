@@ -29,6 +29,7 @@ def parse_size(text: str | int | float) -> int:
 
 
 def format_size(n: int | float) -> str:
+    """A byte count as readable text, in B, KiB, MiB or GiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -36,14 +37,17 @@ def format_size(n: int | float) -> str:
 
 
 def tree_bytes(tree) -> int:
+    """Bytes of the MLX arrays in a tree."""
     return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
 
 
 def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters."""
     return tree_bytes(model.parameters())
 
 
 def cache_bytes(cache: list | None) -> int:
+    """Bytes a cache list holds (the layers that report them)."""
     return sum(getattr(c, "nbytes", 0) for c in cache or [])
 
 
@@ -82,6 +86,7 @@ def trim_heap() -> None:
 
 
 def rss_bytes() -> int:
+    """This process's resident set size now."""
     return psutil.Process().memory_info().rss
 
 
@@ -93,6 +98,8 @@ def peak_rss_bytes() -> int:
 
 @dataclass
 class MemoryReport:
+    """What a generation held: weights, KV, stored states, MLX and process memory."""
+
     weights: int
     kv: int
     mlx_active: int
@@ -103,9 +110,11 @@ class MemoryReport:
     states: int = 0  # other requests' and sessions' states in the memory tier
 
     def as_dict(self) -> dict[str, int]:
+        """The report as a plain dict."""
         return asdict(self)
 
     def summary(self) -> str:
+        """One readable line: weights, KV, transient peak, stored states, MLX and process peaks."""
         return (f"weights {format_size(self.weights)}, KV {format_size(self.kv)}, "
                 f"transient peak {format_size(self.transient_peak)}, stored states {format_size(self.states)}, "
                 f"MLX peak {format_size(self.mlx_peak)}, process peak {format_size(self.rss_peak)}")

@@ -12,12 +12,13 @@ from typing import Any
 
 import mlx.nn as nn
 
-from justfit.gguf_import import RequantOptions, UnsupportedModel, converted_path
+from justfit.gguf.convert import RequantOptions, UnsupportedModel, converted_path
 
 DEFAULT_MODEL = "smollm2"
 
 
 class ModelNotFound(FileNotFoundError):
+    """A model that is not where its name says, or an embedded one not installed."""
     pass
 
 
@@ -46,6 +47,8 @@ EMBEDDED = {"smollm2": _smollm2, "smollm2-135m": _smollm2, "gemma3": _gemma3, "g
 
 @dataclass
 class LoadedModel:
+    """A loaded model: the module, its tokenizer and config, its name and its folder."""
+
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict

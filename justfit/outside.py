@@ -19,6 +19,8 @@ from justfit.memory import peak_rss_bytes, rss_bytes, trim_heap
 
 @dataclass(frozen=True)
 class OutsideDecay:
+    """How fast the outside estimate forgets a past spike (see `decayed_max`)."""
+
     half_life: float = 8.0  # requests over which a past spike's excess halves
 
     def __post_init__(self) -> None:

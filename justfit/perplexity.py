@@ -16,12 +16,15 @@ import mlx.nn as nn
 
 @dataclass
 class PerplexityResult:
+    """A perplexity and what it was computed over."""
+
     ppl: float
     chunks: int
     scored_tokens: int
 
 
 def perplexity(model: nn.Module, tokens: list[int], ctx: int = 512, bos_id: int | None = None) -> PerplexityResult:
+    """Perplexity of `model` on `tokens` by llama.cpp's protocol (see the module doc)."""
     n_chunks = len(tokens) // ctx
     if n_chunks == 0:
         raise ValueError(f"need at least {ctx} tokens, got {len(tokens)}")

@@ -10,15 +10,15 @@ cache), MLP activations, and the last position's logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
-from kvexec import KVConfig, ladder
-from kvexec.store import allocated_positions
+from kvexec import KVConfig, ladder, page_bytes_per_token
+from kvexec.segments import allocated_positions
 from phaseswap.policy import default_policy, get_policy
 from phaseswap.registry import predict_resident_bytes, predict_working_bytes
 
@@ -60,6 +60,8 @@ class _Shape:
 
 @dataclass(frozen=True)
 class Footprint:
+    """A request's predicted memory by kind, in bytes, at `positions` retained positions."""
+
     positions: int
     weights: int
     working: int
@@ -70,10 +72,12 @@ class Footprint:
 
     @property
     def total(self) -> int:
+        """Every kind together, the reserve included."""
         return self.weights + self.working + self.kv + self.transient + self.reserve
 
     @property
     def reserve(self) -> int:
+        """What is kept back for the allocator and the terms the estimate leaves out."""
         return int(RESERVE * (self.weights + self.working + self.kv + self.transient)) + RESERVE_FLOOR
 
     def max_positions(self, budget: int) -> int:
@@ -95,6 +99,7 @@ class Footprint:
         return self.pages + int(max(0, budget * (1 - PAGE_MARGIN) - self.total) / (1 + RESERVE))
 
     def as_dict(self) -> dict[str, int]:
+        """The figures by name, for JSON."""
         return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
                 "transient": self.transient, "reserve": self.reserve, "total": self.total}
 
@@ -186,9 +191,8 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         rest_tokens = 0
         top_row = page_row
     else:
-        steps = ladder(kv, head_dim)
-        top_row = steps[0].bytes_per_token(kv_heads, head_dim)
-        page_row = steps[-1 if pressed else 0].bytes_per_token(kv_heads, head_dim)
+        top_row = page_bytes_per_token(kv, kv_heads, head_dim)
+        page_row = _pressed_row(kv, kv_heads, head_dim) if pressed else top_row
         # The hot window's buffer also holds the last chunk appended until the next one.
         full_tokens = kv.sink_tokens + kv.hot_window + kv.page_size + chunk
         rest_tokens = kv.sink_tokens + kv.hot_window
@@ -202,6 +206,14 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         chunk=chunk, act_bytes=act_bytes,
     )
     return _estimate(shape, positions)
+
+
+def _pressed_row(kv: KVConfig, kv_heads: int, head_dim: int) -> float:
+    """Page bytes per position per layer once every page has stepped down its layer's
+    ladder (each layer's ladder starts at its own format in a calibrated config)."""
+    names = kv.layer_formats or (kv.format,)
+    last = [ladder(replace(kv, format=f, layer_formats=()), head_dim)[-1] for f in names]
+    return sum(f.bytes_per_token(kv_heads, head_dim) for f in last) / len(last)
 
 
 def _is_fp32(model: nn.Module) -> bool:

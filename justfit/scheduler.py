@@ -13,14 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from justfit import runtime
 from justfit.config import SamplingParams
 from justfit.errors import JustFitError
-from justfit.streams import use_shared_stream
 
 log = logging.getLogger("justfit.scheduler")
 
 
 class QueueFull(JustFitError):
+    """The queue is full: how many requests wait, and when to retry."""
+
     def __init__(self, waiting: int, retry_after: int):
         self.waiting, self.retry_after = waiting, retry_after
         super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s")
@@ -32,6 +34,8 @@ class _Cancelled(Exception):
 
 @dataclass
 class Job:
+    """One request for the engine thread: its tokens and sampling, and the events it sends back."""
+
     tokens: list[int]
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
@@ -45,6 +49,7 @@ class Job:
     route: str = ""  # the API it came through, for the status page
 
     def emit(self, kind: str, payload: Any = None) -> None:
+        """Send an event to the job's loop; cancel the job when that loop is gone."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the server's loop is gone: nobody is listening
@@ -67,6 +72,8 @@ class Job:
 
 
 class Scheduler:
+    """The engine's worker thread and the bounded queue of jobs waiting for it."""
+
     def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None):
         self.engine, self.max_queue, self.on_done = engine, max_queue, on_done
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -78,6 +85,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
+        """Jobs waiting in the queue (the running one excluded)."""
         return self._queue.qsize()
 
     def queued(self) -> list[Job]:
@@ -95,13 +103,14 @@ class Scheduler:
         return ahead
 
     def close(self) -> None:
+        """Cancel the running job and stop the worker thread once what is queued is done."""
         if self.running is not None:
             self.running.cancel.set()
         self._queue.put(None)
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        use_shared_stream()
+        runtime.setup()  # this thread computes on the shared execution stream
         while (job := self._queue.get()) is not None:
             if job.cancel.is_set():  # its client left while it waited
                 self.cancelled += 1

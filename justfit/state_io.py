@@ -16,6 +16,8 @@ from statetrans.identity import weights_digest
 
 @dataclass
 class StateIO:
+    """What a save or restore of a stored state moved, and how long it took."""
+
     path: str
     tokens: int
     state_bytes: int  # arrays as held in memory
@@ -25,13 +27,14 @@ class StateIO:
 
     @property
     def mb_per_s(self) -> float:
+        """File throughput of the save or restore, in MB per second."""
         return self.file_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
 def state_root(configured: str | None = None) -> Path:
     """The state directory: `configured`, else $JUSTFIT_STATE_DIR, else beside the
     model cache."""
-    from justfit.gguf_import import cache_root
+    from justfit.gguf.convert import cache_root
 
     return Path(configured or os.environ.get("JUSTFIT_STATE_DIR") or cache_root().parent / "state")
 
@@ -56,6 +59,7 @@ def state_identity(engine, cache_dir: Path | None = None) -> dict:
 
 
 def export_state(engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
+    """Save the latest conversation's state (or `session`'s) as a snapshot at `path`."""
     states = engine.states
     if session is not None and session not in states.sessions:
         raise KeyError(f"no session {session!r}")

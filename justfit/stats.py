@@ -10,6 +10,8 @@ from phaseswap import PhaseStats
 
 @dataclass
 class GenerationStats:
+    """What one generation did: tokens, times, memory and phases."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a stored state
     restored_from: str = ""  # where that state was: "memory", "disk" or "" (none)
@@ -28,16 +30,19 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
+        """Prefill rate: prompt tokens computed (cached ones excluded) per second."""
         new = self.prompt_tokens - self.cached_tokens
         return new / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
+        """Decode rate: tokens per second over the steps after the first token."""
         # The first token comes from prefill's logits; the rest each cost one step.
         steps = max(0, self.generated_tokens - 1)
         return steps / self.decode_s if self.decode_s > 0 else 0.0
 
     def summary(self) -> str:
+        """One readable line: tokens, rates and peak memory."""
         mem = f", peak {self.memory.mlx_peak / 2**20:.0f} MiB MLX / {self.memory.rss_peak / 2**20:.0f} MiB process" if self.memory else ""
         return (f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached) at "
                 f"{self.prefill_tps:.1f} tok/s, {self.generated_tokens} generated at "

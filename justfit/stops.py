@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 class StopMatcher:
+    """Stop strings over streamed text: holds back what could still begin one."""
+
     def __init__(self, stops: tuple[str, ...] | list[str]):
         self.stops = [s for s in stops if s]
         self._pending = ""

@@ -4,17 +4,19 @@ Public API: `KVConfig`, `make_cache(model, config)`, `install(model)` (refuses, 
 `SeamBypassed`, a model whose attention bypasses the executor), `trim(cache, n)`,
 `can_trim(cache, n)`, `pin(cache, n)` (retention keeps the prompt),
 `limit_pages(cache, bytes)` (pages step down `KVConfig.pressure` to stay within it),
-`page_formats(cache)`, `ladder(config, head_dim)`, the formats (`FORMATS`,
+`page_formats(cache)`, `page_bytes_per_token(config, kv_heads, head_dim)`, `ladder(config, head_dim)`, the formats (`FORMATS`,
 `get_format`) and `blockwise_attention`.
 """
 
 from kvexec.attention import Block, blockwise_attention
-from kvexec.cache import (PagedKVCache, SeamBypassed, can_trim, for_head_dim, limit_pages, make_cache, page_formats,
-                          pin, trim)
+from kvexec.cache import (PagedKVCache, SeamBypassed, can_trim, for_head_dim, limit_pages, make_cache, page_bytes_per_token,
+                          page_formats, pin, trim)
 from kvexec.formats import FORMATS, KVFormat, get_format
 from kvexec.seam import install
-from kvexec.store import KVConfig, PageStore, ladder
+from kvexec.config import KVConfig
+from kvexec.pressure import ladder
+from kvexec.store import PageStore
 
 __all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache", "SeamBypassed",
            "blockwise_attention", "can_trim", "for_head_dim", "get_format", "install", "ladder", "limit_pages",
-           "make_cache", "page_formats", "pin", "trim"]
+           "make_cache", "page_bytes_per_token", "page_formats", "pin", "trim"]

@@ -5,6 +5,9 @@ context: each block's scores are computed, folded into a running (max, sum,
 accumulator) and dropped. Few query rows (decode) are scored straight on the stored
 form (`quantized_matmul` for quantized pages); many rows (prefill chunks) decode the
 block once and use dense GEMMs. Grouped-query heads share their KV head's block.
+
+Numpy writes into MLX-owned memory in one place only, `_softmax_step_numpy`, and
+only into the score buffer this module has just made for that step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def _on_cpu() -> bool:
 
 @dataclass
 class Block:
+    """A run of stored keys and values in one format, which the executor scores as a unit."""
+
     keys: dict[str, mx.array]  # stored form: [B, kv_heads, ...]
     values: dict[str, mx.array]
     fmt: KVFormat
@@ -41,6 +46,7 @@ class Block:
 
     @property
     def kv_heads(self) -> int:
+        """KV heads the block's keys hold."""
         return next(iter(self.keys.values())).shape[1]
 
 
@@ -113,12 +119,23 @@ def _softmax_step(s: mx.array, m: mx.array):
     return mx.exp(s - m_safe), mx.exp(m - m_safe), m_new, m_safe
 
 
+def _block_scores(q: mx.array, block: Block, visible, rep: int, L: int, direct: bool) -> mx.array:
+    """The block's masked scores, [B, kvh, rep * L, n]: a new array only the caller
+    holds (`_softmax_step_numpy` may overwrite it)."""
+    s = block.fmt.keys.scores(q, block.keys) if direct else q @ block.fmt.keys.decode(block.keys).swapaxes(-1, -2)
+    return _masked(s, visible, rep, L)
+
+
 def _softmax_step_numpy(s: mx.array, m: mx.array):
-    """`_softmax_step` for large score blocks on the CPU backend: MLX's CPU `exp` runs
-    at ~0.1 G elements/s, numpy's vectorized one ~20x faster, and at long prefill the
-    exponentials are most of attention's time. The block's scores are a fresh array
-    nothing else reads, so the probabilities overwrite them in place (a copy back into
-    MLX would cost more than the exponentials)."""
+    """`_softmax_step` for large score blocks on the CPU backend: MLX's CPU `exp` is
+    scalar, numpy's vectorized one far faster, and at long prefill the exponentials are
+    most of attention's time.
+
+    The one place JustFit writes into MLX-owned memory: the probabilities overwrite
+    `s` in place, through numpy (a copy into a new MLX array would cost more than the
+    exponentials, and an MLX subtraction into a new one slows prefill attention).
+    `s` must be a buffer `_block_scores` just made and handed over, read by nothing
+    else, before or after; anything else (a view, a read-only buffer) takes the MLX path."""
     mx.eval(s, m)
     s_np, m_np = np.asarray(s), np.asarray(m)
     if not (s_np.flags.c_contiguous and s_np.flags.writeable):
@@ -170,11 +187,10 @@ def blockwise_attention(
             l = mx.zeros((B, kvh, rep * L, 1), dtype=mx.float32)
             acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
         direct = rep * L <= DIRECT_ROWS
-        s = block.fmt.keys.scores(q, block.keys) if direct else q @ block.fmt.keys.decode(block.keys).swapaxes(-1, -2)
-        s = _masked(s, visible, rep, L)
-        big = s.size >= EVAL_EVERY_BLOCK
+        big = B * H * L * n >= EVAL_EVERY_BLOCK  # the scores' size
         step = _softmax_step_numpy if big and _on_cpu() else _softmax_step
-        p, corr, m_new, m_safe = step(s, m)
+        # The scores go straight into the step: no name here outlives the numpy overwrite.
+        p, corr, m_new, m_safe = step(_block_scores(q, block, visible, rep, L, direct), m)
         pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
         l, acc = _fold(l, acc, corr, p, pv)
         m = m_new

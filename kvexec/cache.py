@@ -17,7 +17,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, make_promp
 
 from kvexec.attention import blockwise_attention
 from kvexec.formats import get_format
-from kvexec.store import KVConfig, PageStore
+from kvexec.config import KVConfig
+from kvexec.store import PageStore
 
 
 class SeamBypassed(ValueError):
@@ -51,10 +52,12 @@ class KVPlaceholder:
 
     @property
     def dtype(self) -> mx.Dtype:
+        """The dtype a full cache's keys (values) would have: `like`'s, or the one cast to."""
         return self._like.dtype if self._dtype is None else self._dtype
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions a full cache's keys (values) would have."""
         return self._like.ndim
 
     def astype(self, dtype: mx.Dtype, *args, **kwargs) -> KVPlaceholder:
@@ -97,6 +100,7 @@ class PagedKVCache(_BaseCache):
     # -- mlx-lm cache protocol -------------------------------------------------
     @property
     def offset(self) -> int:
+        """Positions stored so far."""
         return self.store.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KVPlaceholder, KVPlaceholder]:
@@ -124,6 +128,7 @@ class PagedKVCache(_BaseCache):
 
     @state.setter
     def state(self, value) -> None:
+        """Refused: a paged cache is rebuilt by kvexec.export.import_layer, not from its arrays."""
         # The arrays alone do not say how the pages are laid out: kvexec.export does.
         raise TypeError("a paged KV cache is rebuilt by kvexec.export.import_layer, not from its state arrays")
 
@@ -154,24 +159,38 @@ class PagedKVCache(_BaseCache):
 
 
 def for_head_dim(config: KVConfig, head_dim: int) -> KVConfig:
-    """`config`, or the same in fp16 where its format cannot store this head_dim."""
-    if get_format(config.format).supports_head_dim(head_dim):
+    """`config`, or the same in fp16 where its format (or a layer's) cannot store this head_dim."""
+    if all(get_format(f).supports_head_dim(head_dim) for f in (config.format, *config.layer_formats)):
         return config
-    return replace(config, format="fp16")
+    return replace(config, format="fp16", layer_formats=())
+
+
+def page_bytes_per_token(config: KVConfig, kv_heads: int, head_dim: int) -> float:
+    """Page bytes of one position in one layer: the format's, or with per-layer
+    formats (a calibrated configuration) their mean, so layers x this is exact."""
+    names = config.layer_formats or (config.format,)
+    return sum(get_format(f).bytes_per_token(kv_heads, head_dim) for f in names) / len(names)
 
 
 def make_cache(model: nn.Module, config: KVConfig | None = None) -> list:
     """The model's own cache list with every attention cache replaced by a paged one
-    (sliding-window caches by windowed ones); recurrent-state caches stay as they are."""
-    caches = []
-    for c in make_prompt_cache(model):
-        if isinstance(c, RotatingKVCache):
-            caches.append(PagedKVCache(config, window=c.max_size))
-        elif isinstance(c, KVCache):
-            caches.append(PagedKVCache(config))
-        else:
-            caches.append(c)
-    return caches
+    (sliding-window caches by windowed ones); recurrent-state caches stay as they are.
+    With `config.layer_formats`, attention layer i keeps its pages in format i."""
+    config = config or KVConfig()
+    caches = make_prompt_cache(model)
+    attention = [c for c in caches if isinstance(c, (RotatingKVCache, KVCache))]
+    per_layer = config.layer_formats
+    if per_layer and len(per_layer) != len(attention):
+        raise ValueError(f"{len(per_layer)} layer formats for a model with {len(attention)} attention layers")
+    out, i = [], 0
+    for c in caches:
+        if not isinstance(c, (RotatingKVCache, KVCache)):
+            out.append(c)
+            continue
+        layer = replace(config, format=per_layer[i], layer_formats=()) if per_layer else config
+        i += 1
+        out.append(PagedKVCache(layer, window=c.max_size if isinstance(c, RotatingKVCache) else None))
+    return out
 
 
 def pin(cache: list, positions: int) -> None:

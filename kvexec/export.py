@@ -11,7 +11,9 @@ import mlx.core as mx
 
 from kvexec.cache import PagedKVCache, can_trim, trim
 from kvexec.formats import get_format
-from kvexec.store import KVConfig, PageStore, Segment
+from kvexec.config import KVConfig
+from kvexec.segments import Segment
+from kvexec.store import PageStore
 
 KIND = "paged"
 __all__ = ["KIND", "can_trim", "export_layer", "import_layer", "trim"]
@@ -32,6 +34,7 @@ def import_layer(arrays: dict[str, mx.array], meta: dict) -> PagedKVCache:
 
 
 def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:
+    """A page store's arrays and JSON-able metadata: layout, positions, segments, eviction state."""
     arrays: dict[str, mx.array] = {}
     for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
         a = getattr(store, name)
@@ -51,12 +54,13 @@ def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:
     meta = {"config": asdict(store.config), "window": store.window, "offset": store.offset,
             "pinned": store.pinned, "evicted": store.evicted, "segments": segments}
     if store.config.max_positions is not None and store.config.policy == "random":
-        version, internal, gauss = store._rng.getstate()  # random eviction continues its sequence
+        version, internal, gauss = store.retention.rng.getstate()  # random eviction continues its sequence
         meta["rng"] = [version, list(internal), gauss]
     return arrays, meta
 
 
 def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
+    """The page store `export_store` described."""
     store = PageStore(KVConfig(**meta["config"]), meta["window"])
     for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
         setattr(store, name, arrays.get(name))
@@ -68,11 +72,12 @@ def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
     store.offset, store.pinned, store.evicted = meta["offset"], meta["pinned"], meta["evicted"]
     if "rng" in meta:
         version, internal, gauss = meta["rng"]
-        store._rng.setstate((version, tuple(internal), gauss))
+        store.retention.rng.setstate((version, tuple(internal), gauss))
     return store
 
 
 def paged_cache_from_store(store: PageStore) -> PagedKVCache:
+    """A paged cache layer over `store`, as it is."""
     cache = PagedKVCache.__new__(PagedKVCache)
     cache.store = store
     return cache

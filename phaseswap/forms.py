@@ -172,10 +172,12 @@ def to_q8t(mod: nn.Module, block: int = 4096) -> nn.Module:
 
 
 def is_linear(mod: nn.Module) -> bool:
+    """Whether `mod` is a linear layer in any form PhaseSwap handles (dense, quantized, q8t, grouped)."""
     return isinstance(mod, (*LINEAR_TYPES, TransposedQuantizedLinear, GroupedQuantizedLinear))
 
 
 def module_bytes(mod: nn.Module) -> int:
+    """Bytes of `mod`'s parameters as they are held."""
     return sum(v.nbytes for _, v in tree_flatten(mod.parameters()))
 
 
@@ -205,6 +207,7 @@ class TiedEmbedding(nn.Module):
         return self.lookup(x)
 
     def as_linear(self, x: mx.array) -> mx.array:
+        """The output head applied to `x`: what mlx-lm calls for a tied model's logits."""
         return self.head(x)
 
 
@@ -221,6 +224,7 @@ def materialize_dense(model: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Modu
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
+    """The submodule of `root` at dotted `path` (list items by index; an empty path is `root`)."""
     mod = root
     for part in path.split(".") if path else []:
         mod = mod[int(part)] if isinstance(mod, list) else mod[part]
@@ -228,6 +232,7 @@ def get_module(root: nn.Module, path: str) -> nn.Module:
 
 
 def set_module(root: nn.Module, path: str, value: nn.Module) -> None:
+    """Replace the submodule of `root` at dotted `path` with `value`."""
     parent_path, _, last = path.rpartition(".")
     parent = get_module(root, parent_path)
     if isinstance(parent, list):

@@ -28,9 +28,11 @@ class PhaseStats(Counters):
     streamed_components: int = 0
 
     def as_dict(self) -> dict:
+        """The stats as a plain dict."""
         return asdict(self)
 
     def summary(self) -> str:
+        """One readable line: time, peak memory, residency, and what was materialized and read."""
         mib = 2**20
         text = (f"{self.name}: {self.seconds:.2f} s, MLX peak {self.peak_bytes / mib:.0f} MiB, "
                 f"{self.resident_components} components resident, {self.streamed_components} on disk")
@@ -42,35 +44,23 @@ class PhaseStats(Counters):
         return text
 
 
-_HOOKED: dict[type, type] = {}
-
-
 def _hooked_class(cls: type) -> type:
-    """A subclass whose calls go through the owning PhaseSwap (the class is swapped
-    on the instance, so parameter paths and everything else stay the model's own)."""
-    if cls not in _HOOKED:
-        def __call__(self, *args, **kwargs):
-            swap, name = self.__dict__["_phaseswap"]
-            return swap._call(name, self, cls.__call__, args, kwargs)
+    """A new subclass of `cls` whose calls go through the owning PhaseSwap (the class
+    is swapped on the instance, so parameter paths and everything else stay the
+    model's own). Each PhaseSwap makes one per model class and keeps it."""
+    def __call__(self, *args, **kwargs):
+        swap, name = self.__dict__["_phaseswap"]
+        return swap._call(name, self, cls.__call__, args, kwargs)
 
-        _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
-    return _HOOKED[cls]
-
-
-def _hook(module: nn.Module, swap: "PhaseSwap", name: str) -> None:
-    base = type(module)
-    if base in _HOOKED.values():
-        base = base.__mro__[1]
-    module.__class__ = _hooked_class(base)
-    object.__setattr__(module, "_phaseswap", (swap, name))
+    return type(cls.__name__, (cls,), {"__call__": __call__, "phaseswap_base": cls})
 
 
 class PhaseSwap:
     """A model's components under one policy, run phase by phase."""
 
     # Below this many tokens a layer runs on its resident form even where the phase
-    # asks for dense: dequantizing a layer costs ~8 rows of q8t matvec (bench: 0.9 ms
-    # to dequantize SmolLM2's MLP matrix, 0.12 ms per q8t row), e.g. prefill's last token.
+    # asks for dense: dequantizing a layer costs about as much as a few rows of q8t
+    # matvec, e.g. prefill's last token.
     dense_min_tokens = 8
 
     def __init__(self, model: nn.Module, policy: Policy | str | None = None,
@@ -86,9 +76,19 @@ class PhaseSwap:
             form = "dense" if self.policy.prefill == "dense" else "resident"
             self.prefill_forms = {name: form for name in layers}
         self._forms: dict[str, str] = {}
+        self._hooked_classes: dict[type, type] = {}  # model class -> its hooked subclass, this swap's own
         for name, comp in self.registry.components.items():
             if comp.kind != "embed":
-                _hook(comp.module, self, name)
+                self._hook(comp.module, name)
+
+    def _hook(self, module: nn.Module, name: str) -> None:
+        """Route `module`'s calls through this PhaseSwap (a module an earlier one hooked
+        is taken back to its model class first)."""
+        base = getattr(type(module), "phaseswap_base", type(module))
+        if base not in self._hooked_classes:
+            self._hooked_classes[base] = _hooked_class(base)
+        module.__class__ = self._hooked_classes[base]
+        object.__setattr__(module, "_phaseswap", (self, name))
 
     # -- running ---------------------------------------------------------------------
     def _call(self, name: str, module: nn.Module, base_call: Callable, args: tuple, kwargs: dict):
@@ -138,6 +138,7 @@ class PhaseSwap:
 
     @property
     def streamed(self) -> tuple[str, ...]:
+        """The components on disk now."""
         return tuple(n for n, c in self.registry.components.items() if c.state == Residency.DISK)
 
     def offload_order(self) -> list[str]:

@@ -10,10 +10,12 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class Policy:
+    """How weights are held and used: the resident form, how prefill runs, and parameter precision."""
+
     name: str
     resident: str  # the form components keep between phases: q8t | stored | dense
     prefill: str  # how prefill runs each layer: dense (materialized just in time) | resident | measured
-    fp32: bool  # cast float parameters to fp32 (CPU: fp16 activations are ~40x slower)
+    fp32: bool  # cast float parameters to fp32 (MLX's CPU kernels are far slower on fp16)
     summary: str
 
 
@@ -38,10 +40,12 @@ POLICIES = {p.name: p for p in (
 
 
 def default_policy() -> str:
+    """The policy `auto` means here: quantized on a GPU, cpu otherwise."""
     return "quantized" if mx.default_device() == mx.gpu else "cpu"
 
 
 def get_policy(name: str | None) -> Policy:
+    """The policy `name` names (None or "auto": the default); ValueError for an unknown one."""
     name = default_policy() if name in (None, "auto") else name
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose auto or one of {', '.join(POLICIES)}")

@@ -27,6 +27,8 @@ CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense}
 
 
 class Residency(str, Enum):
+    """Where a component's arrays are: on disk, resident, or materialized by a lease."""
+
     DISK = "disk"
     RESIDENT = "resident"
     MATERIALIZED = "materialized"
@@ -34,6 +36,8 @@ class Residency(str, Enum):
 
 @dataclass
 class Component:
+    """One registered part of a model (the embedding, a layer or the head) and its residency."""
+
     name: str  # "embed", "layer.3", "head"
     kind: str  # "embed" | "layer" | "head"
     root: nn.Module  # the module whose `scope` children hold this component
@@ -45,9 +49,11 @@ class Component:
 
     @property
     def module(self) -> nn.Module:
+        """The component's module, looked up under its root."""
         return get_module(self.root, self.scope)
 
     def linears(self) -> list[str]:
+        """Paths of the linear layers inside the component ("" when it is one itself)."""
         mod = self.module
         return [p for p, m in mod.named_modules() if is_linear(m) and p] or ([""] if is_linear(mod) else [])
 
@@ -63,9 +69,11 @@ class Counters:
     disk_loads: int = 0
 
     def snapshot(self) -> "Counters":
+        """A copy of the counters as they are now."""
         return Counters(**vars(self))
 
     def since(self, before: "Counters") -> "Counters":
+        """What the counters moved since `before`."""
         return Counters(**{k: v - getattr(before, k) for k, v in vars(self).items()})
 
 
@@ -104,12 +112,21 @@ def predict_working_bytes(model: nn.Module) -> int:
                 for layer in _body(model).layers), default=0)
 
 
-def _body(model: nn.Module) -> nn.Module:
+def transformer_body(model: nn.Module) -> nn.Module | None:
+    """The transformer under the output head (`model.model`, with `embed_tokens` and a
+    list of `layers`), or None when the model is not shaped so."""
     inner = getattr(model, "model", None)
     if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list) \
             and isinstance(getattr(inner, "embed_tokens", None), nn.Module):
         return inner
-    raise ValueError(f"{type(model).__name__}: PhaseSwap needs model.model.{{embed_tokens, layers}}")
+    return None
+
+
+def _body(model: nn.Module) -> nn.Module:
+    body = transformer_body(model)
+    if body is None:
+        raise ValueError(f"{type(model).__name__}: PhaseSwap needs model.model.{{embed_tokens, layers}}")
+    return body
 
 
 @dataclass
@@ -174,6 +191,7 @@ class Registry:
     # -- accounting ------------------------------------------------------------------
     @property
     def layers(self) -> list[str]:
+        """Names of the layer components, in model order."""
         return [n for n, c in self.components.items() if c.kind == "layer"]
 
     def resident_bytes(self) -> int:
@@ -181,9 +199,11 @@ class Registry:
         return sum(c.nbytes for c in self.components.values() if c.state != Residency.DISK)
 
     def total_bytes(self) -> int:
+        """Resident-form bytes of every component, on disk or not."""
         return sum(c.nbytes for c in self.components.values())
 
     def states(self) -> dict[str, str]:
+        """Each component's residency, by name."""
         return {n: c.state.value for n, c in self.components.items()}
 
     # -- disk ------------------------------------------------------------------------

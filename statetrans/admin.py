@@ -16,6 +16,8 @@ from statetrans.snapshot import SnapshotError, load_snapshot, read_manifest, sna
 
 @dataclass
 class Stored:
+    """One snapshot in a state directory, as `justfit state` lists it."""
+
     path: Path
     session: str | None  # None: anonymous
     tokens: int

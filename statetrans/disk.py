@@ -40,6 +40,7 @@ def temp_owner(name: str) -> int | None:
 
 
 def alive(pid: int) -> bool:
+    """Whether process `pid` exists (this process always does)."""
     return pid == os.getpid() or psutil.pid_exists(pid)
 
 
@@ -61,6 +62,7 @@ def owner_alive(tag) -> bool:
 
 
 def mine(tag) -> bool:
+    """Whether owner tag `tag` names this process."""
     return isinstance(tag, dict) and tag.get("pid") == os.getpid()
 
 

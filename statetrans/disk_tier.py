@@ -22,6 +22,8 @@ ANON = "anon"
 
 
 class DiskTier:
+    """One model's anonymous states on disk: written, scanned and deleted here."""
+
     def __init__(self, root: Path, identity: dict, faults: Faults = NONE):
         self.root, self.identity, self.faults = root, identity, faults
         self.dir = root / ANON

@@ -13,6 +13,8 @@ ENV = "JUSTFIT_STATE_FAULT"
 
 @dataclass
 class Faults:
+    """A crash point, and the countdown of visits to it at whose end the process dies."""
+
     point: str | None = None
     countdown: int = 0
 

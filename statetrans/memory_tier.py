@@ -15,6 +15,8 @@ from statetrans.prefix import PrefixTrie
 
 @dataclass
 class Entry:
+    """One stored state: its tokens, where it is held (memory, disk or both) and its bookkeeping."""
+
     key: str
     tokens: list[int]
     cache: list | None = None  # in the memory tier
@@ -42,6 +44,7 @@ class Reuse:
 
     @property
     def length(self) -> int:
+        """Positions the reused state holds."""
         return len(self.tokens)
 
 
@@ -57,13 +60,16 @@ class Index:
     # (list(...) copies in one step: the server reads these while its engine thread writes)
     @property
     def memory_bytes(self) -> int:
+        """Bytes of the states held in memory."""
         return sum(e.nbytes for e in list(self.entries.values()) if e.cache is not None)
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of the states' disk copies."""
         return sum(e.disk_bytes for e in list(self.entries.values()) if e.path is not None)
 
     def touch(self, e: Entry) -> None:
+        """Mark `e` as the most recently used."""
         e.used = next(self._clock)
 
     def add(self, e: Entry) -> Entry | None:
@@ -78,6 +84,7 @@ class Index:
         return self.entries.get(prev) if prev != e.key else None
 
     def remove(self, e: Entry) -> None:
+        """Forget `e`: by key, by prefix and by session name."""
         self.entries.pop(e.key, None)
         if e.key in self.trie:
             self.trie.remove(e.key)
@@ -85,6 +92,7 @@ class Index:
             del self.sessions[e.session]
 
     def session(self, name: str) -> Entry | None:
+        """Session `name`'s entry, or None."""
         key = self.sessions.get(name)
         return self.entries.get(key) if key is not None else None
 

@@ -24,6 +24,8 @@ def _common(a: tuple[int, ...], b, start: int) -> int:
 
 
 class PrefixTrie:
+    """Stored states' token sequences by key, in a radix trie: which share how long a prefix with a request."""
+
     def __init__(self) -> None:
         self._root = _Node()
         self._tokens: dict[str, tuple[int, ...]] = {}
@@ -35,9 +37,11 @@ class PrefixTrie:
         return key in self._tokens
 
     def tokens(self, key: str) -> tuple[int, ...]:
+        """The token sequence stored under `key`."""
         return self._tokens[key]
 
     def insert(self, key: str, tokens) -> None:
+        """Store `tokens` under `key`, replacing what `key` held."""
         tokens = tuple(int(t) for t in tokens)
         if key in self._tokens:
             self.remove(key)
@@ -59,6 +63,7 @@ class PrefixTrie:
         self._tokens[key] = tokens
 
     def remove(self, key: str) -> None:
+        """Drop `key`, pruning the nodes it leaves empty and merging pass-through ones."""
         tokens = self._tokens.pop(key)
         path, node, depth = [], self._root, 0
         while depth < len(tokens):

@@ -32,11 +32,14 @@ def folder_name(name: str) -> str:
 
 
 class SessionStore:
+    """One model's named sessions on disk, each a folder of atomically published generations."""
+
     def __init__(self, root: Path, identity: dict, faults: Faults = NONE):
         self.root, self.identity, self.faults = root, identity, faults
         self.dir = root / SESSIONS
 
     def folder(self, name: str) -> Path:
+        """Session `name`'s folder, whether or not it exists."""
         return self.dir / folder_name(name)
 
     def generations(self, name: str) -> list[tuple[int, Path]]:

@@ -66,6 +66,7 @@ def holds(cache: list, positions: int) -> bool:
 
 
 def state_bytes(arrays: dict[str, mx.array]) -> int:
+    """Bytes the arrays hold."""
     return sum(a.nbytes for a in arrays.values())
 
 

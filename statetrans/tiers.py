@@ -14,19 +14,19 @@ import atexit
 import copy
 import json
 import logging
-import time
 import uuid
 import weakref
 from pathlib import Path
 
 import mlx.core as mx
 
-from kvexec.export import can_trim, trim
+from kvexec.export import can_trim
 from statetrans.disk import locked, sweep_temporaries
 from statetrans.disk_tier import DiskTier
 from statetrans.faults import Faults
 from statetrans.identity import identity_key, read_checked
 from statetrans.memory_tier import Entry, Index, Reuse, cache_nbytes
+from statetrans.reuse import take
 from statetrans.sessions import SessionStore
 from statetrans.snapshot import SnapshotError, load_snapshot
 from statetrans.state import capture, copy_cache
@@ -36,6 +36,8 @@ log = logging.getLogger("justfit.statetrans")
 
 
 class StateTiers:
+    """Stored states in memory and on disk, found by token prefix (see the module doc)."""
+
     def __init__(self, directory: str | Path, identity: dict, layers: int,
                  memory_limit: int, disk_limit: int, faults: Faults | None = None):
         self.identity, self.layers = identity, layers
@@ -54,18 +56,22 @@ class StateTiers:
 
     @property
     def entries(self) -> dict[str, Entry]:
+        """Every indexed state by key."""
         return self.index.entries
 
     @property
     def sessions(self) -> dict[str, str]:
+        """Session name -> its state's key."""
         return self.index.sessions
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes of the states held in memory."""
         return self.index.memory_bytes
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of the states on disk."""
         return self.index.disk_bytes
 
     # -- storing --------------------------------------------------------------------
@@ -115,65 +121,18 @@ class StateTiers:
 
     # -- reuse ----------------------------------------------------------------------
     def take(self, tokens: list[int], session: str | None = None, memory_limit: int | None = None) -> Reuse:
-        """The stored state sharing the longest usable prefix with `tokens` (at most
-        all but the last token, so the request computes logits), trimmed to it, and
-        detached for the request to extend. A state extended as it is leaves the index
-        (the request's own state will cover it) unless it cannot be trimmed later
-        (recurrent layers) or is another session's: those stay as checkpoints. The
-        session's own state stays on disk until its next generation is durable."""
-        if session:
-            self.session_entry(session)  # also one another process wrote since
-        limit = len(tokens) - 1
-        own = self.index.sessions.get(session) if session else None
-        candidates = [(min(n, limit), key) for n, key in self.index.trie.match(tokens)]
-        entries = self.index.entries
-        rank = {key: (n, n == len(entries[key].tokens), key == own, entries[key].cache is not None)
-                for n, key in candidates}
-        for key in sorted(rank, key=lambda k: rank[k], reverse=True):
-            n, e = rank[key][0], entries.get(key)
-            if e is None:
-                continue
-            cut = len(e.tokens) - n
-            if n <= 0 or (cut and not e.trimmable):
-                continue
-            keep = cut > 0 or not e.trimmable or (e.session is not None and e.session != session)
-            reuse = self._detach(e, keep, memory_limit)
-            if reuse is None:
-                continue
-            if cut and not trim(reuse.cache, cut):
-                continue  # e.g. evicted positions: the copy is dropped
-            reuse.tokens = reuse.tokens[:n]
-            return reuse
-        self.fit(memory_limit)
-        return Reuse(None, [], {}, "")
+        """The stored state sharing the longest usable prefix with `tokens`, detached
+        for the request to extend (statetrans.reuse.take)."""
+        return take(self, tokens, session, memory_limit)
 
-    def _detach(self, e: Entry, keep: bool, memory_limit: int | None) -> Reuse | None:
-        start = time.perf_counter()
-        stays = keep or e.session is not None  # a session's next turn: its disk copy stays indexed
-        if not keep and e.cache is not None:  # hand the memory over; nothing to copy
-            cache, source = e.cache, "memory"
-            e.cache = None
-            self._release(e, stays)
-            self.fit(memory_limit)
-        else:
-            self.fit(memory_limit, spare=None if keep else e)  # spill first: the copy needs room
-            if e.cache is not None:
-                cache, source = copy_cache(e.cache), "memory"
-            else:
-                cache, source = self._load(e), "disk"
-                if cache is None:
-                    return None
-                self.restored += 1
-            self._release(e, stays)
-        return Reuse(cache, list(e.tokens), dict(e.sampler), source, time.perf_counter() - start, e.session)
-
-    def _release(self, e: Entry, stays: bool) -> None:
+    def release(self, e: Entry, stays: bool) -> None:
+        """After `e`'s state was handed out: keep it indexed (`stays`) or forget it."""
         if stays:
             self.index.touch(e)
         else:
             self._forget(e)
 
-    def _load(self, e: Entry) -> list | None:
+    def load(self, e: Entry) -> list | None:
         """`e`'s state read from disk; None when it cannot be (then a damaged anonymous
         state is forgotten, a damaged session generation gives way to its previous one)."""
         if e.session is not None:
@@ -304,7 +263,7 @@ class StateTiers:
             cache = e.cache
             self._forget(e)
         else:
-            cache = copy_cache(e.cache) if e.cache is not None else self._load(e)
+            cache = copy_cache(e.cache) if e.cache is not None else self.load(e)
         if cache is None:
             raise SnapshotError(f"the state of {len(e.tokens)} tokens could not be read from disk")
         return self.put(e.tokens, cache, name, e.sampler)

@@ -22,12 +22,16 @@ log = logging.getLogger("justfit.statetrans")
 
 @dataclass
 class Job:
+    """A session's state waiting to be published: its entry, arrays and manifest."""
+
     entry: Entry
     arrays: dict[str, mx.array]  # shallow copies: the store's later in-place writes do not reach them
     meta: dict  # JSON-able, copied
 
 
 class WriteThrough:
+    """A background thread publishing sessions' states from a bounded queue, in order per session."""
+
     def __init__(self, store: SessionStore, depth: int = 2):
         self.store = store
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=depth)

@@ -9,13 +9,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import pytest
+
+from justfit import runtime
 
 # Stored states (StateTiers' disk tier) go to a fresh folder, never the user's, removed
 # when the run ends.
 os.environ["JUSTFIT_STATE_DIR"] = tempfile.mkdtemp(prefix="justfit-state-")
 atexit.register(shutil.rmtree, os.environ["JUSTFIT_STATE_DIR"], ignore_errors=True)
+
+
+def pytest_configure(config) -> None:
+    # Before any test module imports mlx.core: OpenBLAS binds only if loaded first.
+    runtime.setup()
 
 
 def pytest_addoption(parser) -> None:

@@ -109,7 +109,9 @@ def work(spec: dict, log) -> None:
 def zygote() -> None:
     """Fork a worker per `{"cmd": "fork", "spec": ..., "log": PATH}`; reap one per
     `{"cmd": "wait", "pid": N}` (replying its exit status)."""
-    import justfit  # noqa: F401  (OpenBLAS, then mlx: imported once, computed nothing yet)
+    from justfit import runtime
+
+    runtime.setup()  # OpenBLAS, then mlx: imported once, computed nothing yet
     import justfit.engine  # noqa: F401
 
     for line in sys.stdin:

@@ -11,12 +11,11 @@ import re
 import shutil
 from pathlib import Path
 
-import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import pytest
 from click.testing import CliRunner
 
 from cli import common
-from cli.chat import ChatSession
+from cli.chat_session import ChatSession
 from cli.main import main
 from justfit import Engine, SamplingParams
 from justfit.chat_template import ChatTemplateError, has_chat_template, read_chat_template, use_chat_template

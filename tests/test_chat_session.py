@@ -9,10 +9,9 @@ import json
 import os
 import signal
 
-import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import pytest
 
-from cli.chat import ChatSession, PrefillBar, stats_line
+from cli.chat_session import ChatSession, PrefillBar, stats_line
 from justfit import Engine, SamplingParams
 
 QUESTION = "What is the capital of France?"

@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
-import justfit  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import pytest
 from click.testing import CliRunner
 
+import justfit
 from cli import common
 from cli.main import main
 from justfit import Engine, SamplingParams
@@ -45,7 +46,7 @@ def loads(engine, monkeypatch) -> list:
 
     def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto", whole_process=False):
         calls.append((model, budget, whole_process) if whole_process else (model, budget))
-        monkeypatch.setattr(engine.config, "budget_bytes", budget)
+        monkeypatch.setattr(engine, "config", replace(engine.config, budget_bytes=budget))
         return engine
 
     monkeypatch.setattr(common, "load_engine", load)

@@ -204,3 +204,24 @@ def test_kv_format_falls_back_to_fp16_for_small_heads(tiny_llama_dir):
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(kv=KVConfig(format="q4")))
     assert engine.config.kv.format == "fp16"  # head_dim 16 holds no 32-value group
     assert engine.complete("hello", SamplingParams(temperature=0, max_tokens=3)) is not None
+
+
+def test_a_config_passed_twice_gives_identical_engines(tiny_llama_dir):
+    """Engines work on their own copy: the caller's config is frozen and unchanged, and
+    reusing it gives the same engine (budget, adapted KV format, tokens)."""
+    import dataclasses
+
+    from kvexec import KVConfig
+
+    config = EngineConfig(budget_bytes=2**30, kv=KVConfig(format="q8c"))  # q8c cannot store head_dim 16
+    kept = dataclasses.replace(config)
+    first, second = Engine(str(tiny_llama_dir), config=config), Engine(str(tiny_llama_dir), config=config)
+    assert config == kept and config.kv.format == "q8c"
+    assert first.config == second.config and first.config.kv.format == "fp16"
+    assert _tokens(first, "same engine") == _tokens(second, "same engine")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.budget_bytes = 1
+    whole = EngineConfig(budget_bytes=2**30, budget_covers_process=True)
+    engine = Engine(str(tiny_llama_dir), config=whole)
+    assert whole.budget_bytes == 2**30 and whole.budget_covers_process  # the caller's, untouched
+    assert engine.config.budget_bytes < 2**30 and not engine.config.budget_covers_process

@@ -10,9 +10,9 @@ from gguf.quants import dequantize
 
 from mlx.utils import tree_flatten
 
-from justfit.gguf_import import RequantOptions, UnsupportedModel, convert, converted_path
-from justfit.gguf_blocks import pack
-from justfit.gguf_file import read_gguf
+from justfit.gguf.convert import RequantOptions, UnsupportedModel, convert, converted_path
+from justfit.gguf.blocks import pack
+from justfit.gguf.file import read_gguf
 from justfit.models import load
 from phaseswap import materialize_dense
 from tests.tiny_models import finish, reference_model, write_gemma3_gguf, write_llama_gguf

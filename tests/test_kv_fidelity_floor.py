@@ -9,7 +9,7 @@ import pytest
 from kvexec import KVConfig, PageStore, ladder
 
 SMALL = dict(page_size=32, hot_window=16, sink_tokens=2, block_tokens=64)
-# SmolLM2's measured top-1 per format, every page in it (README's KVExec table).
+# SmolLM2's measured top-1 per format, every page in it (docs/BENCHMARKS.md, KVExec fidelity).
 MEASURED = {"k8cv4": 0.9902, "q4c": 0.9790, "q3c": 0.9363}
 
 

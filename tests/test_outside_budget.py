@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import justfit.engine as engine_module
+import justfit.budget as budget_module
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
@@ -61,7 +61,7 @@ def tiny_dir(tmp_path_factory):
 
 def test_engine_share_recovers_after_a_spike_and_honours_a_rise(tiny_dir, monkeypatch):
     outside = {"now": 64 * MiB}
-    monkeypatch.setattr(engine_module, "measure_outside", lambda high_water=0, mlx_peak=0: outside["now"])
+    monkeypatch.setattr(budget_module, "measure_outside", lambda high_water=0, mlx_peak=0: outside["now"])
     prompt, sp = list(range(3, 103)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     need = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).footprint(len(prompt) + sp.max_tokens).total
     slack = 4 * MiB

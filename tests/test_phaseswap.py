@@ -1,6 +1,7 @@
 """PhaseSwap: leases, release, streaming, policies and the budget they serve."""
 
 import gc
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -138,7 +139,7 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
 def test_refused_when_even_streaming_cannot_fit(q8_dir):
     eng = Engine(str(q8_dir))
     floor = eng.footprint(1, tuple(eng.swap.offload_order()))
-    eng.config.budget_bytes = floor.total + 4096
+    eng.config = replace(eng.config, budget_bytes=floor.total + 4096)
     with pytest.raises(BudgetExceeded) as err:
         list(eng.generate("x " * 200, SamplingParams(max_tokens=100)))
     e = err.value

@@ -1,65 +1,18 @@
 """`justfit serve` against real clients: the official `openai` package, raw aiohttp
-for errors, disconnects and the queue, and several clients at once."""
+for errors and disconnects, Ollama's routes, metrics (the queue: test_server_queue.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import pytest
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from justfit.server import Server, ServerConfig
 from justfit.server.tools import ToolCalls
-
-
-class LiveServer:
-    """A server on a random port, on its own event loop thread."""
-
-    def __init__(self, engine, **config):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = Server(engine, ServerConfig(port=0, **config))
-
-        async def start():
-            self.runner = web.AppRunner(self.server.app(), handler_cancellation=True)
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]
-
-        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    def idle(self, timeout=30.0):
-        """Wait until the engine thread has nothing running or waiting."""
-        end = time.monotonic() + timeout
-        while (self.server.scheduler.running or self.server.scheduler.waiting) and time.monotonic() < end:
-            time.sleep(0.01)
-
-
-def request(live, method, path, body=None, raw=None, headers=None):
-    """(status, headers, text) of one request, sent with aiohttp from a fresh loop."""
-    async def go():
-        async with ClientSession(timeout=ClientTimeout(total=60)) as s:
-            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-            async with s.request(method, live.url + path, data=data, headers=headers) as r:
-                return r.status, r.headers, await r.text()
-
-    return asyncio.run(go())
-
-
-CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}
+from tests.server_harness import CHAT, LiveServer, request
 
 
 @pytest.fixture(scope="module")
@@ -176,47 +129,6 @@ def test_budget_refusal_reports_what_fits(tiny_gemma3_dir):
         live.close()
 
 
-class Gate:
-    """The engine, with generation held until the test opens the gate."""
-
-    def __init__(self, engine):
-        self._engine, self.open = engine, threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, *args, **kwargs):
-        self.open.wait(30)
-        yield from self._engine.generate(*args, **kwargs)
-
-
-def test_queue_full_is_503_with_retry_after(tiny_engine):
-    gate = Gate(tiny_engine)
-    live = LiveServer(gate, max_queue=1)
-    try:
-        async def go():
-            async with ClientSession() as s:
-                async def one():
-                    async with s.post(live.url + "/v1/chat/completions", json=CHAT) as r:
-                        return r.status, r.headers.get("Retry-After"), await r.text()
-                first = asyncio.ensure_future(one())
-                while not live.server.scheduler.running:
-                    await asyncio.sleep(0.01)
-                second = asyncio.ensure_future(one())
-                while not live.server.scheduler.waiting:
-                    await asyncio.sleep(0.01)
-                third = await one()  # one running, one waiting: full
-                gate.open.set()
-                return await first, await second, third
-
-        first, second, third = asyncio.run(go())
-        assert first[0] == second[0] == 200
-        assert third[0] == 503 and int(third[1]) >= 1 and json.loads(third[2])["error"]["code"] == "server_busy"
-    finally:
-        gate.open.set()
-        live.close()
-
-
 def test_disconnect_cancels_within_a_step_and_leaves_state_consistent(live, tiny_engine):
     body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     cancelled = live.server.scheduler.cancelled
@@ -236,42 +148,6 @@ def test_disconnect_cancels_within_a_step_and_leaves_state_consistent(live, tiny
     entry = tiny_engine.states.last  # what was computed is stored, consistent with its tokens
     assert all(getattr(c, "offset", len(entry.tokens)) == len(entry.tokens) for c in entry.cache)
     assert request(live, "POST", "/v1/chat/completions", CHAT)[0] == 200
-
-
-def test_many_clients_all_complete_or_get_a_clean_503(tiny_gemma3_dir):
-    probe = Engine(str(tiny_gemma3_dir))
-    budget = probe.footprint(512).total
-    engine = Engine(str(tiny_gemma3_dir), budget=budget)
-    live = LiveServer(engine, max_queue=3)
-    outcomes = []
-    try:
-        async def client(s, i):
-            for j in range(3):
-                body = {**CHAT, "messages": [{"role": "user", "content": f"client {i} asks {j}"}],
-                        "stream": bool(j % 2)}
-                for _ in range(200):
-                    async with s.post(live.url + "/v1/chat/completions", json=body) as r:
-                        text = await r.text()
-                        outcomes.append(r.status)
-                        if r.status == 503:
-                            assert r.headers["Retry-After"]
-                            await asyncio.sleep(0.05)
-                            continue
-                        assert r.status == 200 and (text.rstrip().endswith("[DONE]") or json.loads(text)["choices"])
-                        break
-
-        async def go():
-            async with ClientSession() as s:
-                await asyncio.gather(*(client(s, i) for i in range(8)))
-
-        asyncio.run(go())
-        assert outcomes.count(200) == 24 and set(outcomes) <= {200, 503}
-        status = json.loads(request(live, "GET", "/v1/justfit/status")[2])
-        assert status["requests"]["completed"] == 24 and status["queue"]["waiting"] == 0
-        m = status["memory"]
-        assert m["weights"] + status["states"]["in_memory"] <= budget
-    finally:
-        live.close()
 
 
 def test_api_key_and_cors(tiny_engine):

@@ -180,7 +180,7 @@ def test_weight_hashes_are_remembered_by_path_size_and_mtime(tmp_path):
 
 
 def test_chat_save_names_a_session_kept_after_every_turn(tiny_llama_dir, tmp_path):
-    from cli.chat import ChatSession
+    from cli.chat_session import ChatSession
 
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = _engine(tiny_llama_dir, tmp_path)

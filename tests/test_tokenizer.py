@@ -7,7 +7,7 @@ import sys
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from justfit.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer, tokenizer_config
+from justfit.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer, tokenizer_config
 from justfit.models import load
 from tests.tiny_models import gpt2_vocab, spm_vocab
 

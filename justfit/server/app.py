@@ -1,30 +1,36 @@
 """The HTTP server: an aiohttp app over one engine. Middlewares answer every error
 as JSON (never a traceback), check the API key and CORS; generation requests are
-planned here (refused with the numbers when they cannot fit), then queued on the
-scheduler's engine thread."""
+templated, tokenized and planned on the tokenizer thread (justfit/server/tokenizing.py),
+refused with the numbers when they cannot fit, then queued on the scheduler's engine
+thread. The event loop itself only parses, routes and writes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from aiohttp import web
 
 import justfit
+from justfit import runtime
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.scheduler import Job, QueueFull, Scheduler
 from justfit.server import status_page
 from justfit.server.metrics import Metrics, memory, prometheus
 from justfit.server.schema import BadRequest, Options
+from justfit.server.tokenizing import TokenizerThread
 
 log = logging.getLogger("justfit.server")
 
 
 @dataclass
 class ServerConfig:
+    """How the server listens, whom it lets in, and the limits and defaults of its requests."""
+
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -37,8 +43,12 @@ class ServerConfig:
 
 
 class Server:
+    """The HTTP server over one engine: planning, queueing, middlewares and the operations routes."""
+
     def __init__(self, engine, config: ServerConfig | None = None):
+        runtime.setup()  # idempotent; the engine thread sets itself up too
         self.engine, self.config = engine, config or ServerConfig()
+        self.tokenizing = TokenizerThread()
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record)
         self.model_id = self.config.model_name or _short_name(str(engine.name))
@@ -56,6 +66,16 @@ class Server:
                              "model", 404, code="model_not_found")
 
     # -- generation -----------------------------------------------------------------
+    async def prepare(self, tokenize: Callable[[], list[int]], opts: Options) -> list[int]:
+        """`tokenize()` (templating, tokenization, token checks), then the plan, on the
+        tokenizer thread: the prompt's tokens, or BadRequest."""
+        def tokenize_and_plan() -> list[int]:
+            tokens = tokenize()
+            self.plan(tokens, opts)
+            return tokens
+
+        return await self.tokenizing.run(tokenize_and_plan)
+
     def plan(self, tokens: list[int], opts: Options) -> None:
         """Fit the request or refuse it (400 context_length_exceeded) before any work;
         a default max_tokens shrinks to what fits instead."""
@@ -69,7 +89,7 @@ class Server:
             except (ContextTooLong, BudgetExceeded) as e:
                 limit = e.limit if isinstance(e, ContextTooLong) else e.fits_positions
                 if not opts.max_tokens_given and limit - n >= 1:
-                    sp.max_tokens = min(sp.max_tokens, limit - n)
+                    sp = opts.sampling = replace(sp, max_tokens=min(sp.max_tokens, limit - n))
                     continue
                 details = {"prompt_tokens": n, "max_tokens": sp.max_tokens, "max_positions": limit,
                            "budget_bytes": self.engine.config.budget_bytes,
@@ -88,8 +108,14 @@ class Server:
             raise BadRequest(str(e), None, 503, "server_busy", "server_busy",
                              {"waiting": e.waiting, "retry_after": e.retry_after}) from None
 
+    def close(self) -> None:
+        """Stop the engine thread (cancelling what runs) and the tokenizer thread."""
+        self.tokenizing.close()
+        self.scheduler.close()
+
     # -- the app --------------------------------------------------------------------
     def app(self) -> web.Application:
+        """The aiohttp application with every route and middleware."""
         from justfit.server import anthropic_routes, ollama_routes, openai_routes
 
         app = web.Application(client_max_size=self.config.max_body_bytes,
@@ -101,7 +127,7 @@ class Server:
         ollama_routes.add_routes(app, self)
         anthropic_routes.add_routes(app, self)
         status_page.add_routes(app, self)
-        app.on_shutdown.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.scheduler.close))
+        app.on_shutdown.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.close))
         return app
 
     @web.middleware
@@ -158,13 +184,16 @@ class Server:
 
     # -- operations -----------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        """GET /health: ok, and the model served."""
         return web.json_response({"status": "ok", "model": self.model_id})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        """GET /metrics: the counters as Prometheus text."""
         return web.Response(text=prometheus(self.metrics, self.engine, self.scheduler),
                             content_type="text/plain", charset="utf-8")
 
     async def status(self, request: web.Request) -> web.Response:
+        """GET /v1/justfit/status: the engine, memory, states, queue and last request as JSON."""
         e, s = self.engine, self.engine.last_stats
         last = None
         if s is not None:

@@ -19,7 +19,13 @@ def chat_entry(tokenizer, chunk) -> dict:
             "top_logprobs": [item(t, lp) for t, lp in chunk.top_logprobs or []]}
 
 
+def chat_entries(tokenizer, chunks: list) -> list[dict]:
+    """The entries of the chunks that carry a logprob, in order."""
+    return [chat_entry(tokenizer, c) for c in chunks if c.logprob is not None]
+
+
 def chat_logprobs(entries: list[dict]) -> dict:
+    """A chat choice's `logprobs` object holding `entries`."""
     return {"content": entries, "refusal": None}
 
 

@@ -13,6 +13,8 @@ from justfit.memory import peak_rss_bytes, rss_bytes
 
 @dataclass
 class Metrics:
+    """Request and token counters since the server started, and the latest generations' stats."""
+
     started: float = field(default_factory=time.time)
     requests: Counter = field(default_factory=Counter)  # (route, status) -> count
     prompt_tokens: int = 0
@@ -27,6 +29,7 @@ class Metrics:
     recent: deque = field(default_factory=lambda: deque(maxlen=20))  # the last GenerationStats, for the status page
 
     def observe(self, route: str, status: int) -> None:
+        """Count one HTTP response of `route` with `status`."""
         self.requests[(route, status)] += 1
 
     def record(self, stats) -> None:
@@ -45,6 +48,7 @@ class Metrics:
 
     @property
     def cache_hit_ratio(self) -> float:
+        """The share of prompt tokens served from stored state."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
@@ -59,6 +63,7 @@ def memory(engine) -> dict[str, int]:
 
 
 def prometheus(m: Metrics, engine, scheduler) -> str:
+    """The counters, queue, sessions and memory in Prometheus's text format."""
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:

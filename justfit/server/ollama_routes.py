@@ -19,6 +19,7 @@ OLLAMA_VERSION = "0.6.0"  # the API level this subset follows (clients check it)
 
 
 def add_routes(app: web.Application, server) -> None:
+    """Register the Ollama routes on `app`."""
     routes = OllamaRoutes(server)
     app.router.add_post("/api/chat", routes.chat)
     app.router.add_post("/api/generate", routes.generate)
@@ -32,6 +33,8 @@ def _now() -> str:
 
 
 class OllamaRoutes:
+    """Handlers of the Ollama-compatible API over one server."""
+
     def __init__(self, server):
         self.server, self.engine = server, server.engine
 
@@ -43,12 +46,15 @@ class OllamaRoutes:
                     "parameter_size": "", "quantization_level": e.policy.resident}}
 
     async def tags(self, request: web.Request) -> web.Response:
+        """GET /api/tags: the one model served."""
         return web.json_response({"models": [self._model()]})
 
     async def version(self, request: web.Request) -> web.Response:
+        """GET /api/version: the Ollama API level followed, and JustFit's version."""
         return web.json_response({"version": OLLAMA_VERSION, "justfit": justfit.__version__})
 
     async def show(self, request: web.Request) -> web.Response:
+        """POST /api/show: the model's details, chat-template flag and context length."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model") or body.get("name"))
         arch = self.engine.model_config.get("model_type", "model")
@@ -60,31 +66,37 @@ class OllamaRoutes:
                                   "capabilities": ["completion"]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """POST /api/chat: a chat reply, streamed as NDJSON or whole."""
         body = parse_body(await request.read())
         self.server.check_model(get(body, "model", str, None))
         opts = ollama_options(body, self.server.config.default_max_tokens)
-        tokens = chat_tokens(self.engine, messages(body), opts.tools)
-        return await self._generate(request, tokens, opts, chat=True)
+        msgs = messages(body)
+        return await self._generate(request, lambda: chat_tokens(self.engine, msgs, opts.tools), opts, chat=True)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """POST /api/generate: a continuation of the prompt, streamed as NDJSON or whole."""
         body = parse_body(await request.read())
         self.server.check_model(get(body, "model", str, None))
         opts = ollama_options(body, self.server.config.default_max_tokens)
         prompt, system = get(body, "prompt", str, ""), get(body, "system", str, None)
-        context = token_ids(get(body, "context", list, []), vocab_size(self.engine), "context")
+        context = get(body, "context", list, [])
         if not prompt and not context:  # Ollama's "load the model" call
             return web.json_response({"model": self.server.model_id, "created_at": _now(), "response": "",
                                       "done": True, "done_reason": "load"})
-        if get(body, "raw", bool, False) or not has_chat_template(self.engine.tokenizer):
-            text = f"{system}\n\n{prompt}" if system else prompt
-            tokens = context + self.engine.encode(text)
-        else:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            tokens = context + chat_tokens(self.engine, msgs, None)
-        return await self._generate(request, tokens, opts, chat=False)
+        raw = get(body, "raw", bool, False) or not has_chat_template(self.engine.tokenizer)
 
-    async def _generate(self, request, tokens, opts, chat: bool) -> web.StreamResponse:
-        self.server.plan(tokens, opts)
+        def tokenize() -> list[int]:  # on the tokenizer thread
+            ids = token_ids(context, vocab_size(self.engine), "context")
+            if raw:
+                return ids + self.engine.encode(f"{system}\n\n{prompt}" if system else prompt)
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            return ids + chat_tokens(self.engine, msgs, None)
+
+        return await self._generate(request, tokenize, opts, chat=False)
+
+    async def _generate(self, request, tokenize, opts, chat: bool) -> web.StreamResponse:
+        """`tokenize()` and the plan on the tokenizer thread, then the request queued."""
+        tokens = await self.server.prepare(tokenize, opts)
         job, _ = self.server.submit(tokens, opts, "ollama")
         tools = ToolCalls(self.engine.tokenizer, opts.tools if chat else None)
         start = time.perf_counter()

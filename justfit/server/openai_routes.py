@@ -12,12 +12,13 @@ from aiohttp import web
 
 from justfit.chat_template import has_chat_template
 from justfit.errors import JustFitError
-from justfit.server.logprobs import chat_entry, chat_logprobs, completion_logprobs
+from justfit.server.logprobs import chat_entries, chat_entry, chat_logprobs, completion_logprobs
 from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
 
 
 def add_routes(app: web.Application, server) -> None:
+    """Register the OpenAI routes on `app`."""
     routes = OpenAIRoutes(server)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/v1/chat/completions", routes.chat)
@@ -30,6 +31,7 @@ NO_CHAT_TEMPLATE = ("this model has no chat template (it is a base model): send 
 
 
 def chat_tokens(engine, msgs: list[dict], tools: list | None) -> list[int]:
+    """`msgs` (and `tools`) through the chat template; BadRequest when there is none or it refuses."""
     if not has_chat_template(engine.tokenizer):  # never a made-up role format the model never saw
         raise BadRequest(NO_CHAT_TEMPLATE, "messages", code="no_chat_template")
     try:
@@ -39,10 +41,12 @@ def chat_tokens(engine, msgs: list[dict], tools: list | None) -> list[int]:
 
 
 def vocab_size(engine) -> int:
+    """The model's vocabulary size: its config's, else the tokenizer's."""
     return int(engine.model_config.get("vocab_size") or len(engine.tokenizer.vocab))
 
 
 def usage(stats) -> dict:
+    """OpenAI's usage object for a generation (zeros without stats)."""
     prompt = stats.prompt_tokens if stats else 0
     done = stats.generated_tokens if stats else 0
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
@@ -50,6 +54,7 @@ def usage(stats) -> dict:
 
 
 def engine_error(e: Exception) -> BadRequest:
+    """An engine failure as the client's answer: 400 for a JustFitError, else 500."""
     if isinstance(e, JustFitError):
         return BadRequest(str(e), None, 400, "context_length_exceeded", "context_length_exceeded")
     return BadRequest("internal error while generating", None, 500, "server_error")
@@ -74,23 +79,28 @@ async def collect(job, tools: ToolCalls) -> tuple[str, list[dict], object, list]
 
 
 class OpenAIRoutes:
+    """Handlers of the OpenAI-compatible API over one server."""
+
     def __init__(self, server):
         self.server, self.engine = server, server.engine
 
     async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the one model served."""
         return web.json_response({"object": "list", "data": [
             {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "justfit",
              "context_length": self.engine.context_limit,
              "has_chat_template": has_chat_template(self.engine.tokenizer)}]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions: a chat reply, streamed (SSE) or whole."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
         opts = openai_options(body, self.server.config.default_max_tokens)
-        tokens = chat_tokens(self.engine, messages(body), opts.tools)
-        return await self._generate(request, tokens, opts, "chat")
+        msgs = messages(body)
+        return await self._generate(request, lambda: chat_tokens(self.engine, msgs, opts.tools), opts, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions: a continuation of a text or token prompt, streamed or whole."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
         opts = openai_options(body, self.server.config.default_max_tokens, chat=False)
@@ -100,16 +110,16 @@ class OpenAIRoutes:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            tokens = self.engine.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            tokens = token_ids(prompt, vocab_size(self.engine), "prompt")
-        else:
-            raise BadRequest("'prompt' must be a string, an array of token ids, or a batch of one", "prompt")
-        return await self._generate(request, tokens, opts, "text")
+            return await self._generate(request, lambda: self.engine.encode(prompt), opts, "text")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return await self._generate(request, lambda: token_ids(prompt, vocab_size(self.engine), "prompt"),
+                                        opts, "text")
+        raise BadRequest("'prompt' must be a string, an array of token ids, or a batch of one", "prompt")
 
     # -- the common part -------------------------------------------------------------
-    async def _generate(self, request, tokens, opts, kind: str) -> web.StreamResponse:
-        self.server.plan(tokens, opts)
+    async def _generate(self, request, tokenize, opts, kind: str) -> web.StreamResponse:
+        """`tokenize()` and the plan on the tokenizer thread, then the request queued."""
+        tokens = await self.server.prepare(tokenize, opts)
         job, ahead = self.server.submit(tokens, opts, "openai")
         tools = ToolCalls(self.engine.tokenizer, opts.tools if kind == "chat" else None)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -126,7 +136,7 @@ class OpenAIRoutes:
 
     async def _collect(self, job, tools: ToolCalls, rid: str, kind: str) -> web.Response:
         text, calls, stats, chunks = await collect(job, tools)
-        entries = [chat_entry(self.engine.tokenizer, c) for c in chunks if c.logprob is not None]
+        entries = await self.server.tokenizing.run(chat_entries, self.engine.tokenizer, chunks)
         reason = "tool_calls" if calls else (stats.finish_reason if stats else "stop")
         logprobs = None if job.sampling.logprobs is None else (
             chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries))
@@ -185,8 +195,8 @@ class OpenAIRoutes:
                     info = {"total": total, "cached": cached, "processed": done, "elapsed": round(elapsed, 3)}
                     await resp.write(f": prompt_progress {json.dumps(info)}\n\n".encode())
                 elif event == "chunk":
-                    if p.logprob is not None:
-                        entries.append(chat_entry(self.engine.tokenizer, p))
+                    if p.logprob is not None:  # the token's text: a tokenizer call, so on its thread
+                        entries.append(await self.server.tokenizing.run(chat_entry, self.engine.tokenizer, p))
                     text = tools.feed(p.text)
                     if text:
                         await resp.write(piece(text))

@@ -24,6 +24,7 @@ class BadRequest(Exception):
         self.type, self.code, self.details = type, code, details or {}
 
     def body(self) -> dict:
+        """OpenAI's error body for this error."""
         err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         if self.details:
             err["details"] = self.details
@@ -31,6 +32,7 @@ class BadRequest(Exception):
 
 
 def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or BadRequest."""
     try:
         body = json.loads(raw or b"null")
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or a 5000-digit integer
@@ -105,6 +107,7 @@ def _text(content, path: str) -> str:
 
 
 def messages(body: dict) -> list[dict]:
+    """The body's `messages`, checked and normalized for the chat template."""
     msgs = get(body, "messages", list)
     if not msgs:
         raise BadRequest("'messages' must not be empty", "messages")
@@ -210,6 +213,7 @@ def openai_options(body: dict, default_max_tokens: int, chat: bool = True) -> Op
 
 
 def ollama_options(body: dict, default_max_tokens: int) -> Options:
+    """An Ollama request's options in the engine's terms, Ollama's defaults where absent."""
     opts = get(body, "options", dict, {})
     w = "options."
     num_predict = get(opts, "num_predict", int, None, lo=-2, where=w)

@@ -25,6 +25,7 @@ def is_page(path: str) -> bool:
 
 
 def add_routes(app: web.Application, server) -> None:
+    """Register the page, its static files and the live document, and sample in the background."""
     live = LiveStatus(server)
 
     async def index(request: web.Request) -> web.FileResponse:

@@ -8,6 +8,8 @@ import uuid
 
 
 class ToolCalls:
+    """Tool-call spans of a generated stream: held back from the visible text, parsed at the end."""
+
     def __init__(self, tokenizer, tools: list | None):
         on = bool(tools) and getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None
         self.start = tokenizer.tool_call_start if on else None
@@ -46,6 +48,7 @@ class ToolCalls:
         return rest if not self._inside else ""
 
     def calls(self, streaming: bool = False) -> list[dict]:
+        """The tool calls parsed from the collected spans, in OpenAI's shape (indexed when streaming)."""
         out = []
         for text in self.texts:
             try:

@@ -5,12 +5,11 @@ Precision (`RequantOptions.bits`):
 - "native" (default): every type whose values are 32-weight affine groups (Q4_0, Q4_1,
   Q8_0, Q5_0, Q5_1, Q4_K, Q5_K) is translated into MLX's affine format bit for bit;
   the others (Q6_K, Q2_K, Q3_K, IQ*) are dequantized with the `gguf` package and
-  re-quantized at 8 bits. Measured on Gemma 3 270M Q4_K_M: LICENSE perplexity 8.660
-  against llama.cpp's 8.701, greedy output identical for 11-24 tokens per prompt.
+  re-quantized at 8 bits (docs/BENCHMARKS.md has its parity with llama.cpp).
 - "exact": the same, but the non-affine types stay dense fp32, so every weight equals
   llama.cpp's dequantized value.
 - 2..8: everything but Q4_0/Q4_1/Q8_0 re-quantized at that width (`embed_bits` for the
-  embedding). Compact but lossy twice: 4 bits costs Gemma 3 270M +30% perplexity.
+  embedding). Compact but lossy twice (re-quantized from an already quantized file).
 """
 
 from __future__ import annotations
@@ -28,9 +27,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from justfit.gguf_blocks import EXACT_TYPES, GROUP, to_mlx_affine
-from justfit.gguf_file import GGUFTensor, read_gguf
-from justfit.gguf_tokenizer import build_tokenizer, tokenizer_config
+from justfit.gguf.blocks import EXACT_TYPES, GROUP, to_mlx_affine
+from justfit.gguf.file import GGUFTensor, read_gguf
+from justfit.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 CONVERTER_VERSION = 3
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
@@ -38,11 +37,14 @@ _NATIVE = (QT.Q4_0, QT.Q4_1, QT.Q8_0)  # what mx.load reads natively
 
 
 class UnsupportedModel(ValueError):
+    """A model this program cannot convert or load (an architecture or feature not supported)."""
     pass
 
 
 @dataclass(frozen=True)
 class RequantOptions:
+    """How a GGUF file's weights are converted (see the module doc)."""
+
     bits: int | str = "native"  # "native", "exact", or re-quantize at 2, 3, 4, 5, 6, 8
     embed_bits: int = 8
 
@@ -255,6 +257,7 @@ def cache_key(gguf_path: str | os.PathLike, opts: RequantOptions) -> str:
 
 
 def cache_root() -> Path:
+    """The converted-model cache: models/ under $JUSTFIT_CACHE, else under the user cache's justfit/."""
     base = os.environ.get("JUSTFIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "justfit")
     return Path(base) / "models"

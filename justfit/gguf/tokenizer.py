@@ -28,6 +28,7 @@ _QWEN2_SPLIT = (
 
 
 class UnsupportedTokenizer(ValueError):
+    """GGUF tokenizer metadata this builder cannot turn into a tokenizer."""
     pass
 
 

@@ -1,7 +1,7 @@
 """A fast GGUF reader: metadata and memory-mapped tensor views.
 
-gguf-py's GGUFReader builds numpy views for every array element and spends ~14 s on
-a 262K-token vocabulary; this walks the header once with `struct` instead.
+gguf-py's GGUFReader builds numpy views for every array element, slow on a large
+vocabulary; this walks the header once with `struct` instead.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ _FLOAT_DTYPES = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16}
 
 @dataclass
 class GGUFTensor:
+    """One tensor of a GGUF file: its name, type, shape and data."""
+
     name: str
     tensor_type: QT
     shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
@@ -30,6 +32,7 @@ class GGUFTensor:
 
 
 class GGUFFormatError(ValueError):
+    """A file that is not GGUF this reader can read."""
     pass
 
 

@@ -1,0 +1,81 @@
+"""The budget accountant: the engine's share of a whole-process budget, and the plan
+search that fits a request into the engine's budget (which components go to disk,
+whether pages step down the pressure ladder, how large a prefill chunk) or refuses it
+before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import kvexec
+from justfit.errors import BudgetExceeded, ContextTooLong
+from justfit.outside import decayed_max, measure_outside
+from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
+
+if TYPE_CHECKING:
+    from justfit.engine import Engine
+
+
+@dataclass
+class ProcessShare:
+    """Under a whole-process budget, the engine's share: the budget less what the
+    process holds besides MLX, a decaying maximum over requests (justfit.outside)."""
+
+    process_budget: int
+    outside: int = 0
+
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0) -> int:
+        """Measure the outside share again (after a request: `high_water`, `mlx_peak`,
+        see justfit.outside.measure_outside); return the engine's share now."""
+        self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak))
+        return self.process_budget - self.outside
+
+
+def chunk_sizes(chunk: int, budget: int | None) -> Iterator[int]:
+    """Prefill chunk sizes to try, largest first: a smaller chunk shrinks the transient
+    (scores, activations) at little cost, so it comes before offloading layers."""
+    yield chunk
+    while budget is not None and chunk > MIN_PREFILL_CHUNK:
+        chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
+        yield chunk
+
+
+def plan(engine: Engine, positions: int) -> tuple[tuple[str, ...], Footprint]:
+    """The fewest components to keep on disk, then pages kept in their format rather
+    than stepped down the pressure ladder, then the largest prefill chunk, so
+    `positions` fit the budget; and the footprint so (`shape.chunk` is the chunk,
+    `page_allowance` what the pages may take). The last tried, when nothing fits."""
+    order = engine.swap.offload_order()
+    budget = engine.config.budget_bytes
+    kv = engine.config.kv
+    # (pressed, the most the footprint may take): with the ladder to fall back on, wide
+    # pages keep a margin from the budget's edge (as the ladder's own page limit does).
+    tries: list[tuple[bool, float | None]] = [(False, budget)]
+    if budget is not None and kv is not None and len(kvexec.ladder(kv, engine.kv_shape[2])) > 1:
+        tries = [(False, budget * (1 - PAGE_MARGIN)), (True, budget)]
+    for k in range(len(order) + 1):
+        for pressed, edge in tries:
+            for chunk in chunk_sizes(engine.config.prefill_chunk, budget):
+                fp = engine.footprint(positions, tuple(order[:k]), chunk=chunk, pressed=pressed)
+                if edge is None or fp.total <= edge:
+                    return tuple(order[:k]), fp
+    return tuple(order), fp
+
+
+def check_fits(engine: Engine, prompt_tokens: int, max_tokens: int) -> tuple[tuple[str, ...], Footprint]:
+    """Refuse, before any work, what the context or the budget cannot hold; return the
+    plan it fits with (see `plan`)."""
+    if prompt_tokens + max_tokens > engine.context_limit:
+        raise ContextTooLong(prompt_tokens, max_tokens, engine.context_limit)
+    kv = engine.config.kv
+    retain = kv.max_positions if kv is not None and kv.pin_prompt else None
+    if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
+        raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
+    positions = prompt_tokens + max_tokens
+    offloaded, fp = plan(engine, positions)
+    budget = engine.config.budget_bytes
+    if budget is not None and fp.total > budget:
+        engine.remeasure_outside()  # a refused request counts too: a spike must not refuse all for good
+        raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
+    return offloaded, fp

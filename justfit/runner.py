@@ -1,0 +1,125 @@
+"""Running one request on an engine: plan it, take the best stored state, prefill what
+is new, decode with the request's own sampler and stops, store the state it ends with,
+and report its stats."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import mlx.core as mx
+
+from justfit.config import SamplingParams
+from justfit.generate import ProgressFn, decode, prefill, token_logprobs
+from justfit.memory import MemoryReport, memory_report, peak_rss_bytes, trimming
+from justfit.sampling import keyed_sampler, logits_processors, new_rng
+from justfit.stats import Chunk, GenerationStats
+from justfit.stops import StopMatcher
+import kvexec
+from statetrans import holds
+
+if TYPE_CHECKING:
+    from justfit.engine import Engine
+
+
+def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
+                session: str | None = None) -> Iterator[Chunk]:
+    """Stream the reply to `tokens` (see Engine.generate): closing the iterator early
+    cancels cleanly, and the state stored then holds exactly the tokens computed."""
+    streamed, request = engine.check_fits(len(tokens), sp.max_tokens)
+    high_water = peak_rss_bytes()
+    engine.swap.stream(streamed)
+    stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
+    reuse = engine.states.take(tokens, session, engine.state_allowance(request))
+    cache = reuse.cache if reuse.cache is not None else engine.new_cache()
+    budget = engine.config.budget_bytes
+    if engine.config.kv is not None and request.shape.full_layers:
+        kvexec.limit_pages(cache, None if budget is None else
+                           request.page_allowance(budget) // request.shape.full_layers)
+    held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
+    engine.live_cache = cache
+    stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
+    rng = new_rng(sp.seed) if sp.seed is not None else (reuse.sampler or new_rng())
+    try:
+        yield from _run(engine, tokens, cache, held, rng, sp, stats, progress, request.shape.chunk)
+    finally:
+        # Also on cancel or error: what was computed is stored, once evaluated
+        # (StateTiers.put), unless an interrupt left the cache and tokens apart.
+        engine.live_cache = None
+        if held and holds(cache, len(held)):
+            engine.states.put(held, cache, session, rng)
+        engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.streamed)))
+        stats.memory = _memory(engine, stats, cache)
+        stats.kv_formats = kvexec.page_formats(cache)
+        engine.last_stats = stats
+        engine.remeasure_outside(high_water, stats.memory.mlx_peak)
+
+
+def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
+         stats: GenerationStats, progress: ProgressFn | None, chunk: int) -> Iterator[Chunk]:
+    cached = len(held)
+    if engine.config.kv is None or engine.config.kv.pin_prompt:
+        kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
+    record: Callable[[list[int]], None] = held.extend
+    if engine.config.budget_bytes is not None:
+        record = trimming(record)
+    if sp.max_tokens == 0:
+        stats.finish_reason = "length"
+        yield Chunk("", finish_reason="length", stats=stats)
+        return
+    wrapped = (lambda done, total: progress(cached + done, len(tokens))) if progress else None
+    with engine.swap.phase("prefill") as phase:
+        stats.phases.append(phase)
+        stats.prefill_chunk = chunk
+        logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record)
+    stats.prefill_s = phase.seconds
+    sampler = keyed_sampler(sp, int(logits.shape[-1]), rng)
+    processors = logits_processors(sp, len(tokens))
+    with engine.swap.phase("decode") as phase:
+        stats.phases.append(phase)
+        tail = yield from _decode(engine, logits, tokens, cache, sp, stats, sampler, processors, record)
+    stats.memory = _memory(engine, stats, cache)  # the last chunk carries complete stats
+    yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
+
+
+def _memory(engine: Engine, stats: GenerationStats, cache: list) -> MemoryReport:
+    peak = max([p.peak_bytes for p in stats.phases] + [mx.get_peak_memory()])
+    states = engine.states
+    stored = states.memory_bytes - (states.last.nbytes if states.last and states.last.cache is cache else 0)
+    return memory_report(engine.swap.registry.resident_bytes(), cache, peak, stored)
+
+
+def _decode(engine: Engine, logits, tokens, cache, sp, stats, sampler, processors, record):
+    """Yield a chunk per token; return the text held back at the end."""
+    detok = engine.tokenizer.detokenizer
+    detok.reset()
+    stops = StopMatcher(sp.stop)
+    eos = set() if sp.ignore_eos else set(engine.tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    reason = "length"
+    seen: dict[str, tuple] = {}  # the last token's logprobs, when asked for
+
+    def note(token: int, logprobs: mx.array) -> None:
+        seen["last"] = token_logprobs(token, logprobs, sp.logprobs)
+
+    for token in decode(engine.model, logits, cache, sampler, processors, tokens, record,
+                        note if sp.logprobs is not None else None):
+        if token in eos:
+            reason = "stop"
+            break
+        stats.generated_tokens += 1
+        detok.add_token(token)
+        text, hit = stops.feed(detok.last_segment)
+        stats.decode_s = time.perf_counter() - start
+        logprob, top = seen.get("last", (None, None))
+        yield Chunk(text, token, logprob=logprob, top_logprobs=top)  # one per token, text may be "" (partial UTF-8)
+        if hit:
+            reason = "stop"
+            break
+        if stats.generated_tokens >= sp.max_tokens:
+            break
+    detok.finalize()
+    tail = stops.flush(detok.last_segment) if reason == "length" else ""
+    stats.decode_s = time.perf_counter() - start
+    stats.finish_reason, stats.stop_sequence = reason, stops.hit
+    return tail

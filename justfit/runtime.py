@@ -1,0 +1,64 @@
+"""The one place JustFit changes the process: `setup()`.
+
+Importing any justfit, kvexec, phaseswap, statetrans or cli module changes nothing
+outside itself. What a running engine needs from the process happens here, when
+called, by the three entry points: the `justfit` command (before it imports
+anything that loads `mlx.core`), the HTTP server (its engine thread included) and
+`Engine.__init__`. Calling it again changes nothing more.
+
+`setup()` does two things:
+
+* OpenBLAS. The `mlx[cpu]` wheel links a reference BLAS; loading a system OpenBLAS
+  with RTLD_GLOBAL *before* `mlx.core` is first imported makes MLX's CPU backend
+  bind to it instead (see justfit/blas.py). Once `mlx.core` is loaded this is too
+  late and skipped: the command line calls `setup()` first thing for this reason,
+  and so do tests/conftest.py and the benchmark workers that measure JustFit.
+* The execution stream. MLX's default streams belong to the thread that made
+  them, and a lazy array (a weight loaded on demand, a state restored from disk) can
+  only be evaluated on its stream's thread. The server computes on a worker thread,
+  on arrays other threads created, so every thread that calls `setup()` gets one
+  shared stream as its default. Requests run one at a time (justfit/scheduler.py),
+  so the stream is never used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import justfit.blas as blas
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What `setup()` did to this process."""
+
+    openblas: str | None  # the OpenBLAS library preloaded, or None (none found, or too late)
+    exec_stream: object  # the MLX stream every set-up thread computes on (an mx.Stream)
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None  # the process's, once setup() ran: a process-wide fact by nature
+
+
+def setup() -> Runtime:
+    """Preload OpenBLAS (when `mlx.core` is not loaded yet) and make the shared
+    execution stream this thread's default MLX stream. Idempotent; thread-safe."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            openblas = blas.preload()  # must precede the first `import mlx.core`
+            import mlx.core as mx
+
+            _runtime = Runtime(openblas, mx.new_thread_unsafe_stream(mx.default_device()))
+    import mlx.core as mx
+
+    # Per thread: the default stream is thread-local in MLX.
+    if mx.default_stream(mx.default_device()) != _runtime.exec_stream:
+        mx.set_default_stream(_runtime.exec_stream)
+    return _runtime
+
+
+def current() -> Runtime | None:
+    """What `setup()` did, or None when it has not run in this process."""
+    return _runtime

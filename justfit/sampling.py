@@ -1,0 +1,68 @@
+"""Token sampling with the request's own RNG keys.
+
+A request's RNG position is two integers, `{"seed", "step"}`, stored with its state:
+token `step` is drawn with a key derived from (seed, step) alone, so a restored
+conversation samples exactly what the uninterrupted one would have, interleaved
+requests do not disturb each other, and MLX's global RNG is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+
+from justfit.config import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def new_rng(seed: int | None = None) -> dict:
+    """A fresh RNG position: from `seed`, or from the OS when none is given."""
+    return {"seed": int.from_bytes(os.urandom(4), "little") if seed is None else int(seed), "step": 0}
+
+
+def step_key(seed: int, step: int) -> mx.array:
+    """The key token `step` of a request seeded with `seed` is drawn with."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little") >> 1)  # a distinct key per (seed, step)
+
+
+def keyed_sampler(sp: SamplingParams, vocab: int, rng: dict) -> Sampler:
+    """mlx-lm's sampler chain (top-p, min-p, top-k, then temperature) drawing with the
+    request's own keys; advances `rng["step"]` once per token drawn."""
+    if sp.temperature == 0:
+        return greedy_sampler
+    top_k = sp.top_k if sp.top_k < vocab else 0  # keeping every token is no filter
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < sp.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, sp.top_p))
+    if sp.min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, sp.min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        key = step_key(rng["seed"], rng["step"])
+        rng["step"] += 1
+        return mx.random.categorical(logprobs * (1.0 / sp.temperature), key=key)
+
+    return sample
+
+
+def logits_processors(sp: SamplingParams, prompt_len: int) -> list:
+    """Repetition penalty over the recent context, and OpenAI's frequency and presence
+    penalties over the reply's tokens only (as vLLM does): a prompt's repeated words are
+    no reason to avoid them in the answer."""
+    repetition = make_logits_processors(
+        repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
+        repetition_context_size=sp.repetition_context)
+    procs = make_logits_processors(presence_penalty=sp.presence_penalty or None, presence_context_size=sp.max_tokens,
+                                   frequency_penalty=sp.frequency_penalty or None,
+                                   frequency_context_size=sp.max_tokens)
+    return repetition + [lambda tokens, logits, p=p: p(tokens[prompt_len:], logits) for p in procs]

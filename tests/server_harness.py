@@ -1,0 +1,72 @@
+"""A live `justfit serve` for tests: a server on a random port on its own event loop
+thread, a one-request client, and an engine whose generation waits for a gate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from justfit.server import Server, ServerConfig
+
+
+class LiveServer:
+    """A server on a random port, on its own event loop thread."""
+
+    def __init__(self, engine, **config):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = Server(engine, ServerConfig(port=0, **config))
+
+        async def start():
+            self.runner = web.AppRunner(self.server.app(), handler_cancellation=True)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            return site._server.sockets[0].getsockname()[1]
+
+        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def idle(self, timeout=30.0):
+        """Wait until the engine thread has nothing running or waiting."""
+        end = time.monotonic() + timeout
+        while (self.server.scheduler.running or self.server.scheduler.waiting) and time.monotonic() < end:
+            time.sleep(0.01)
+
+
+def request(live, method, path, body=None, raw=None, headers=None):
+    """(status, headers, text) of one request, sent with aiohttp from a fresh loop."""
+    async def go():
+        async with ClientSession(timeout=ClientTimeout(total=60)) as s:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            async with s.request(method, live.url + path, data=data, headers=headers) as r:
+                return r.status, r.headers, await r.text()
+
+    return asyncio.run(go())
+
+
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}
+
+
+class Gate:
+    """The engine, with generation held until the test opens the gate."""
+
+    def __init__(self, engine):
+        self._engine, self.open = engine, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, *args, **kwargs):
+        self.open.wait(30)
+        yield from self._engine.generate(*args, **kwargs)

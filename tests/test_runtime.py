@@ -1,0 +1,150 @@
+"""Process-wide effects: importing JustFit changes nothing; `justfit.runtime.setup()`
+is the one place that does (OpenBLAS, the shared execution stream); numpy writes into
+MLX memory only into a buffer JustFit made; PhaseSwap's hooked classes are its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from justfit import runtime
+from justfit.blas import active_blas, find_openblas
+from kvexec import attention
+from kvexec.formats import get_format
+
+PACKAGES = ("justfit", "kvexec", "phaseswap", "statetrans", "cli")
+
+# What a process looks like to MLX and the OS: printed as JSON, compared across processes.
+FACTS = r"""
+def facts():
+    import os, signal, threading
+    import mlx.core as mx
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return {"system_openblas": "/libopenblas" in maps,
+            "default_stream": repr(mx.default_stream(mx.default_device())),
+            "next_stream": repr(mx.new_stream(mx.default_device())),
+            "threads": threading.active_count(),
+            "sigint": repr(signal.getsignal(signal.SIGINT)), "env": dict(os.environ)}
+"""
+
+IMPORT_ALL = FACTS + r"""
+import importlib, json, pkgutil, sys
+mlx_first = sys.argv[1] == "mlx-first"  # to see the RNG key before (MLX seeds it from the clock)
+if mlx_first:
+    import mlx.core as mx
+    key = mx.random.state[0].tolist()
+names = []
+for package in sys.argv[2:]:
+    module = importlib.import_module(package)
+    names.append(package)
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        importlib.import_module(info.name)
+        names.append(info.name)
+rng_kept = mlx_first and mx.random.state[0].tolist() == key
+print(json.dumps({"facts": facts(), "modules": names, "rng_kept": rng_kept}))
+"""
+
+PRISTINE = FACTS + "import json\nprint(json.dumps({'facts': facts()}))\n"
+
+
+def _run(code: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_importing_every_module_changes_nothing_process_wide():
+    pristine = _run(PRISTINE)["facts"]
+    imported = _run(IMPORT_ALL, "justfit-first", *PACKAGES)
+    assert len(imported["modules"]) > 60  # every module of the five packages, server and gguf included
+    assert {"justfit.runtime", "justfit.server.app", "kvexec.attention", "phaseswap.phases",
+            "statetrans.state", "cli.main", "cli.chat"} <= set(imported["modules"])
+    assert imported["facts"] == pristine  # no OpenBLAS, same streams, threads, SIGINT, environment
+    assert _run(IMPORT_ALL, "mlx-first", *PACKAGES)["rng_kept"]  # and nothing reseeded MLX's RNG
+
+
+def test_the_command_line_entry_loads_no_mlx_before_setup_then_gets_openblas():
+    code = FACTS + r"""
+import json, sys
+import cli.main
+before = "mlx.core" in sys.modules
+try:
+    cli.main.main(["--version"])
+except SystemExit:
+    pass
+from justfit import runtime
+print(json.dumps({"mlx_before_setup": before, "facts": facts(),
+                  "exec_stream": repr(runtime.current().exec_stream)}))
+"""
+    out = _run(code)
+    assert out["mlx_before_setup"] is False
+    assert out["facts"]["default_stream"] == out["exec_stream"]
+    assert out["facts"]["system_openblas"] == (find_openblas() is not None)
+
+
+def test_setup_is_idempotent_and_shares_one_stream_across_threads():
+    first = runtime.setup()
+    assert runtime.setup() is first is runtime.current()
+    assert mx.default_stream(mx.default_device()) == first.exec_stream
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append((runtime.setup(), mx.default_stream(mx.default_device()))))
+    worker.start()
+    worker.join()
+    assert seen == [(first, first.exec_stream)]
+    if find_openblas() is not None:  # tests/conftest.py set up before any test imported mlx
+        assert first.openblas and "OpenBLAS" in active_blas()
+
+
+def _blocks(n_blocks: int, kv_heads: int, length: int, dim: int):
+    fmt = get_format("fp32")
+    out = []
+    for i in range(n_blocks):
+        k = mx.random.normal((1, kv_heads, length, dim), key=mx.random.key(2 * i))
+        v = mx.random.normal((1, kv_heads, length, dim), key=mx.random.key(2 * i + 1))
+        out.append(attention.Block({"x": k}, {"x": v}, fmt, i * length, length))
+    return out
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the numpy softmax step is the CPU backend's")
+def test_numpy_softmax_step_writes_only_its_own_scores(monkeypatch):
+    blocks = _blocks(2, kv_heads=2, length=1024, dim=32)
+    q = mx.random.normal((1, 4, 256, 32), key=mx.random.key(9))
+    mx.eval(q, [b.keys for b in blocks], [b.values for b in blocks])
+    inputs = [np.array(a) for a in (q, *(b.keys["x"] for b in blocks), *(b.values["x"] for b in blocks))]
+    calls = []
+    real_step = attention._softmax_step_numpy
+    monkeypatch.setattr(attention, "_softmax_step_numpy", lambda s, m: calls.append(s.shape) or real_step(s, m))
+    with_numpy = attention.blockwise_attention(q, blocks, 2048 - 256, 32 ** -0.5)
+    mx.eval(with_numpy)
+    assert calls and calls[0][-1] == 2048  # the two blocks merged, 1M scores: the numpy step ran
+    after = [np.array(a) for a in (q, *(b.keys["x"] for b in blocks), *(b.values["x"] for b in blocks))]
+    assert all(np.array_equal(a, b) for a, b in zip(inputs, after))  # queries, keys, values untouched
+    monkeypatch.setattr(attention, "EVAL_EVERY_BLOCK", 1 << 40)  # the all-MLX step instead
+    with_mlx = attention.blockwise_attention(q, blocks, 2048 - 256, 32 ** -0.5)
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.array(with_numpy), np.array(with_mlx), rtol=1e-5, atol=1e-6)
+
+
+def test_phaseswap_hooks_with_its_own_classes(tiny_llama_dir):
+    from mlx_lm.utils import load
+
+    from phaseswap import PhaseSwap
+
+    model, _ = load(str(tiny_llama_dir), lazy=True)
+    layer = model.model.layers[0]
+    model_class = type(layer)
+    first = PhaseSwap(model, "dense")
+    hooked_once = type(layer)
+    assert hooked_once.__mro__[1] is model_class and hooked_once.__name__ == model_class.__name__
+    second = PhaseSwap(model, "dense")  # hooking again starts from the model's class, not the first's
+    assert type(layer) is not hooked_once and type(layer).__mro__[1] is model_class
+    assert layer.__dict__["_phaseswap"][0] is second and first is not second
+    tokens = mx.array([[1, 2, 3, 4]])
+    mx.eval(model(tokens))  # runs through the second swap's hooks
