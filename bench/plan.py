@@ -67,11 +67,11 @@ def stream_worker(model: str, budget: str, context: int) -> dict:
     del free
     mx.clear_cache()
     tight = _engine(model, "q8c", budget)
-    streamed, predicted = tight.plan(context)
+    offloaded, predicted = tight.plan(context)
     got, stats = _generate(tight, context)
     prefill, decode = stats.phases
     return {"model": model, "budget": parse_size(budget), "weights": weights, "context": context,
-            "streamed": list(streamed), "predicted": predicted.total,
+            "offloaded": list(offloaded), "predicted": predicted.total,
             "measured_mlx_peak": stats.memory.mlx_peak, "token_identical": got == expected,
             "resident_prefill_tps": free_stats.prefill_tps, "resident_decode_tps": free_stats.decode_tps,
             "streamed_prefill_tps": stats.prefill_tps, "streamed_decode_tps": stats.decode_tps,

@@ -10,7 +10,7 @@ Turns go round-robin (one engine computes one request at a time). The aggregate 
 rate is all sessions' generated tokens over the common active interval (first turn's
 start to last turn's end), never a sum of per-request rates.
 The budget is the smallest in which one session holds `--positions` (or `--budget`);
-the single-session ceiling is the planner's, with streaming allowed, so the ratio
+the single-session ceiling is the planner's, with layer offloading allowed, so the ratio
 (aggregate retained positions / ceiling) is against the most one session could hold.
 Besides the aggregate (N sessions swapped to disk hold N single sessions' positions
 by construction), each run reports what is not: the share of wall time spent swapping
@@ -19,7 +19,7 @@ whose state stayed in memory, and the decode rate vs session s1's turns run alon
 Verification (default on) replays every turn in an engine without a budget, where
 every session stays in memory and nothing streams, and compares the greedy tokens:
 turns whose KV pages all kept the configured format must match (swaps to disk and
-streamed layers change nothing); pages that stepped down KVExec's pressure ladder are
+offloaded layers change nothing); pages that stepped down KVExec's pressure ladder are
 lossy by design, so those turns are counted apart.
 """
 
@@ -109,7 +109,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
                           "restore_s": round(s.restore_s, 3), "ttft_s": round(ttft, 3),
                           "decode_tps": round(s.decode_tps, 2), "decode_s": s.decode_s, "mlx_peak": s.memory.mlx_peak,
                           "stored_states_in_memory": engine.states.memory_bytes,
-                          "streamed": len(engine.swap.streamed), "retained_after": len(held[name]),
+                          "offloaded": len(engine.swap.offloaded), "retained_after": len(held[name]),
                           "kv_formats": s.kv_formats, "prefill_chunk": s.prefill_chunk})
             bar.update(sum(len(t) for t in held.values()) - bar.n)
             bar.set_postfix_str(f"{name}: ttft {ttft:.2f} s, restored from {s.restored_from or 'nothing'}")
@@ -142,7 +142,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
             t["identical"] = [c.token for c in free.generate(prompt, sp, session=name) if c.token is not None] == out
         free.flush_sessions()
         # Pages that stepped down KVExec's pressure ladder are lossy by design; the
-        # rest (swaps to disk, streamed layers) must change nothing.
+        # rest (swaps to disk, offloaded layers) must change nothing.
         kept = [t for t in turns if set(t["kv_formats"]) <= {base}]
         row["turns_identical_to_unbudgeted"] = f"{sum(t['identical'] for t in turns)}/{len(turns)}"
         row["identical_where_pages_kept_their_format"] = f"{sum(t['identical'] for t in kept)}/{len(kept)}"

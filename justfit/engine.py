@@ -29,7 +29,7 @@ from justfit.stats import Chunk, GenerationStats
 import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseSwap
-from phaseswap.policy import Policy, get_policy
+from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -60,7 +60,7 @@ class Engine:
         self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv))
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
-        self.policy: Policy = get_policy(choose_policy(self.model, self.model_config, self.config.policy,
+        self.policy: ResidencyPolicy = get_policy(choose_policy(self.model, self.model_config, self.config.policy,
                                                        self.context_limit, self.config.kv, self.config.budget_bytes))
         self.blas = blas.active_blas()
         budget = self.config.budget_bytes
@@ -129,16 +129,16 @@ class Engine:
                          self.config.kv if kv == "engine" else kv, weights, working,
                          4 if self.policy.fp32 else 2, pressed)
 
-    def footprint(self, positions: int, streamed: tuple[str, ...] = (),
+    def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
                   kv: KVConfig | None | str = "engine", chunk: int | None = None,
                   pressed: bool = False) -> Footprint:
-        """Memory for `positions` retained positions with `streamed` components on disk,
+        """Memory for `positions` retained positions with `offloaded` components on disk,
         prefilled `chunk` tokens at a time (default: the configured chunk); `kv`
         another KV configuration (None: mlx-lm's own cache) for comparisons; `pressed`:
         with pages stepped down to the last format of the pressure ladder."""
         reg = self.swap.registry
-        weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in streamed)
-        return self._footprint(positions, weights, self.swap.working_bytes(streamed), kv, chunk, pressed)
+        weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in offloaded)
+        return self._footprint(positions, weights, self.swap.working_bytes(offloaded), kv, chunk, pressed)
 
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """Components on disk and the footprint that fit `positions` (justfit.budget.plan)."""

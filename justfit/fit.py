@@ -11,7 +11,7 @@ from kvexec import FORMATS, KVConfig, get_format, ladder
 
 def fit_report(engine, budget: int, context: int | None = None) -> dict:
     """Weights, bytes per position and maximum retained positions for every KV format,
-    resident and with layers streamed, and the plan for a request of `context` positions."""
+    resident and with layers offloaded, and the plan for a request of `context` positions."""
     swap, reg = engine.swap, engine.swap.registry
     every_layer = tuple(swap.offload_order())
     head_dim = engine.kv_shape[2]
@@ -28,7 +28,7 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
             "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
             "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
-            "max_positions_streaming": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK).max_positions(budget),
+            "max_positions_offloaded": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK).max_positions(budget),
         })
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
@@ -50,13 +50,13 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         saved = engine.config
         engine.config = replace(saved, budget_bytes=budget)  # planned under the budget asked about
         try:
-            streamed, fp = engine.plan(context)
+            offloaded, fp = engine.plan(context)
         finally:
             engine.config = saved
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
             "beyond_context": context > engine.context_limit,
-            "streamed": list(streamed), "footprint": fp.as_dict(),
+            "offloaded": list(offloaded), "footprint": fp.as_dict(),
             "pages": f"stepped down as needed, to {steps[-1]} at most" if fp.shape.page_row < fp.shape.top_row
             else f"kept in {base.format}" if base else "mlx-lm's cache",
             "prefill": _forms(swap.prefill_forms), "prefill_chunk": fp.shape.chunk,
@@ -85,7 +85,7 @@ def format_fit(r: dict) -> str:
         f"layers {format_size(w['by_kind']['layer'])}, head {format_size(w['by_kind']['head'])}); "
         f"stored {format_size(w['stored_on_disk'])}; largest working copy {format_size(w['largest_working_copy'])}",
         "",
-        f"{'KV format':<10} {'bytes/pos':>10} {'transient':>11} {'max positions':>14} {'streaming layers':>17}",
+        f"{'KV format':<10} {'bytes/pos':>10} {'transient':>11} {'max positions':>14} {'layers on disk':>17}",
     ]
     lines += format_rows(r, "(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
                             "transient at the trained context and the configured chunk; max positions at the "
@@ -103,7 +103,7 @@ def format_fit(r: dict) -> str:
                   f"reserve {format_size(fp['reserve'])}",
                   f"  prefill: {plan['prefill']}, {plan['prefill_chunk']} tokens per chunk; "
                   f"decode: {plan['decode']}",
-                  f"  KV pages: {plan['pages']}; streamed from disk: {_names(plan['streamed'])}"]
+                  f"  KV pages: {plan['pages']}; offloaded from disk: {_names(plan['offloaded'])}"]
     return "\n".join(lines)
 
 
@@ -115,7 +115,7 @@ def format_rows(r: dict, note: str) -> list[str]:
         mark = " *" if row["format"] == r["kv_format"] else ""
         transient = f"{format_size(row['transient_bound']):>11} " if "transient_bound" in row else ""
         lines.append(f"{row['format']:<10} {row['bytes_per_position']:>10.0f} {transient}"
-                     f"{row['max_positions']:>14,} {row['max_positions_streaming']:>17,}{mark}")
+                     f"{row['max_positions']:>14,} {row['max_positions_offloaded']:>17,}{mark}")
     lines.append(note)
     if r.get("pressure"):
         p = r["pressure"]
@@ -124,7 +124,7 @@ def format_rows(r: dict, note: str) -> list[str]:
     return lines
 
 
-def _names(streamed: list[str]) -> str:
-    layers = sorted(int(n.split(".")[1]) for n in streamed if n.startswith("layer."))
+def _names(offloaded: list[str]) -> str:
+    layers = sorted(int(n.split(".")[1]) for n in offloaded if n.startswith("layer."))
     parts = [f"{len(layers)} layers ({layers[0]}-{layers[-1]})"] if layers else []
-    return ", ".join(parts + [n for n in streamed if not n.startswith("layer.")]) or "nothing"
+    return ", ".join(parts + [n for n in offloaded if not n.startswith("layer.")]) or "nothing"

@@ -111,7 +111,7 @@ def quantized_bytes(params: int, bits: int) -> int:
 
 
 def _footprint(s: ConfigShape, positions: int, bits: int, kv: KVConfig | None, act_bytes: int,
-               streaming: bool = False, chunk: int = MIN_PREFILL_CHUNK, pressed: bool = False):
+               offloaded: bool = False, chunk: int = MIN_PREFILL_CHUNK, pressed: bool = False):
     layers = [quantized_bytes(p, bits) for p in s.layer_params]
     outer = quantized_bytes(s.embed_params + s.head_params, bits) + s.small_params * 2
     conv, recurrent = s.state_elems
@@ -119,14 +119,14 @@ def _footprint(s: ConfigShape, positions: int, bits: int, kv: KVConfig | None, a
         positions, full_layers=s.kinds.count("full"), windows=(s.window,) * s.kinds.count("sliding"),
         state_bytes=s.kinds.count("linear") * (conv * act_bytes + recurrent * 4), heads=s.heads,
         kv_heads=s.kv_heads, head_dim=s.head_dim, hidden=s.hidden, intermediate=s.intermediate, vocab=s.vocab,
-        weights=outer + (0 if streaming else sum(layers)), working=max(layers) if streaming else 0,
+        weights=outer + (0 if offloaded else sum(layers)), working=max(layers) if offloaded else 0,
         chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed)
 
 
 def config_fit_report(config: dict, bits: int, budget: int, context: int | None = None,
                       kv: KVConfig | None = KVConfig(), act_bytes: int = 2) -> dict:
     """Weights at `bits`, KV bytes per position and the most positions that fit `budget`
-    per KV format (resident, and with layers streamed from disk), and the plan for
+    per KV format (resident, and with layers offloaded from disk), and the plan for
     `context` positions; `act_bytes` 2 for half-precision compute (Apple GPUs), 4 for
     fp32 (MLX's CPU backend)."""
     s = read_config(config)
@@ -139,7 +139,7 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
         rows.append({"format": name or "mlx-lm",
                      "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
                      "max_positions": probe.max_positions(budget),
-                     "max_positions_streaming": _footprint(s, 1, bits, fkv, act_bytes, True).max_positions(budget)})
+                     "max_positions_offloaded": _footprint(s, 1, bits, fkv, act_bytes, True).max_positions(budget)})
     report = {"model_type": s.model_type, "params": s.params, "bits": bits, "budget": budget,
               "context_limit": s.context_limit, "act_bytes": act_bytes,
               "layers": {k: s.kinds.count(k) for k in ("full", "sliding", "linear")}, "window": s.window,
@@ -153,9 +153,9 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
         fp = _footprint(s, context, bits, kv, act_bytes, chunk=512)
         if fp.total > budget and len(steps) > 1:
             fp = _footprint(s, context, bits, kv, act_bytes, pressed=True)
-        streamed = _footprint(s, context, bits, kv, act_bytes, True, MIN_PREFILL_CHUNK)
+        offloaded = _footprint(s, context, bits, kv, act_bytes, True, MIN_PREFILL_CHUNK)
         report["plan"] = {"positions": context, "footprint": fp.as_dict(), "fits": fp.total <= budget,
-                          "fits_streaming": streamed.total <= budget, "beyond_context": context > s.context_limit}
+                          "fits_offloaded": offloaded.total <= budget, "beyond_context": context > s.context_limit}
     return report
 
 
@@ -183,14 +183,14 @@ def format_config_fit(r: dict) -> str:
              f"· trained context {r['context_limit']:,}",
              f"weights at {r['bits']} bits: {format_size(r['weights'])} · budget {format_size(r['budget'])} · "
              f"activations {'fp32' if r['act_bytes'] == 4 else 'fp16'}", "",
-             f"{'KV format':<10} {'bytes/pos':>10} {'max positions':>14} {'streaming layers':>17}"]
+             f"{'KV format':<10} {'bytes/pos':>10} {'max positions':>14} {'offloaded layers':>17}"]
     lines += format_rows(r, "(* the format in use; bytes/pos summed over attention layers, as `justfit fit` does; "
                             "sliding layers stop at their window and recurrent layers hold a constant state, both "
                             "counted in max positions)")
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]
-        verdict = ("fits" if plan["fits"] else "fits only streaming layers from disk" if plan["fits_streaming"]
+        verdict = ("fits" if plan["fits"] else "fits only with layers offloaded to disk" if plan["fits_offloaded"]
                    else "does NOT fit")
         beyond = f"; past the trained context {r['context_limit']:,}" if plan["beyond_context"] else ""
         lines += ["", f"plan for {plan['positions']:,} positions: {verdict} ({format_size(fp['total'])} of "

@@ -16,7 +16,7 @@ from justfit.memory import trim_heap
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import attention_shape
 from kvexec import KVConfig
-from phaseswap.policy import Policy
+from phaseswap.policy import ResidencyPolicy
 
 
 def load_lazily(model: str | None, config: EngineConfig) -> LoadedModel:
@@ -35,7 +35,7 @@ def install_kv(model: nn.Module, model_config: dict, kv: KVConfig | None) -> KVC
     return kvexec.for_head_dim(kv, attention_shape(model, model_config)[2])
 
 
-def offload_dir(loaded: LoadedModel, policy: Policy) -> Path:
+def offload_dir(loaded: LoadedModel, policy: ResidencyPolicy) -> Path:
     """Where offloaded components of this model, in this policy's form, are kept."""
     source = f"{loaded.path or loaded.name}"
     source += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in weight_files(loaded.path))

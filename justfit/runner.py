@@ -26,9 +26,9 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
                 session: str | None = None) -> Iterator[Chunk]:
     """Stream the reply to `tokens` (see Engine.generate): closing the iterator early
     cancels cleanly, and the state stored then holds exactly the tokens computed."""
-    streamed, request = engine.check_fits(len(tokens), sp.max_tokens)
+    offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
     high_water = peak_rss_bytes()
-    engine.swap.stream(streamed)
+    engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     reuse = engine.states.take(tokens, session, engine.state_allowance(request))
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
@@ -48,7 +48,7 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
         engine.live_cache = None
         if held and holds(cache, len(held)):
             engine.states.put(held, cache, session, rng)
-        engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.streamed)))
+        engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
         engine.last_stats = stats

@@ -1,4 +1,4 @@
-"""PhaseSwap: per-phase weight residency, just-in-time materialization, layer streaming.
+"""PhaseSwap: per-phase weight residency, just-in-time materialization, layers offloaded to disk.
 
 `PhaseSwap` (phases.py) is the public face: built from a model and a named policy, it
 converts every component to its resident form, runs prefill and decode phases with
@@ -8,8 +8,8 @@ each phase cost.
 
 from phaseswap.forms import GroupedQuantizedLinear, TransposedQuantizedLinear, materialize_dense
 from phaseswap.phases import PhaseStats, PhaseSwap
-from phaseswap.policy import POLICIES, Policy, default_policy
+from phaseswap.policy import POLICIES, ResidencyPolicy, default_policy
 from phaseswap.registry import Component, Registry, Residency
 
-__all__ = ["POLICIES", "Component", "PhaseStats", "PhaseSwap", "Policy", "Registry", "Residency",
+__all__ = ["POLICIES", "Component", "PhaseStats", "PhaseSwap", "Registry", "Residency", "ResidencyPolicy",
            "GroupedQuantizedLinear", "TransposedQuantizedLinear", "default_policy", "materialize_dense"]

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from phaseswap.policy import Policy, get_policy
+from phaseswap.policy import ResidencyPolicy, get_policy
 from phaseswap.registry import Counters, Registry, Residency
 
 
@@ -25,7 +25,7 @@ class PhaseStats(Counters):
     seconds: float = 0.0
     peak_bytes: int = 0  # MLX peak memory during the phase
     resident_components: int = 0
-    streamed_components: int = 0
+    offloaded_components: int = 0
 
     def as_dict(self) -> dict:
         """The stats as a plain dict."""
@@ -35,7 +35,7 @@ class PhaseStats(Counters):
         """One readable line: time, peak memory, residency, and what was materialized and read."""
         mib = 2**20
         text = (f"{self.name}: {self.seconds:.2f} s, MLX peak {self.peak_bytes / mib:.0f} MiB, "
-                f"{self.resident_components} components resident, {self.streamed_components} on disk")
+                f"{self.resident_components} components resident, {self.offloaded_components} on disk")
         if self.materialized_bytes:
             text += (f", materialized {self.materialized_bytes / mib:.0f} MiB "
                      f"(released {self.released_bytes / mib:.0f})")
@@ -63,12 +63,12 @@ class PhaseSwap:
     # matvec, e.g. prefill's last token.
     dense_min_tokens = 8
 
-    def __init__(self, model: nn.Module, policy: Policy | str | None = None,
-                 stream_dir: Path | None = None, weight_limit: int | None = None,
+    def __init__(self, model: nn.Module, policy: ResidencyPolicy | str | None = None,
+                 offload_to: Path | None = None, weight_limit: int | None = None,
                  probe_tokens: int = 256):
-        self.policy = policy if isinstance(policy, Policy) else get_policy(policy)
+        self.policy = policy if isinstance(policy, ResidencyPolicy) else get_policy(policy)
         self.registry = Registry.build(model, self.policy.resident, mx.float32 if self.policy.fp32 else None,
-                                       stream_dir, weight_limit=weight_limit)
+                                       offload_to, weight_limit=weight_limit)
         layers = self.registry.layers
         if self.policy.prefill == "measured":
             self.prefill_forms = measure_prefill_forms(self.registry, probe_tokens)
@@ -124,11 +124,11 @@ class PhaseSwap:
             stats.peak_bytes = mx.get_peak_memory()
             for f in fields(Counters):
                 setattr(stats, f.name, getattr(delta, f.name))
-            stats.streamed_components = sum(s == Residency.DISK.value for s in states)
-            stats.resident_components = len(states) - stats.streamed_components
+            stats.offloaded_components = sum(s == Residency.DISK.value for s in states)
+            stats.resident_components = len(states) - stats.offloaded_components
 
     # -- memory ----------------------------------------------------------------------
-    def stream(self, names: tuple[str, ...] | list[str]) -> None:
+    def offload(self, names: tuple[str, ...] | list[str]) -> None:
         """Keep exactly `names` on disk; everything else resident."""
         for name, comp in self.registry.components.items():
             if name in names:
@@ -137,7 +137,7 @@ class PhaseSwap:
                 self.registry.restore(name)
 
     @property
-    def streamed(self) -> tuple[str, ...]:
+    def offloaded(self) -> tuple[str, ...]:
         """The components on disk now."""
         return tuple(n for n, c in self.registry.components.items() if c.state == Residency.DISK)
 
@@ -146,12 +146,12 @@ class PhaseSwap:
         layers, then the head. The embedding stays (a lookup reads a few rows)."""
         return self.registry.layers[::-1] + (["head"] if "head" in self.registry.components else [])
 
-    def working_bytes(self, streamed: tuple[str, ...] | list[str] = ()) -> int:
-        """Largest transient a lease adds: a dense working copy, a streamed component."""
+    def working_bytes(self, offloaded: tuple[str, ...] | list[str] = ()) -> int:
+        """Largest transient a lease adds: a dense working copy, an offloaded component."""
         worst = 0
         for name, comp in self.registry.components.items():
             dense = comp.dense_nbytes if self.prefill_forms.get(name) == "dense" else 0
-            worst = max(worst, dense + (comp.nbytes if name in streamed else 0))
+            worst = max(worst, dense + (comp.nbytes if name in offloaded else 0))
         return worst
 
 

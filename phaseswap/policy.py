@@ -9,7 +9,7 @@ import mlx.core as mx
 
 
 @dataclass(frozen=True)
-class Policy:
+class ResidencyPolicy:
     """How weights are held and used: the resident form, how prefill runs, and parameter precision."""
 
     name: str
@@ -20,20 +20,20 @@ class Policy:
 
 
 POLICIES = {p.name: p for p in (
-    Policy("cpu", "q8t", "dense", True,
+    ResidencyPolicy("cpu", "q8t", "dense", True,
            "decode on q8t weights (8-bit, [in,out] layout: MLX's fastest CPU matvec); prefill "
            "materializes each layer in fp32 just in time for a BLAS GEMM and releases it"),
-    Policy("cpu-exact", "grouped", "dense", True,
+    ResidencyPolicy("cpu-exact", "grouped", "dense", True,
            "the stored quantization exactly in every phase: decode on its integer grid "
            "regrouped for MLX's fast CPU matvec (1.5 bytes/weight); prefill dense just in time"),
-    Policy("cpu-compact", "stored", "dense", True,
+    ResidencyPolicy("cpu-compact", "stored", "dense", True,
            "decode on the stored quantized weights with fp32 activations (about half cpu's "
            "resident bytes, slower decode); prefill dense just in time: for tight budgets"),
-    Policy("dense", "dense", "resident", True,
+    ResidencyPolicy("dense", "dense", "resident", True,
            "every weight resident in fp32: no per-chunk dequantization, 4-8x the memory"),
-    Policy("quantized", "stored", "resident", False,
+    ResidencyPolicy("quantized", "stored", "resident", False,
            "stored quantized weights in every phase (Metal's quantized kernels)"),
-    Policy("measured", "stored", "measured", False,
+    ResidencyPolicy("measured", "stored", "measured", False,
            "stored weights; per layer shape, prefill uses dense or stored, whichever a probe "
            "chunk measured faster"),
 )}
@@ -44,7 +44,7 @@ def default_policy() -> str:
     return "quantized" if mx.default_device() == mx.gpu else "cpu"
 
 
-def get_policy(name: str | None) -> Policy:
+def get_policy(name: str | None) -> ResidencyPolicy:
     """The policy `name` names (None or "auto": the default); ValueError for an unknown one."""
     name = default_policy() if name in (None, "auto") else name
     if name not in POLICIES:

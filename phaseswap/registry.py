@@ -61,7 +61,7 @@ class Component:
 @dataclass
 class Counters:
     """Running totals of what leases moved: working copies made and dropped, and
-    streamed components read back from disk."""
+    offloaded components read back from disk."""
 
     materialized_bytes: int = 0
     released_bytes: int = 0
@@ -135,21 +135,21 @@ class Registry:
 
     model: nn.Module
     resident_form: str
-    stream_dir: Path | None = None
+    offload_to: Path | None = None
     components: dict[str, Component] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     strict: bool = False  # return freed memory to the OS after every release (tight budgets)
 
     @classmethod
     def build(cls, model: nn.Module, resident_form: str = "stored", dtype: mx.Dtype | None = None,
-              stream_dir: Path | None = None, weight_limit: int | None = None) -> "Registry":
+              offload_to: Path | None = None, weight_limit: int | None = None) -> "Registry":
         """Register `model`'s components and convert each to `resident_form` (float
         parameters cast to `dtype` when given), one at a time so a lazily loaded model
         never holds two forms of more than one component. Past `weight_limit` resident
         bytes, each further layer goes to disk as soon as it is converted."""
         if resident_form not in RESIDENT_FORMS:
             raise ValueError(f"resident form must be one of {RESIDENT_FORMS}, not {resident_form!r}")
-        reg = cls(model, resident_form, stream_dir)
+        reg = cls(model, resident_form, offload_to)
         body = _body(model)
         comps = [Component("embed", "embed", body, "embed_tokens")]
         comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i in range(len(body.layers))]
@@ -208,15 +208,15 @@ class Registry:
 
     # -- disk ------------------------------------------------------------------------
     def offload(self, name: str) -> None:
-        """Keep `name` on disk: its arrays become lazy handles on its stream file."""
+        """Keep `name` on disk: its arrays become lazy handles on its file."""
         comp = self.components[name]
         if comp.state == Residency.DISK:
             return
-        if self.stream_dir is None:
-            raise ValueError("layer streaming needs a stream directory")
+        if self.offload_to is None:
+            raise ValueError("offloading a layer needs a folder to offload to")
         if comp.disk is None or not comp.disk.exists():
-            self.stream_dir.mkdir(parents=True, exist_ok=True)
-            comp.disk = self.stream_dir / f"{name}.safetensors"
+            self.offload_to.mkdir(parents=True, exist_ok=True)
+            comp.disk = self.offload_to / f"{name}.safetensors"
             tmp = comp.disk.with_suffix(".tmp.safetensors")
             mx.save_safetensors(str(tmp), dict(tree_flatten(comp.module.parameters())))
             tmp.replace(comp.disk)
@@ -243,9 +243,9 @@ class Registry:
     def lease(self, name: str, form: str = "resident") -> Iterator[nn.Module]:
         """Hold `name` usable in `form` ("resident" or "dense") for the block. The
         caller evaluates what it computes before the block ends: release drops the
-        working copy (and a streamed component's arrays) at once."""
+        working copy (and a offloaded component's arrays) at once."""
         comp = self.components[name]
-        streamed = comp.state == Residency.DISK
+        offloaded = comp.state == Residency.DISK
         stash: list[tuple[str, nn.Module]] = []
         if form == "dense":
             for path in comp.linears():
@@ -263,14 +263,14 @@ class Registry:
                 self._swap(comp, path, mod)
             if stash:
                 self.counters.released_bytes += comp.dense_nbytes
-            if streamed:
+            if offloaded:
                 self.counters.disk_read_bytes += comp.nbytes
                 self.counters.disk_loads += 1
                 self._point_at_disk(comp)
                 comp.state = Residency.DISK
             else:
                 comp.state = Residency.RESIDENT
-            if self.strict and (stash or streamed):
+            if self.strict and (stash or offloaded):
                 mx.clear_cache()
 
 

@@ -1,5 +1,5 @@
 """What the engine chooses under a budget before any work: the weights form (from a
-prediction of each form's bytes) and the prefill chunk (smaller before streaming)."""
+prediction of each form's bytes) and the prefill chunk (smaller before offloading layers)."""
 
 import mlx.core as mx
 import pytest
@@ -43,7 +43,7 @@ def test_auto_keeps_the_fast_weights_while_the_whole_context_fits(q4_dir):
     assert Engine(str(q4_dir), budget=whole - 2**16, config=EngineConfig(policy="cpu")).policy.name == "cpu"
 
 
-def test_tight_budget_shrinks_the_prefill_chunk_before_streaming(q4_dir):
+def test_tight_budget_shrinks_the_prefill_chunk_before_offloading(q4_dir):
     prompt = list(range(3, 203)) * 2  # 400 tokens (the model holds 512)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     probe = Engine(str(q4_dir), config=EngineConfig(policy="cpu"))
@@ -51,8 +51,8 @@ def test_tight_budget_shrinks_the_prefill_chunk_before_streaming(q4_dir):
     small = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK).total
     assert probe.footprint(positions).total > small  # a 512-token chunk needs more
     engine = Engine(str(q4_dir), budget=small, config=EngineConfig(policy="cpu"))
-    streamed, fp = engine.plan(positions)
-    assert streamed == () and MIN_PREFILL_CHUNK <= fp.shape.chunk < 512 and fp.total <= small
+    offloaded, fp = engine.plan(positions)
+    assert offloaded == () and MIN_PREFILL_CHUNK <= fp.shape.chunk < 512 and fp.total <= small
     got = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
     assert engine.last_stats.prefill_chunk == fp.shape.chunk
     assert engine.last_stats.phases[0].peak_bytes <= small + mx.get_active_memory()  # MLX holds other tests' arrays too

@@ -140,8 +140,8 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
 
     budget = (narrow + wide) // 2
     engine = Engine(str(tiny_gemma3_dir), budget=budget, config=EngineConfig(**config))
-    streamed, fp = engine.plan(positions)
-    assert streamed == () and fp.total <= budget and fp.shape.page_row < fp.shape.top_row
+    offloaded, fp = engine.plan(positions)
+    assert offloaded == () and fp.total <= budget and fp.shape.page_row < fp.shape.top_row
     got = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
     assert len(got) == sp.max_tokens
     formats = engine.last_stats.kv_formats

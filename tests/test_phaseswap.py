@@ -1,4 +1,4 @@
-"""PhaseSwap: leases, release, streaming, policies and the budget they serve."""
+"""PhaseSwap: leases, release, offloading, policies and the budget they serve."""
 
 import gc
 from dataclasses import replace
@@ -68,7 +68,7 @@ def test_offloaded_layer_holds_no_memory_and_computes_the_same(q8_dir, tmp_path)
     expected = model.model.layers[2](x, None, None)
     mx.eval(expected)
     before = _settled_active()
-    swap.stream(["layer.2"])
+    swap.offload(["layer.2"])
     assert reg.components["layer.2"].state == Residency.DISK
     assert before - _settled_active() == reg.components["layer.2"].nbytes
     assert (tmp_path / "layer.2.safetensors").is_file()
@@ -77,7 +77,7 @@ def test_offloaded_layer_holds_no_memory_and_computes_the_same(q8_dir, tmp_path)
     assert reg.counters.disk_loads == 1 and reg.counters.disk_read_bytes == reg.components["layer.2"].nbytes
     del out
     assert before - _settled_active() == reg.components["layer.2"].nbytes
-    swap.stream([])
+    swap.offload([])
     assert reg.components["layer.2"].state == Residency.RESIDENT and _settled_active() == before
 
 
@@ -127,16 +127,16 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
     del free
     others = _settled_active()  # MLX memory is per process: earlier tests' arrays count too
     tight = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))  # free's weights
-    streamed, fp = tight.plan(positions)
-    assert streamed and fp.total <= budget and fp.weights < weights
+    offloaded, fp = tight.plan(positions)
+    assert offloaded and fp.total <= budget and fp.weights < weights
     chunks = list(tight.generate("stream me please", sp))
     assert [c.token for c in chunks] == expected
     stats = chunks[-1].stats
-    assert stats.phases[0].disk_loads > 0 and stats.phases[1].streamed_components == len(streamed)
+    assert stats.phases[0].disk_loads > 0 and stats.phases[1].offloaded_components == len(offloaded)
     assert stats.memory.mlx_peak - others <= budget
 
 
-def test_refused_when_even_streaming_cannot_fit(q8_dir):
+def test_refused_when_even_offloading_cannot_fit(q8_dir):
     eng = Engine(str(q8_dir))
     floor = eng.footprint(1, tuple(eng.swap.offload_order()))
     eng.config = replace(eng.config, budget_bytes=floor.total + 4096)
@@ -144,7 +144,7 @@ def test_refused_when_even_streaming_cannot_fit(q8_dir):
         list(eng.generate("x " * 200, SamplingParams(max_tokens=100)))
     e = err.value
     assert e.needed > e.budget and 0 < e.fits_positions < e.positions
-    assert eng.cached_tokens == [] and eng.swap.streamed == ()
+    assert eng.cached_tokens == [] and eng.swap.offloaded == ()
 
 
 def test_unknown_policy_is_a_clear_error():
@@ -167,7 +167,7 @@ def test_justfit_fit_reports_formats_and_plan(q8_dir):
     assert set(rows) == {"fp32", "fp16", "mlx-lm"}  # head_dim 16 is too small for the quantized ones
     assert rows["fp16"]["bytes_per_position"] * 2 == rows["fp32"]["bytes_per_position"]
     assert rows["fp16"]["max_positions"] > max(rows["fp32"]["max_positions"], rows["mlx-lm"]["max_positions"])
-    assert all(row["max_positions_streaming"] >= row["max_positions"] for row in rows.values())
+    assert all(row["max_positions_offloaded"] >= row["max_positions"] for row in rows.values())
     assert r["plan"]["positions"] == 300 and r["plan"]["footprint"]["total"] <= 64 * 2**20 and r["plan"]["fits"]
     text = runner.invoke(main, ["fit", "--model", str(q8_dir), "--budget", "300KiB", "--context", "500"]).output
     assert "does NOT fit" in text and "policy cpu" in text and "fp16" in text
@@ -185,8 +185,8 @@ def test_smollm2_below_its_weights_streams_token_identically(smollm2_gguf):
     chunks = list(tight.generate(prompt, sp))
     assert [c.token for c in chunks] == expected
     stats = chunks[-1].stats
-    # the first token comes from prefill; each later one reads every streamed layer once
-    assert tight.swap.streamed and stats.phases[1].disk_loads == 3 * len(tight.swap.streamed)
+    # the first token comes from prefill; each later one reads every offloaded layer once
+    assert tight.swap.offloaded and stats.phases[1].disk_loads == 3 * len(tight.swap.offloaded)
     assert stats.memory.weights < budget
 
 

@@ -141,7 +141,7 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
                 sources.append(engine.last_stats.restored_from)
                 assert engine.last_stats.cached_tokens == len(convo[name])
             convo[name] = engine.cached_tokens
-            idle = budget - engine.footprint(1, engine.swap.streamed).total
+            idle = budget - engine.footprint(1, engine.swap.offloaded).total
             assert engine.states.memory_bytes <= idle
     assert sources[-2:] == ["disk", "disk"]  # once both no longer fit, each turn swaps
     held = sum(len(t) for t in convo.values())

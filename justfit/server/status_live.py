@@ -47,7 +47,7 @@ class LiveStatus:
     server: object
     samples: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     first_seen: dict = field(default_factory=dict)  # stored state key -> when first seen (its age)
-    _capacity: tuple = ()  # (key, rows): capacities for one budget and streaming state
+    _capacity: tuple = ()  # (key, rows): capacities for one budget and offloaded set
 
     def sample(self) -> None:
         """Add a measurement to the history."""
@@ -122,7 +122,7 @@ class LiveStatus:
         engine = self.server.engine
         budget, _ = self._budget()
         # Re-plan when the budget changes; free memory (no budget) moves all the time: per 64 MiB.
-        key = (budget // (2**20 if engine.config.budget_bytes else 2**26), tuple(engine.swap.streamed))
+        key = (budget // (2**20 if engine.config.budget_bytes else 2**26), tuple(engine.swap.offloaded))
         if not self._capacity or self._capacity[0] != key:
             head_dim, base = engine.kv_shape[2], engine.config.kv
             rows = []
@@ -130,7 +130,7 @@ class LiveStatus:
                 if name is not None and not get_format(name).supports_head_dim(head_dim):
                     continue
                 kv = None if name is None else replace(base or KVConfig(), format=name)
-                fp = engine.footprint(1, tuple(engine.swap.streamed), kv=kv, chunk=MIN_PREFILL_CHUNK)
+                fp = engine.footprint(1, tuple(engine.swap.offloaded), kv=kv, chunk=MIN_PREFILL_CHUNK)
                 rows.append({"format": name or "mlx-lm", "max_positions": fp.max_positions(budget),
                              "in_use": name == (base.format if base else None)})
             self._capacity = (key, rows)
