@@ -22,6 +22,9 @@ from cli import common
               help="Allow browser pages from ORIGIN (e.g. http://localhost:3000, or *). Off by default.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one computes; past it: 503 with Retry-After.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests computed at once: decode steps shared, a long prompt's prefill chunks "
+                   "interleaved with the others' steps, admitted while their plans fit the budget together.")
 @click.option("--max-body", default="16MiB", show_default=True, metavar="SIZE",
               help="Largest request body; larger ones get 413.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -34,7 +37,7 @@ from cli import common
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
-def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, max_tokens, served_name,
+def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, max_body, max_tokens, served_name,
           chat_template, whole_process, gguf_bits, kv_format, policy) -> None:
     """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
 
@@ -48,6 +51,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_body, 
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(host=host, port=port, api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
+                          max_batch=max_batch,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name)
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading

@@ -1,5 +1,7 @@
-"""One worker thread runs requests on the engine, one at a time, in arrival order;
-the rest wait in a bounded queue. The HTTP side talks to it through `Job`s: events
+"""One worker thread runs requests on the engine in arrival order, one at a time or,
+with `max_batch` > 1, several at once (justfit.batch: decode steps shared, prefill
+chunks interleaved, admitted while their plans fit the budget together); the rest wait
+in a bounded queue. The HTTP side talks to it through `Job`s: events
 come back on the job's asyncio queue, and setting `cancel` stops the request within
 one decode step (or between prefill chunks), leaving the engine's state consistent."""
 
@@ -74,14 +76,24 @@ class Job:
 class Scheduler:
     """The engine's worker thread and the bounded queue of jobs waiting for it."""
 
-    def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None):
-        self.engine, self.max_queue, self.on_done = engine, max_queue, on_done
+    def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None,
+                 max_batch: int = 1):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.engine, self.max_queue, self.on_done, self.max_batch = engine, max_queue, on_done, max_batch
         self._queue: queue.Queue[Job | None] = queue.Queue()
-        self.running: Job | None = None
+        self.active: list[Job] = []  # the jobs computing now, oldest first
         self.completed = self.cancelled = self.failed = self.rejected = 0
         self._seconds = 1.0  # recent request duration, for Retry-After
-        self._thread = threading.Thread(target=self._work, name="justfit-engine", daemon=True)
+        work = self._work if max_batch == 1 else self._work_batched
+        self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def running(self) -> Job | None:
+        """The oldest job computing now, or None."""
+        active = self.active
+        return active[0] if active else None
 
     @property
     def waiting(self) -> int:
@@ -98,14 +110,14 @@ class Scheduler:
         if self.waiting >= self.max_queue:
             self.rejected += 1
             raise QueueFull(self.waiting, max(1, round(self._seconds * (self.waiting + 1))))
-        ahead = self.waiting + (self.running is not None)
+        ahead = self.waiting + len(self.active)
         self._queue.put(job)
         return ahead
 
     def close(self) -> None:
-        """Cancel the running job and stop the worker thread once what is queued is done."""
-        if self.running is not None:
-            self.running.cancel.set()
+        """Cancel the running jobs and stop the worker thread once what is queued is done."""
+        for job in list(self.active):
+            job.cancel.set()
         self._queue.put(None)
         self._thread.join(timeout=30)
 
@@ -116,12 +128,17 @@ class Scheduler:
                 self.cancelled += 1
                 job.emit("done", None)
                 continue
-            self.running, job.started = job, time.monotonic()
+            self.active, job.started = [job], time.monotonic()
             try:
                 self._run(job)
             finally:
-                self.running = None
+                self.active = []
                 self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - job.started)
+
+    def _work_batched(self) -> None:
+        from justfit.batch_worker import work_batched
+
+        work_batched(self)
 
     def _run(self, job: Job) -> None:
         def progress(done: int, total: int) -> None:

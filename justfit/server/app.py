@@ -37,6 +37,7 @@ class ServerConfig:
     cors_origin: str | None = None
     max_body_bytes: int = 16 * 2**20
     max_queue: int = 16
+    max_batch: int = 1  # requests computed at once (justfit.batch); 1: one at a time
     default_max_tokens: int = 1024
     model_name: str | None = None  # the id clients use; default: the engine's model name
     keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
@@ -50,7 +51,8 @@ class Server:
         self.engine, self.config = engine, config or ServerConfig()
         self.tokenizing = TokenizerThread()
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record)
+        self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record,
+                                   max_batch=self.config.max_batch)
         self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
 
@@ -211,7 +213,8 @@ class Server:
                        "restored": e.states.restored},
             "sessions": e.sessions(), "queue": {"waiting": self.scheduler.waiting,
                                                  "running": self.scheduler.running is not None,
-                                                 "max": self.config.max_queue},
+                                                 "running_count": len(self.scheduler.active),
+                                                 "max": self.config.max_queue, "max_batch": self.config.max_batch},
             "requests": {"completed": self.scheduler.completed, "cancelled": self.scheduler.cancelled,
                          "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
             "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,

@@ -88,7 +88,7 @@ def prometheus(m: Metrics, engine, scheduler) -> str:
             ('{window="last"}', m.last_decode_tps)])
     metric("memory_bytes", "gauge", "Memory by kind.", [(f'{{kind="{k}"}}', v) for k, v in memory(engine).items()])
     metric("queue_depth", "gauge", "Requests waiting.", [("", scheduler.waiting)])
-    metric("running", "gauge", "Requests computing now.", [("", scheduler.running is not None)])
+    metric("running", "gauge", "Requests computing now.", [("", len(scheduler.active))])
     metric("sessions", "gauge", "Named sessions held.", [("", len(engine.states.sessions))])
     metric("uptime_seconds", "gauge", "Seconds since the server started.", [("", time.time() - m.started)])
     return "\n".join(lines) + "\n"

@@ -1,0 +1,151 @@
+"""One request inside a batch: its plan, cache and tokens, prefilled chunk by chunk,
+then fed one sampled token per batched decode step (justfit.batch). What
+justfit.runner does for a lone request, cut at the points where the batch interleaves
+sequences: between prefill chunks and between decode steps."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+import kvexec
+from justfit.config import SamplingParams
+from justfit.generate import token_logprobs
+from justfit.planner import Footprint
+from justfit.sampling import keyed_sampler, logits_processors, new_rng
+from justfit.stats import Chunk, GenerationStats
+from justfit.stops import StopMatcher
+from phaseswap.registry import transformer_body
+from statetrans import holds
+
+if TYPE_CHECKING:
+    from justfit.engine import Engine
+
+
+class Sequence:
+    """A request's state between steps: `remaining` prompt tokens to prefill, then a
+    `pending` token to feed; `finished` once its reply ends."""
+
+    def __init__(self, engine: Engine, tokens: list[int], sampling: SamplingParams, session: str | None = None):
+        if not tokens:
+            raise ValueError("empty prompt")
+        self.engine, self.tokens, self.sp, self.session = engine, list(tokens), sampling, session
+        self.offloaded, self.request = engine.check_fits(len(tokens), sampling.max_tokens)  # refuses first
+        self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.request.total,
+                                     prefill_chunk=self.request.shape.chunk)
+        self.cache: list | None = None
+        self.held: list[int] = []  # exactly what `cache` holds
+        self.pending: int | None = None  # sampled, not yet fed
+        self.finished = False
+        self._decode_started = 0.0
+
+    @property
+    def plan(self) -> Footprint:
+        """The planner's footprint for this sequence alone."""
+        return self.request
+
+    def start(self, state_allowance: int | None) -> None:
+        """Take the stored state sharing the longest prefix (the memory tier held to
+        `state_allowance`), bound its pages to its plan, and pin its prompt."""
+        e, request = self.engine, self.request
+        reuse = e.states.take(self.tokens, self.session, state_allowance)
+        self.cache = reuse.cache if reuse.cache is not None else e.new_cache()
+        if e.config.kv is not None and request.shape.full_layers:
+            # Each sequence's pages keep to its own plan: the batch was admitted on the
+            # sum of the plans (justfit.batch.BatchRunner.fits).
+            budget = e.config.budget_bytes
+            kvexec.limit_pages(self.cache, None if budget is None else
+                               request.page_allowance(request.total) // request.shape.full_layers)
+        if e.config.kv is None or e.config.kv.pin_prompt:
+            kvexec.pin(self.cache, len(self.tokens))
+        self.held = list(reuse.tokens)
+        s = self.stats
+        s.cached_tokens, s.restored_from, s.restore_s = len(self.held), reuse.source, reuse.seconds
+        self.rng = new_rng(self.sp.seed) if self.sp.seed is not None else (reuse.sampler or new_rng())
+        self.stops = StopMatcher(self.sp.stop)
+        self.eos = set() if self.sp.ignore_eos else set(e.tokenizer.eos_token_ids)
+        self.detok = e.tokenizer.detokenizer  # mlx-lm hands each caller its own copy
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not yet in the cache (0 once decoding or finished)."""
+        if self.cache is None or self.pending is not None or self.finished:
+            return 0
+        return len(self.tokens) - len(self.held)
+
+    def prefill(self) -> Chunk | None:
+        """Feed the next chunk of the prompt; after the last one, the first token's chunk."""
+        e, done = self.engine, len(self.held)
+        piece = self.tokens[done:done + self.request.shape.chunk]
+        last = done + len(piece) == len(self.tokens)
+        with e.swap.phase("prefill") as phase:
+            if last:
+                logits = e.model(mx.array(piece)[None], cache=self.cache)[0, -1].astype(mx.float32)
+                mx.eval(logits, [c.state for c in self.cache])
+            else:
+                (transformer_body(e.model) or e.model)(mx.array(piece)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+        self.held.extend(piece)
+        self.stats.prefill_s += phase.seconds
+        return self._first(logits) if last else None
+
+    def _first(self, logits: mx.array) -> Chunk:
+        """Set up sampling once the prompt is in; the first token's chunk."""
+        sp = self.sp
+        if sp.max_tokens == 0:
+            return self._end("length", "")
+        self.sampler = keyed_sampler(sp, int(logits.shape[-1]), self.rng)
+        self.processors = logits_processors(sp, len(self.tokens))
+        self.context = mx.array(self.tokens)
+        self.detok.reset()
+        self._decode_started = time.perf_counter()
+        return self.accept(logits)
+
+    def accept(self, logits: mx.array) -> Chunk:
+        """Sample from the logits after the last fed token; the chunk to send (the
+        last one, with stats, when the reply ends)."""
+        sp, s = self.sp, self.stats
+        for proc in self.processors:
+            logits = proc(self.context, logits[None])[0]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = int(self.sampler(logprobs[None]).item())
+        self.context = mx.concatenate([self.context, mx.array([token])])
+        s.decode_s = time.perf_counter() - self._decode_started
+        if token in self.eos:
+            return self._end("stop", "")
+        s.generated_tokens += 1
+        self.detok.add_token(token)
+        text, hit = self.stops.feed(self.detok.last_segment)
+        logprob, top = token_logprobs(token, logprobs, sp.logprobs) if sp.logprobs is not None else (None, None)
+        if hit:
+            return self._end("stop", text, token, logprob, top)
+        if s.generated_tokens >= sp.max_tokens:
+            return self._end("length", text, token, logprob, top)
+        self.pending = token
+        return Chunk(text, token, logprob=logprob, top_logprobs=top)
+
+    def fed(self) -> None:
+        """The pending token went through a decode step: the cache holds it."""
+        self.held.append(self.pending)
+        self.pending = None
+
+    def _end(self, reason: str, text: str, token: int | None = None, logprob=None, top=None) -> Chunk:
+        self.detok.finalize()
+        tail = self.stops.flush(self.detok.last_segment) if reason == "length" else ""
+        self.finished = True
+        s = self.stats
+        s.finish_reason, s.stop_sequence = reason, self.stops.hit
+        s.decode_s = time.perf_counter() - self._decode_started if self._decode_started else 0.0
+        return Chunk(text + tail, token, finish_reason=reason, stats=s, logprob=logprob, top_logprobs=top)
+
+    def store(self) -> None:
+        """Keep what was computed (also on cancel or error) as a stored state, unless an
+        interrupted step left the cache and the tokens apart; then let the cache go."""
+        cache, self.cache = self.cache, None
+        if cache is None:
+            return
+        if self.held and holds(cache, len(self.held)):
+            self.engine.states.put(self.held, cache, self.session, self.rng)
+        self.stats.kv_formats = kvexec.page_formats(cache)
