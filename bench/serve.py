@@ -3,7 +3,7 @@ on a long conversation's second turn, concurrent load with a bounded queue, and
 a fuzz of malformed or hostile requests.
 
     python -m bench.serve ttft --context 8000     # turn 2 TTFT >= 10x faster than turn 1
-    python -m bench.serve load --clients 8 --requests 20 --max-queue 16
+    python -m bench.serve load --clients 8 --requests 20 --max-queue 16 [--max-batch 4]
     python -m bench.serve fuzz --cases 1000 --seed 0
     python -m bench.serve fuzz --cases 1000 --routes /v1/messages,/v1/messages/count_tokens
     python -m bench.serve all
@@ -141,7 +141,7 @@ async def one_load_request(s: aiohttp.ClientSession, url: str, path: str, body: 
 async def bench_load(args) -> dict:
     tally = dict.fromkeys(["503", "503_without_retry_after", "5xx_other", "other_status", "bad_body",
                            "connection_errors"], 0)
-    async with served(args.model, "--max-queue", str(args.max_queue)) as srv, \
+    async with served(args.model, "--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch)) as srv, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
 
         async def client(c: int) -> list[float | None]:
@@ -159,6 +159,7 @@ async def bench_load(args) -> dict:
             status = await r.json()
     done = [x for x in lat if x is not None]
     return {"clients": args.clients, "requests_each": args.requests, "max_queue": args.max_queue,
+            "max_batch": args.max_batch,
             "total": len(lat), "completed": len(done), "lost": len(lat) - len(done), "retried_503": tally["503"],
             **{k: v for k, v in tally.items() if k != "503"}, "wall_s": round(wall, 2),
             "latency_s": {"p50": pct(done, .5), "p90": pct(done, .9), "p99": pct(done, .99),
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clients", type=int, default=8, help="load: concurrent clients")
     ap.add_argument("--requests", type=int, default=20, help="load: requests per client")
     ap.add_argument("--max-queue", type=int, default=16, help="load: the server's --max-queue")
+    ap.add_argument("--max-batch", type=int, default=1, help="load: the server's --max-batch")
     ap.add_argument("--cases", type=int, default=1000, help="fuzz: number of requests")
     ap.add_argument("--seed", type=int, default=0, help="fuzz: case generator seed")
     ap.add_argument("--routes", default=None, help="fuzz: comma-separated routes (default: all, "

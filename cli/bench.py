@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-SUITES = ("blas", "capacity", "kv", "parity", "plan", "quality", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "kv", "parity", "plan", "quality", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -20,10 +20,11 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     speed    prefill/decode speed next to stock mlx-lm
     quality  KV format fidelity: top-1, KL, perplexity, pass-key
     kv       KV transient, bytes per position, decode speed at a context
-    plan     planner's predicted peak vs measured; a streamed run under a tight budget
+    plan     planner's predicted peak vs measured; a run with layers offloaded under a tight budget
     state    time to first token from a snapshot vs cold prefill; snapshot size
     sessions 2 or 4 sessions sharing one budget, swapped to disk in turn
     serve    the HTTP server: second-turn TTFT, concurrent clients, fuzz
+    batch    several requests at once vs one at a time: decode throughput, TTFT during a long prefill
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
     """

@@ -4,8 +4,9 @@ interleaves prefill chunks with it.
 Each `BatchRunner.step` feeds every decoding sequence its next token in one forward
 pass (the rows share the weights and nothing else: each row attends over its own
 pages, kvexec.batch_cache), then runs one prefill chunk of the waiting sequence with
-the fewest prompt tokens left, so a short request that arrives during a long prefill
-gets its first token after at most one of the long prompt's chunks. Sequences join
+the fewest prompt tokens left (at most `step_tokens` while others decode), so a short
+request that arrives during a long prefill gets its first token after at most one of
+the long prompt's chunks, and then keeps its pace. Sequences join
 and leave between steps. The batch is admitted on its plans: weights once, the sum of
 the sequences' KV, the largest transient (`BatchRunner.fits`).
 """
@@ -37,6 +38,13 @@ def decode_step(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.a
     return logits
 
 
+def batched_decode(engine: Engine, tokens: list[int], caches: list[list]) -> mx.array:
+    """`decode_step` as one decode phase of `engine` (resident weights): the next
+    logits, fp32 [B, vocab]."""
+    with engine.swap.phase("decode"):
+        return decode_step(engine.model, tokens, caches)
+
+
 def batchable(cache: list) -> bool:
     """Whether a sequence's cache can share a batched step (every layer paged; a
     recurrent state cannot be split by row)."""
@@ -46,10 +54,12 @@ def batchable(cache: list) -> bool:
 class BatchRunner:
     """The sequences running on `engine`, at most `max_batch` at once."""
 
-    def __init__(self, engine: Engine, max_batch: int = 4):
-        if max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine: Engine, max_batch: int = 4, step_tokens: int = 128):
+        if max_batch < 1 or step_tokens < 1:
+            raise ValueError("max_batch and step_tokens must be >= 1")
+        # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
+        # the decoding replies keep their pace during a long prefill.
+        self.engine, self.max_batch, self.step_tokens = engine, max_batch, step_tokens
         self.running: list[Sequence] = []
         self.steps = 0  # decode steps taken, for stats
 
@@ -86,8 +96,7 @@ class BatchRunner:
         decoding = [s for s in self.running if s.pending is not None]
         if decoding:
             for group in self._groups(decoding):
-                with self.engine.swap.phase("decode"):
-                    logits = decode_step(self.engine.model, [s.pending for s in group], [s.cache for s in group])
+                logits = batched_decode(self.engine, [s.pending for s in group], [s.cache for s in group])
                 self.steps += 1
                 for i, s in enumerate(group):
                     s.fed()
@@ -95,7 +104,7 @@ class BatchRunner:
         waiting = [s for s in self.running if s.remaining > 0]
         if waiting:
             seq = min(waiting, key=lambda s: s.remaining)  # shortest remaining prefill first
-            out.append((seq, seq.prefill()))
+            out.append((seq, seq.prefill(self.step_tokens if decoding else None)))
         for s in [s for s in self.running if s.finished]:
             self.leave(s)
         return out

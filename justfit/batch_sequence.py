@@ -75,10 +75,12 @@ class Sequence:
             return 0
         return len(self.tokens) - len(self.held)
 
-    def prefill(self) -> Chunk | None:
-        """Feed the next chunk of the prompt; after the last one, the first token's chunk."""
+    def prefill(self, limit: int | None = None) -> Chunk | None:
+        """Feed the next chunk of the prompt (the planned chunk, or `limit` tokens if
+        fewer); after the last one, the first token's chunk."""
         e, done = self.engine, len(self.held)
-        piece = self.tokens[done:done + self.request.shape.chunk]
+        size = self.request.shape.chunk if limit is None else max(1, min(limit, self.request.shape.chunk))
+        piece = self.tokens[done:done + size]
         last = done + len(piece) == len(self.tokens)
         with e.swap.phase("prefill") as phase:
             if last:

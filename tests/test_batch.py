@@ -121,3 +121,4 @@ def test_the_batch_is_admitted_on_the_sum_of_its_plans(tiny_llama_dir):
     assert runner.fits(b)
     with pytest.raises(ValueError):
         BatchRunner(engine, max_batch=0)
+

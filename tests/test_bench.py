@@ -1,6 +1,8 @@
 """The benchmark suites' --quick presets on tiny models: every system reported (an
 error row rather than nothing), the output contract, and the files written."""
 
+import json
+
 import pytest
 
 
@@ -174,3 +176,20 @@ def test_capacity_kv4_quantizes_what_mlx_lm_can_on_sliding_window_models(tiny_ge
     assert len(out) == 3 and RotatingKVCache in kinds  # mlx-lm alone raises "Quantization NYI" here
     assert kinds.count(QuantizedKVCache) + kinds.count(RotatingKVCache) == len(cache)
     assert f"kv4 on {kinds.count(QuantizedKVCache)} of {len(cache)} layers" in note and cache[-1].bits == 4
+
+
+def test_bench_batch_decode_runs_both_ways_side_by_side(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """bench.batch decode: one row per stream count, alone and batched rates from the
+    same run, and the greedy tokens compared between the two ways."""
+    import bench.common
+    from bench.batch import main as batch
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    result = batch(["decode", "--model", str(tiny_llama_dir), "--streams", "1,3", "--context", "40",
+                    "--tokens", "5", "--repeats", "2", "--json"])
+    rows = {r["streams"]: r for r in result["systems"]}
+    assert set(rows) == {1, 3} and json.loads(capsys.readouterr().out.splitlines()[-1])["systems"]
+    for r in rows.values():
+        assert len(r["alone_tps"]) == len(r["batched_tps"]) == 2 and min(r["alone_tps"] + r["batched_tps"]) > 0
+        assert r["greedy_identical"] and r["repeats_differing"] == 0 and r["ratio_median"] > 0
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
