@@ -114,6 +114,9 @@ class BatchRunner:
         if seq in self.running:
             self.running.remove(seq)
         seq.store()
+        if not self.running:  # as after a lone request: stored states back within what the budget leaves
+            e = self.engine
+            e.states.fit(e.state_allowance(e.footprint(1, e.swap.offloaded)))
 
     @staticmethod
     def _groups(seqs: list[Sequence]) -> list[list[Sequence]]:
