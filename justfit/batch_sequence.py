@@ -12,12 +12,10 @@ import mlx.core as mx
 
 import kvexec
 from justfit.config import SamplingParams
-from justfit.generate import token_logprobs
-from justfit.planner import Footprint
+from justfit.generate import feed, prefill, token_logprobs
 from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import StopMatcher
-from phaseswap.registry import transformer_body
 from statetrans import holds
 
 if TYPE_CHECKING:
@@ -32,32 +30,28 @@ class Sequence:
         if not tokens:
             raise ValueError("empty prompt")
         self.engine, self.tokens, self.sp, self.session = engine, list(tokens), sampling, session
-        self.offloaded, self.request = engine.check_fits(len(tokens), sampling.max_tokens)  # refuses first
-        self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.request.total,
-                                     prefill_chunk=self.request.shape.chunk)
+        # The planner's footprint for this sequence alone; refuses, before any work, what cannot fit.
+        self.offloaded, self.plan = engine.check_fits(len(tokens), sampling.max_tokens)
+        self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.plan.total,
+                                     prefill_chunk=self.plan.shape.chunk)
         self.cache: list | None = None
         self.held: list[int] = []  # exactly what `cache` holds
         self.pending: int | None = None  # sampled, not yet fed
         self.finished = False
         self._decode_started = 0.0
 
-    @property
-    def plan(self) -> Footprint:
-        """The planner's footprint for this sequence alone."""
-        return self.request
-
     def start(self, state_allowance: int | None) -> None:
         """Take the stored state sharing the longest prefix (the memory tier held to
         `state_allowance`), bound its pages to its plan, and pin its prompt."""
-        e, request = self.engine, self.request
+        e, plan = self.engine, self.plan
         reuse = e.states.take(self.tokens, self.session, state_allowance)
         self.cache = reuse.cache if reuse.cache is not None else e.new_cache()
-        if e.config.kv is not None and request.shape.full_layers:
+        if e.config.kv is not None and plan.shape.full_layers:
             # Each sequence's pages keep to its own plan: the batch was admitted on the
             # sum of the plans (justfit.batch.BatchRunner.fits).
             budget = e.config.budget_bytes
             kvexec.limit_pages(self.cache, None if budget is None else
-                               request.page_allowance(request.total) // request.shape.full_layers)
+                               plan.page_allowance(plan.total) // plan.shape.full_layers)
         if e.config.kv is None or e.config.kv.pin_prompt:
             kvexec.pin(self.cache, len(self.tokens))
         self.held = list(reuse.tokens)
@@ -79,16 +73,14 @@ class Sequence:
         """Feed the next chunk of the prompt (the planned chunk, or `limit` tokens if
         fewer); after the last one, the first token's chunk."""
         e, done = self.engine, len(self.held)
-        size = self.request.shape.chunk if limit is None else max(1, min(limit, self.request.shape.chunk))
+        size = self.plan.shape.chunk if limit is None else max(1, min(limit, self.plan.shape.chunk))
         piece = self.tokens[done:done + size]
         last = done + len(piece) == len(self.tokens)
         with e.swap.phase("prefill") as phase:
-            if last:
-                logits = e.model(mx.array(piece)[None], cache=self.cache)[0, -1].astype(mx.float32)
-                mx.eval(logits, [c.state for c in self.cache])
+            if last:  # the head runs on the prompt's last position only, as the planner counts
+                logits = prefill(e.model, piece, self.cache, chunk=len(piece))
             else:
-                (transformer_body(e.model) or e.model)(mx.array(piece)[None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
+                feed(e.model, piece, self.cache)
         self.held.extend(piece)
         self.stats.prefill_s += phase.seconds
         return self._first(logits) if last else None

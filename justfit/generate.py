@@ -17,6 +17,14 @@ def _eval_cache(cache: list) -> None:
     mx.eval([c.state for c in cache])
 
 
+def feed(model: nn.Module, tokens: list[int], cache: list) -> None:
+    """Put `tokens` into `cache` through the transformer body only (no output head),
+    evaluated."""
+    body = transformer_body(model)
+    (body if body is not None else model)(mx.array(tokens)[None], cache=cache)
+    _eval_cache(cache)
+
+
 def prefill(
     model: nn.Module,
     tokens: list[int],
@@ -32,7 +40,6 @@ def prefill(
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
-    body = transformer_body(model)
     head, last = tokens[:-1], tokens[-1:]
     total = len(tokens)
     done = 0
@@ -40,12 +47,7 @@ def prefill(
         progress(0, total)
     while done < len(head):
         piece = head[done : done + chunk]
-        inputs = mx.array(piece)[None]
-        if body is not None:
-            body(inputs, cache=cache)
-        else:
-            model(inputs, cache=cache)
-        _eval_cache(cache)
+        feed(model, piece, cache)
         done += len(piece)
         if on_processed:
             on_processed(piece)
