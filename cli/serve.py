@@ -24,7 +24,11 @@ from cli import common
               help="Requests that may wait while one computes; past it: 503 with Retry-After.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests computed at once: decode steps shared, a long prompt's prefill chunks "
-                   "interleaved with the others' steps, admitted while their plans fit the budget together.")
+                   "interleaved with the others' steps, admitted while they fit the budget together.")
+@click.option("--preempt/--no-preempt", default=True, show_default=True,
+              help="With --max-batch: count each request at what it holds now and, when the batch outgrows "
+                   "the budget, set the newest aside on disk (exact state, resumed later); --no-preempt "
+                   "counts each at its full length and never sets one aside.")
 @click.option("--max-body", default="16MiB", show_default=True, metavar="SIZE",
               help="Largest request body; larger ones get 413.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -37,7 +41,7 @@ from cli import common
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
-def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, max_body, max_tokens, served_name,
+def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
           chat_template, whole_process, gguf_bits, kv_format, policy) -> None:
     """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
 
@@ -51,7 +55,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(host=host, port=port, api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
-                          max_batch=max_batch,
+                          max_batch=max_batch, preempt=preempt,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name)
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading

@@ -13,6 +13,7 @@ the sequences' KV, the largest transient (`BatchRunner.fits`).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -25,6 +26,8 @@ from kvexec.cache import PagedKVCache
 
 if TYPE_CHECKING:
     from justfit.engine import Engine
+
+log = logging.getLogger("justfit.batch")
 
 
 def decode_step(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.array:
@@ -52,47 +55,95 @@ def batchable(cache: list) -> bool:
 
 
 class BatchRunner:
-    """The sequences running on `engine`, at most `max_batch` at once."""
+    """The sequences running on `engine`, at most `max_batch` at once.
 
-    def __init__(self, engine: Engine, max_batch: int = 4, step_tokens: int = 128):
+    With `preempt` (the default) a sequence is counted at what it holds after its next
+    step (its whole prompt from the start), not at its plan's end, so more of them fit;
+    when the next step would outgrow the budget, the most recently admitted one is
+    parked on disk through StateTrans (exact state, pages freed) and resumed, before
+    anything new joins, once it fits again: nothing is recomputed. Without it, each
+    sequence is counted at its plan's end and nothing is ever parked."""
+
+    def __init__(self, engine: Engine, max_batch: int = 4, step_tokens: int = 128, preempt: bool = True):
         if max_batch < 1 or step_tokens < 1:
             raise ValueError("max_batch and step_tokens must be >= 1")
         # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
         # the decoding replies keep their pace during a long prefill.
-        self.engine, self.max_batch, self.step_tokens = engine, max_batch, step_tokens
-        self.running: list[Sequence] = []
+        self.engine, self.max_batch, self.step_tokens, self.preempt = engine, max_batch, step_tokens, preempt
+        self.running: list[Sequence] = []  # in admission order
+        self.parked: list[Sequence] = []  # preempted, in admission order: resumed first
         self.steps = 0  # decode steps taken, for stats
+        self.preemptions, self.swap_s = 0, 0.0
+        self._admitted = 0
+
+    def _counted(self, seq: Sequence) -> int:
+        """Positions `seq` is counted at (see the class doc)."""
+        if not self.preempt:
+            return seq.plan.positions
+        return min(seq.plan.positions, max(len(seq.tokens), len(seq.held)) + 1)
+
+    def _need(self, seqs: list[Sequence]) -> int:
+        """Bytes `seqs` need together: weights and the largest transient once, every
+        sequence's KV, the largest reserve."""
+        plans = [s.plan.at(self._counted(s)) for s in seqs]
+        shared = max(p.weights + p.working + p.transient for p in plans)
+        return shared + sum(p.kv for p in plans) + max(p.reserve for p in plans)
 
     def fits(self, seq: Sequence) -> bool:
-        """Whether `seq` may join now: a free row, the same layers on disk as the batch,
-        and within the budget the batch's plans with its own (weights and the largest
-        transient once, every sequence's KV)."""
+        """Whether `seq` may join now: nothing parked waits before it, a free row, the
+        same layers on disk as the batch, and within the budget beside the batch."""
+        if self.parked and seq is not self.parked[0]:
+            return False
         if not self.running:
             return True
         if len(self.running) >= self.max_batch or seq.offloaded != tuple(self.engine.swap.offloaded):
             return False
         budget = self.engine.config.budget_bytes
-        if budget is None:
-            return True
-        plans = [s.plan for s in self.running] + [seq.plan]
-        shared = max(p.weights + p.working + p.transient for p in plans)
-        need = shared + sum(p.kv for p in plans)
-        return need + max(p.reserve for p in plans) <= budget
+        return budget is None or self._need(self.running + [seq]) <= budget
 
     def admit(self, seq: Sequence) -> None:
         """Start `seq` in the batch (the caller checked `fits`)."""
         if not self.running:
             self.engine.swap.offload(seq.offloaded)
         budget = self.engine.config.budget_bytes
-        others = sum(s.plan.total for s in self.running)
-        seq.start(None if budget is None else max(0, budget - others - seq.plan.total))
+        seq.start(None if budget is None else max(0, budget - self._need(self.running + [seq])))
+        self._admitted += 1
+        seq.admitted = self._admitted
         self.running.append(seq)
+
+    def _resume(self) -> None:
+        """Parked sequences back, oldest first, while they fit."""
+        while self.parked and self.fits(self.parked[0]):
+            seq = self.parked.pop(0)
+            if not self.running:
+                self.engine.swap.offload(seq.offloaded)
+            self.swap_s += seq.resume()
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.admitted)
+
+    def _make_room(self) -> None:
+        """Park the most recently admitted sequences until the next step fits (one always runs)."""
+        budget = self.engine.config.budget_bytes
+        while budget is not None and len(self.running) > 1 and self._need(self.running) > budget:
+            seq = self.running[-1]
+            try:
+                self.swap_s += seq.park()
+            except Exception as e:  # e.g. a full disk: it keeps running, over the estimate
+                log.warning("could not preempt a sequence to disk: %s", e)
+                return
+            self.running.pop()
+            self.parked.append(seq)
+            self.parked.sort(key=lambda s: s.admitted)
+            self.preemptions += 1
 
     def step(self) -> list[tuple[Sequence, Chunk | None]]:
         """One decode step for every decoding sequence, then one prefill chunk; what each
         produced (None: a prefill chunk that is not the prompt's last). Finished
         sequences leave the batch, their state stored."""
         out: list[tuple[Sequence, Chunk | None]] = []
+        if self.preempt:
+            self._resume()
+            self._make_room()
         decoding = [s for s in self.running if s.pending is not None]
         if decoding:
             for group in self._groups(decoding):
@@ -110,11 +161,14 @@ class BatchRunner:
         return out
 
     def leave(self, seq: Sequence) -> None:
-        """Take `seq` out of the batch (finished, cancelled or failed), storing what it computed."""
+        """Take `seq` out of the batch, running or parked (finished, cancelled or
+        failed), storing what it computed."""
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.parked:
+            self.parked.remove(seq)
         seq.store()
-        if not self.running:  # as after a lone request: stored states back within what the budget leaves
+        if not self.running and not self.parked:  # as after a lone request: stored states back within what the budget leaves
             e = self.engine
             e.states.fit(e.state_allowance(e.footprint(1, e.swap.offloaded)))
 

@@ -16,7 +16,7 @@ from justfit.generate import feed, prefill, token_logprobs
 from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import StopMatcher
-from statetrans import holds
+from statetrans import Parked, holds
 
 if TYPE_CHECKING:
     from justfit.engine import Engine
@@ -39,21 +39,16 @@ class Sequence:
         self.pending: int | None = None  # sampled, not yet fed
         self.finished = False
         self._decode_started = 0.0
+        self.parked: Parked | None = None  # set aside on disk (justfit.batch preempted it)
+        self._parked_at = 0.0
+        self.admitted = 0  # the batch's admission number: the latest admitted is parked first
 
     def start(self, state_allowance: int | None) -> None:
         """Take the stored state sharing the longest prefix (the memory tier held to
         `state_allowance`), bound its pages to its plan, and pin its prompt."""
         e, plan = self.engine, self.plan
         reuse = e.states.take(self.tokens, self.session, state_allowance)
-        self.cache = reuse.cache if reuse.cache is not None else e.new_cache()
-        if e.config.kv is not None and plan.shape.full_layers:
-            # Each sequence's pages keep to its own plan: the batch was admitted on the
-            # sum of the plans (justfit.batch.BatchRunner.fits).
-            budget = e.config.budget_bytes
-            kvexec.limit_pages(self.cache, None if budget is None else
-                               plan.page_allowance(plan.total) // plan.shape.full_layers)
-        if e.config.kv is None or e.config.kv.pin_prompt:
-            kvexec.pin(self.cache, len(self.tokens))
+        self._bind(reuse.cache if reuse.cache is not None else e.new_cache())
         self.held = list(reuse.tokens)
         s = self.stats
         s.cached_tokens, s.restored_from, s.restore_s = len(self.held), reuse.source, reuse.seconds
@@ -61,6 +56,45 @@ class Sequence:
         self.stops = StopMatcher(self.sp.stop)
         self.eos = set() if self.sp.ignore_eos else set(e.tokenizer.eos_token_ids)
         self.detok = e.tokenizer.detokenizer  # mlx-lm hands each caller its own copy
+
+    def _bind(self, cache: list) -> None:
+        """Use `cache`, its pages held to this sequence's plan and its prompt pinned."""
+        e, plan = self.engine, self.plan
+        if e.config.kv is not None and plan.shape.full_layers:
+            # Each sequence's pages keep to its own plan: the batch was admitted on the
+            # sum of the plans (justfit.batch.BatchRunner.fits).
+            budget = e.config.budget_bytes
+            kvexec.limit_pages(cache, None if budget is None else
+                               plan.page_allowance(plan.total) // plan.shape.full_layers)
+        if e.config.kv is None or e.config.kv.pin_prompt:
+            kvexec.pin(cache, len(self.tokens))
+        self.cache = cache
+
+    def park(self) -> float:
+        """Set this sequence aside: its exact state written to disk through StateTrans,
+        its cache let go (what it sampled, its stops and text stay here); the seconds
+        the write took. Raises, with the cache kept, when the write fails."""
+        self.parked = self.engine.states.park(self.held, self.cache, self.rng)
+        self.cache = None
+        self._parked_at = time.perf_counter()
+        s = self.stats
+        s.preemptions += 1
+        s.swap_s += self.parked.write_s
+        return self.parked.write_s
+
+    def resume(self) -> float:
+        """Take the parked state back, byte for byte, and go on where it stopped; the
+        seconds the read took."""
+        cache, read_s = self.engine.states.unpark(self.parked)
+        self.parked = None
+        self._bind(cache)
+        s = self.stats
+        away = time.perf_counter() - self._parked_at
+        s.swap_s += read_s
+        s.preempted_s += away
+        if self._decode_started:  # decode time counts the steps taken, not the time set aside
+            self._decode_started += away
+        return read_s
 
     @property
     def remaining(self) -> int:
@@ -138,6 +172,10 @@ class Sequence:
         """Keep what was computed (also on cancel or error) as a stored state, unless an
         interrupted step left the cache and the tokens apart; then let the cache go."""
         cache, self.cache = self.cache, None
+        if self.parked is not None:  # ended while set aside: its snapshot becomes a stored state
+            self.engine.states.keep_parked(self.parked)
+            self.parked = None
+            return
         if cache is None:
             return
         if self.held and holds(cache, len(self.held)):

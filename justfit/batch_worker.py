@@ -25,27 +25,28 @@ log = logging.getLogger("justfit.scheduler")
 def work_batched(sched: Scheduler) -> None:
     """Run jobs from `sched`'s queue in batches until it is closed and drained."""
     runtime.setup()  # this thread computes on the shared execution stream
-    runner = BatchRunner(sched.engine, sched.max_batch)
+    runner = sched.batch = BatchRunner(sched.engine, sched.max_batch, preempt=sched.preempt)
     seqs: dict[int, Job] = {}  # id(Sequence) -> its job
     taken: list[Job] = []  # out of the queue, not yet admitted, in arrival order
     closing = False
     while True:
-        closing = _take_arrivals(sched, taken, block=not runner.running and not taken) or closing
-        if closing and not runner.running and not taken:
+        busy = bool(runner.running or runner.parked)
+        closing = _take_arrivals(sched, taken, block=not busy and not taken) or closing
+        if closing and not busy and not taken:
             return
         _admit(sched, runner, taken, seqs)
-        for seq in list(runner.running):
+        for seq in runner.running + runner.parked:
             job = seqs[id(seq)]
             if job.cancel.is_set():
                 runner.leave(seq)
                 _finish(sched, seqs.pop(id(seq)), seq, "cancelled")
-        if not runner.running:
+        if not runner.running and not runner.parked:
             continue
         try:
             results = runner.step()
         except Exception as e:  # a failed step leaves every sequence's cache unknown: end them all
             log.exception("batched step failed")
-            for seq in list(runner.running):
+            for seq in runner.running + runner.parked:
                 runner.leave(seq)
                 job = seqs.pop(id(seq))
                 job.emit("error", e)
@@ -61,7 +62,12 @@ def work_batched(sched: Scheduler) -> None:
             job.emit("chunk", chunk)
             if seq.finished:
                 _finish(sched, seqs.pop(id(seq)), seq, "completed")
-        sched.active = [seqs[id(s)] for s in runner.running]
+        sched.active = _active(runner, seqs)
+
+
+def _active(runner: BatchRunner, seqs: dict) -> list:
+    """The jobs in the batch, running or set aside, oldest first."""
+    return [seqs[id(s)] for s in sorted(runner.running + runner.parked, key=lambda s: s.admitted)]
 
 
 def _take_arrivals(sched: Scheduler, taken: list, block: bool) -> bool:
@@ -110,7 +116,7 @@ def _admit(sched: Scheduler, runner: BatchRunner, taken: list, seqs: dict) -> No
             job.emit("done", None)
             continue
         seqs[id(seq)] = job
-        sched.active = [seqs[id(s)] for s in runner.running]
+        sched.active = _active(runner, seqs)
 
 
 def _finish(sched: Scheduler, job: Job, seq: Sequence, outcome: str) -> None:

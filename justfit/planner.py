@@ -80,6 +80,10 @@ class Footprint:
         """What is kept back for the allocator and the terms the estimate leaves out."""
         return int(RESERVE * (self.weights + self.working + self.kv + self.transient)) + RESERVE_FLOOR
 
+    def at(self, positions: int) -> Footprint:
+        """The same request's footprint at `positions` retained positions."""
+        return _estimate(self.shape, positions)
+
     def max_positions(self, budget: int) -> int:
         """Largest position count whose footprint fits `budget` (0 if none)."""
         lo, hi = 0, 1

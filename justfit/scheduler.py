@@ -77,14 +77,16 @@ class Scheduler:
     """The engine's worker thread and the bounded queue of jobs waiting for it."""
 
     def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None,
-                 max_batch: int = 1):
+                 max_batch: int = 1, preempt: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.engine, self.max_queue, self.on_done, self.max_batch = engine, max_queue, on_done, max_batch
+        self.preempt = preempt  # batching: park sequences on disk rather than count each at its plan's end
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self.active: list[Job] = []  # the jobs computing now, oldest first
         self.completed = self.cancelled = self.failed = self.rejected = 0
         self._seconds = 1.0  # recent request duration, for Retry-After
+        self.batch = None  # the BatchRunner, with max_batch > 1 (justfit.batch_worker)
         work = self._work if max_batch == 1 else self._work_batched
         self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
         self._thread.start()
@@ -104,6 +106,13 @@ class Scheduler:
         """The jobs waiting, in order (a snapshot)."""
         with self._queue.mutex:
             return [j for j in self._queue.queue if j is not None]
+
+    def batch_stats(self) -> dict:
+        """With batching: sequences set aside now, preemptions so far, seconds swapping."""
+        b = self.batch
+        if b is None:
+            return {}
+        return {"preempted": len(b.parked), "preemptions": b.preemptions, "swap_s": round(b.swap_s, 3)}
 
     def submit(self, job: Job) -> int:
         """Queue `job`; returns how many run or wait before it. Raises QueueFull."""

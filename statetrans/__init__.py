@@ -7,9 +7,10 @@ named sessions through to disk at every turn.
 """
 
 from statetrans.memory_tier import Reuse
+from statetrans.parking import Parked
 from statetrans.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_bytes
 from statetrans.state import capture, holds, rebuild, state_bytes
 from statetrans.tiers import StateTiers
 
-__all__ = ["Reuse", "SnapshotError", "StateTiers", "capture", "holds", "load_snapshot", "rebuild", "save_snapshot",
+__all__ = ["Parked", "Reuse", "SnapshotError", "StateTiers", "capture", "holds", "load_snapshot", "rebuild", "save_snapshot",
            "snapshot_bytes", "state_bytes"]

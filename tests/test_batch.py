@@ -1,7 +1,7 @@
 """Several requests at once (justfit.batch): batched greedy decoding equals each
 request alone; sequences join and leave mid-batch; a cancelled one leaves within a
 step with its state stored; a short prompt is served between a long one's chunks; the
-batch is admitted on the sum of its plans."""
+batch is admitted on the sum of its plans. Preemption: tests/test_batch_preempt.py."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_the_batch_is_admitted_on_the_sum_of_its_plans(tiny_llama_dir):
     # Room for one sequence's KV beside the weights, not for two.
     budget = one.total + one.kv // 2
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=budget))
-    runner = BatchRunner(engine, max_batch=4)
+    runner = BatchRunner(engine, max_batch=4, preempt=False)  # each counted at its plan's end
     a, b = Sequence(engine, PROMPTS[1], _greedy(40)), Sequence(engine, PROMPTS[1][::-1], _greedy(40))
     assert runner.fits(a)
     runner.admit(a)

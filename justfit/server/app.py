@@ -38,6 +38,7 @@ class ServerConfig:
     max_body_bytes: int = 16 * 2**20
     max_queue: int = 16
     max_batch: int = 1  # requests computed at once (justfit.batch); 1: one at a time
+    preempt: bool = True  # batching: set sequences aside on disk when the batch outgrows the budget
     default_max_tokens: int = 1024
     model_name: str | None = None  # the id clients use; default: the engine's model name
     keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
@@ -52,7 +53,7 @@ class Server:
         self.tokenizing = TokenizerThread()
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record,
-                                   max_batch=self.config.max_batch)
+                                   max_batch=self.config.max_batch, preempt=self.config.preempt)
         self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
 
@@ -202,6 +203,8 @@ class Server:
             last = {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                     "restored_from": s.restored_from, "generated_tokens": s.generated_tokens,
                     "prefill_tps": s.prefill_tps, "decode_tps": s.decode_tps, "finish_reason": s.finish_reason,
+                    "queue_s": s.queue_s, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
+                    "preemptions": s.preemptions, "preempted_s": s.preempted_s, "swap_s": s.swap_s,
                     "memory": s.memory.as_dict() if s.memory else None,
                     "phases": [p.as_dict() if hasattr(p, "as_dict") else vars(p) for p in s.phases]}
         return web.json_response({
@@ -214,7 +217,8 @@ class Server:
             "sessions": e.sessions(), "queue": {"waiting": self.scheduler.waiting,
                                                  "running": self.scheduler.running is not None,
                                                  "running_count": len(self.scheduler.active),
-                                                 "max": self.config.max_queue, "max_batch": self.config.max_batch},
+                                                 "max": self.config.max_queue, "max_batch": self.config.max_batch,
+                                                 **self.scheduler.batch_stats()},
             "requests": {"completed": self.scheduler.completed, "cancelled": self.scheduler.cancelled,
                          "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
             "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,
