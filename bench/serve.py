@@ -30,6 +30,7 @@ import aiohttp
 
 from bench.fuzz_cases import Case, make_cases
 from bench.server_process import served
+from justfit.tickets import TICKET_HEADER
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -115,11 +116,12 @@ async def body_ok(r: aiohttp.ClientResponse, stream: bool) -> bool:
 
 
 async def one_load_request(s: aiohttp.ClientSession, url: str, path: str, body: dict, tally: dict) -> float | None:
-    """Send until done (retrying 503s after Retry-After); the latency, or None if lost."""
-    start = time.perf_counter()
+    """Send until done (retrying 503s after Retry-After, with the ticket the 503 gave);
+    the latency, or None if lost."""
+    start, headers = time.perf_counter(), {}
     for _ in range(20):
         try:
-            async with s.post(url + path, json=body) as r:
+            async with s.post(url + path, json=body, headers=headers) as r:
                 if r.status == 200:
                     if await body_ok(r, body["stream"]):
                         return time.perf_counter() - start
@@ -131,6 +133,8 @@ async def one_load_request(s: aiohttp.ClientSession, url: str, path: str, body: 
                 tally["503"] += 1
                 after = r.headers.get("Retry-After")
                 tally["503_without_retry_after"] += after is None
+                if r.headers.get(TICKET_HEADER):  # keeps this request's place in line on the retry
+                    headers = {TICKET_HEADER: r.headers[TICKET_HEADER]}
                 await asyncio.sleep(min(5.0, float(after or 1)))
         except (TimeoutError, aiohttp.ClientError):
             tally["connection_errors"] += 1

@@ -18,16 +18,23 @@ from typing import Any, Callable
 from justfit import runtime
 from justfit.config import SamplingParams
 from justfit.errors import JustFitError
+from justfit.tickets import Tickets
 
 log = logging.getLogger("justfit.scheduler")
 
 
-class QueueFull(JustFitError):
-    """The queue is full: how many requests wait, and when to retry."""
+# A ticket lapses when its client has not retried within this many Retry-After
+# periods (and never sooner than TICKET_FLOOR_S).
+TICKET_PERIODS, TICKET_FLOOR_S = 3, 30.0
 
-    def __init__(self, waiting: int, retry_after: int):
-        self.waiting, self.retry_after = waiting, retry_after
-        super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s")
+
+class QueueFull(JustFitError):
+    """The queue is full: how many requests wait, when to retry, and the ticket that keeps the place."""
+
+    def __init__(self, waiting: int, retry_after: int, ticket: str = ""):
+        self.waiting, self.retry_after, self.ticket = waiting, retry_after, ticket
+        super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s"
+                         " with the ticket to keep your place")
 
 
 class _Cancelled(Exception):
@@ -87,6 +94,7 @@ class Scheduler:
         self.completed = self.cancelled = self.failed = self.rejected = 0
         self._seconds = 1.0  # recent request duration, for Retry-After
         self.batch = None  # the BatchRunner, with max_batch > 1 (justfit.batch_worker)
+        self.tickets = Tickets()  # places kept for clients turned away (touched on the server's loop only)
         work = self._work if max_batch == 1 else self._work_batched
         self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
         self._thread.start()
@@ -114,14 +122,35 @@ class Scheduler:
             return {}
         return {"preempted": len(b.parked), "preemptions": b.preemptions, "swap_s": round(b.swap_s, 3)}
 
-    def submit(self, job: Job) -> int:
-        """Queue `job`; returns how many run or wait before it. Raises QueueFull."""
+    def submit(self, job: Job, ticket: str | None = None) -> int:
+        """Queue `job`; returns how many run or wait before it. Raises QueueFull with a
+        ticket; a retry that brings it back (`ticket`) is queued ahead of every request
+        that arrived after its first try (justfit.tickets)."""
+        now = time.monotonic()
+        self.tickets.expire(now)
+        issued = self.tickets.redeem(ticket)
+        if issued is not None:
+            job.submitted = issued  # its wait counts from its first try
+            return self._queue_in_order(job)
         if self.waiting >= self.max_queue:
             self.rejected += 1
-            raise QueueFull(self.waiting, max(1, round(self._seconds * (self.waiting + 1))))
+            retry = max(1, round(self._seconds * (self.waiting + 1)))
+            held = self.tickets.hold(ticket, now, now + max(TICKET_FLOOR_S, TICKET_PERIODS * retry))
+            raise QueueFull(self.waiting, retry, held)
         ahead = self.waiting + len(self.active)
         self._queue.put(job)
         return ahead
+
+    def _queue_in_order(self, job: Job) -> int:
+        """Put `job` in the queue before the jobs submitted after it; how many are ahead."""
+        q = self._queue
+        with q.mutex:  # queue.Queue's own lock and deque: an insert, then the wake-up put() would do
+            later = [i for i, j in enumerate(q.queue) if j is None or j.submitted > job.submitted]
+            at = later[0] if later else len(q.queue)
+            q.queue.insert(at, job)
+            q.unfinished_tasks += 1
+            q.not_empty.notify()
+        return at + len(self.active)
 
     def close(self) -> None:
         """Cancel the running jobs and stop the worker thread once what is queued is done."""

@@ -100,7 +100,7 @@ class AnthropicRoutes:
         opts = anthropic_options(body)
         tokens = chat_tokens(self.engine, chat_messages(body), opts.tools)
         self.server.plan(tokens, opts)
-        job, _ = self.server.submit(tokens, opts, "anthropic")
+        job, _ = self.server.submit(tokens, opts, "anthropic", request)
         tools = ToolCalls(self.engine.tokenizer, opts.tools)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": model}
         try:

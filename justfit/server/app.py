@@ -19,6 +19,7 @@ import justfit
 from justfit import runtime
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.scheduler import Job, QueueFull, Scheduler
+from justfit.tickets import TICKET_HEADER
 from justfit.server import status_page
 from justfit.server.metrics import Metrics, memory, prometheus
 from justfit.server.schema import BadRequest, Options
@@ -102,14 +103,16 @@ class Server:
         raise BadRequest("the request does not fit", "messages", 400, "context_length_exceeded",
                          "context_length_exceeded")
 
-    def submit(self, tokens: list[int], opts: Options, route: str = "") -> tuple[Job, int]:
-        """Queue a planned request (`route`: the API it came through, for the status page)."""
+    def submit(self, tokens: list[int], opts: Options, route: str = "", request=None) -> tuple[Job, int]:
+        """Queue a planned request (`route`: the API it came through, for the status
+        page); the ticket a retry brings in the TICKET_HEADER of `request` keeps its place."""
         job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route)
+        ticket = request.headers.get(TICKET_HEADER) if request is not None else None
         try:
-            return job, self.scheduler.submit(job)
+            return job, self.scheduler.submit(job, ticket)
         except QueueFull as e:
             raise BadRequest(str(e), None, 503, "server_busy", "server_busy",
-                             {"waiting": e.waiting, "retry_after": e.retry_after}) from None
+                             {"waiting": e.waiting, "retry_after": e.retry_after, "ticket": e.ticket}) from None
 
     def close(self) -> None:
         """Stop the engine thread (cancelling what runs) and the tokenizer thread."""
@@ -170,7 +173,8 @@ class Server:
             resp = await handler(request)
         if origin and not resp.prepared:
             resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Api-Key, Anthropic-Version"
+            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Api-Key, Anthropic-Version, X-JustFit-Ticket"
+            resp.headers["Access-Control-Expose-Headers"] = "Retry-After, X-JustFit-Ticket"
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         return resp
 
@@ -244,6 +248,7 @@ def _error_response(e: BadRequest, ollama: bool, anthropic: bool = False) -> web
     resp = web.json_response(body, status=e.status)
     if e.status == 503 and "retry_after" in e.details:
         resp.headers["Retry-After"] = str(e.details["retry_after"])
+        resp.headers[TICKET_HEADER] = e.details.get("ticket", "")
     if e.status == 401:
         resp.headers["WWW-Authenticate"] = "Bearer"
     return resp

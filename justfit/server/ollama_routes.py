@@ -97,7 +97,7 @@ class OllamaRoutes:
     async def _generate(self, request, tokenize, opts, chat: bool) -> web.StreamResponse:
         """`tokenize()` and the plan on the tokenizer thread, then the request queued."""
         tokens = await self.server.prepare(tokenize, opts)
-        job, _ = self.server.submit(tokens, opts, "ollama")
+        job, _ = self.server.submit(tokens, opts, "ollama", request)
         tools = ToolCalls(self.engine.tokenizer, opts.tools if chat else None)
         start = time.perf_counter()
         resp = None

@@ -120,7 +120,7 @@ class OpenAIRoutes:
     async def _generate(self, request, tokenize, opts, kind: str) -> web.StreamResponse:
         """`tokenize()` and the plan on the tokenizer thread, then the request queued."""
         tokens = await self.server.prepare(tokenize, opts)
-        job, ahead = self.server.submit(tokens, opts, "openai")
+        job, ahead = self.server.submit(tokens, opts, "openai", request)
         tools = ToolCalls(self.engine.tokenizer, opts.tools if kind == "chat" else None)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:
