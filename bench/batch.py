@@ -2,6 +2,7 @@
 
     python -m bench.batch decode --streams 1,2,4,8 --context 1024 --tokens 32 --repeats 3
     python -m bench.batch ttft --context 8000 --short 64
+    python -m bench.batch preempt --context 2048 --tokens 64 --sequences 4
 
 decode: in one process, N sequences each prefilled to `--context` positions, then
 `--tokens` greedy tokens each: one at a time (each sequence's steps alone, as the
@@ -11,6 +12,7 @@ the same both ways.
 ttft: a `justfit serve` subprocess with --max-batch 1 and then 2; a `--context`-token
 request starts, and once its prefill is under way a `--short`-token one arrives: its
 time to first token, and the long request's total time.
+preempt: four long sequences under a budget for two (bench.batch_preempt).
 """
 
 from __future__ import annotations
@@ -110,19 +112,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(prog="bench.batch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["decode", "ttft"])
+    ap.add_argument("which", choices=["decode", "ttft", "preempt"])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--policy", default="auto", help="decode: the residency policy")
     ap.add_argument("--streams", default="1,2,4,8", help="decode: sequences at once")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=32, help="decode: tokens per sequence")
     ap.add_argument("--repeats", type=int, default=3, help="kept repeats (after one warm-up)")
+    ap.add_argument("--sequences", type=int, default=4, help="preempt: long sequences")
     ap.add_argument("--short", type=int, default=64, help="ttft: tokens in the short request")
     ap.add_argument("--delay", type=float, default=3.0, help="ttft: seconds between the two requests")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.which == "decode":
         rows = _decode_rows(args)
+    elif args.which == "preempt":
+        from bench.batch_preempt import preempt_rows
+
+        rows = preempt_rows(args)
     else:
         rows = [asyncio.run(_ttft(args, 1)), asyncio.run(_ttft(args, 2))]
     result = {"machine": machine_info(), "settings": vars(args), "systems": rows}

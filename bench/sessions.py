@@ -5,6 +5,7 @@ to what a single session can hold in that budget; those not running are swapped 
     python -m bench.sessions --model smollm2 --positions 3072 --sessions 4
     python -m bench.sessions --budget 150MiB --sessions 4 --turn 512
     python -m bench.sessions --quick              # 2 sessions, budget set by 512 positions: minutes
+    python -m bench.sessions --quick --batched    # and the same turns at once through the batch
 
 Turns go round-robin (one engine computes one request at a time). The aggregate decode
 rate is all sessions' generated tokens over the common active interval (first turn's
@@ -55,17 +56,17 @@ def ceiling(engine) -> int:
 
 
 def run(model: str, positions: int, budget: int | None, turn: int, reply: int, verify: bool,
-        sessions: int = 2) -> dict:
+        sessions: int = 2, batched: bool = False) -> dict:
     from justfit import runtime
 
     runtime.setup()  # OpenBLAS before mlx.core
 
     with tempfile.TemporaryDirectory(prefix="justfit-sessions-") as state_dir:  # swapped states go here
-        return _run(model, positions, budget, turn, reply, verify, sessions, state_dir)
+        return _run(model, positions, budget, turn, reply, verify, sessions, state_dir, batched)
 
 
 def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, verify: bool, sessions: int,
-         state_dir: str) -> dict:
+         state_dir: str, batched: bool = False) -> dict:
     import mlx.core as mx
 
     from bench.common import progress_bar, prompt_tokens
@@ -146,6 +147,11 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
         kept = [t for t in turns if set(t["kv_formats"]) <= {base}]
         row["turns_identical_to_unbudgeted"] = f"{sum(t['identical'] for t in turns)}/{len(turns)}"
         row["identical_where_pages_kept_their_format"] = f"{sum(t['identical'] for t in kept)}/{len(kept)}"
+    if batched:  # the same turns at once through the batch (bench.sessions_batched), beside this row
+        from bench.sessions_batched import run_batched
+
+        row["batched"] = run_batched(model, budget, single, text, turn, reply, sessions,
+                                     os.path.join(state_dir, "batched"), replies)
     return row
 
 
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
     ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--no-verify", dest="verify", action="store_false")
+    ap.add_argument("--batched", action="store_true",
+                    help="also run each round's turns at once through the batch (a second row)")
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
@@ -219,10 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     apply_quick(args, QUICK, argv)
     budget = parse_size(args.budget) if args.budget else None
-    row = run(args.model, args.positions, budget, args.turn, args.reply, args.verify, args.sessions)
+    row = run(args.model, args.positions, budget, args.turn, args.reply, args.verify, args.sessions, args.batched)
+    rows = [row] + ([row.pop("batched")] if "batched" in row else [])
     if not args.json:
-        print(json.dumps({k: v for k, v in row.items() if k != "turns"}), file=sys.stderr)
-    result = {"machine": machine_info(), "systems": [row]}
+        for r in rows:
+            print(json.dumps({k: v for k, v in r.items() if k != "turns"}), file=sys.stderr)
+    result = {"machine": machine_info(), "systems": rows}
     publish("sessions", result, args.json)
     return result
 

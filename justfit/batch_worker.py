@@ -66,7 +66,11 @@ def work_batched(sched: Scheduler) -> None:
 
 
 def _active(runner: BatchRunner, seqs: dict) -> list:
-    """The jobs in the batch, running or set aside, oldest first."""
+    """The jobs in the batch, running or set aside, oldest first, each with its phase;
+    the running sequences' caches as the engine's live state (the status page's KV)."""
+    for s in runner.running + runner.parked:
+        seqs[id(s)].phase = "preempted" if s.parked is not None else "decode" if s.remaining == 0 else "prefill"
+    runner.engine.live_cache = [layer for s in runner.running if s.cache for layer in s.cache] or None
     return [seqs[id(s)] for s in sorted(runner.running + runner.parked, key=lambda s: s.admitted)]
 
 

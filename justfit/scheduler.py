@@ -56,6 +56,7 @@ class Job:
     processed: int = 0  # prompt positions computed so far (cached ones included)
     generated: int = 0  # tokens generated so far
     route: str = ""  # the API it came through, for the status page
+    phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
 
     def emit(self, kind: str, payload: Any = None) -> None:
         """Send an event to the job's loop; cancel the job when that loop is gone."""

@@ -123,7 +123,12 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
 def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
     from bench.sessions import run
 
-    row = run(str(tiny_llama_dir), 160, None, 48, 4, True, sessions=4)
+    row = run(str(tiny_llama_dir), 160, None, 48, 4, True, sessions=4, batched=True)
+    batched = row.pop("batched")  # the same turns at once through the batch, the same budget
+    assert batched["turns"] == len(row["turns"]) and batched["retained"] == row["retained"]
+    assert batched["turns_identical_to_round_robin"] == f"{len(row['turns'])}/{len(row['turns'])}"
+    # One session's budget: turns wait for each other and swap between turns, as round-robin.
+    assert batched["aggregate_decode_tps"] > 0 and batched["restores_from_disk"] > 0
     assert row["sessions"] == 4 and len(row["retained"]) == 4
     assert row["aggregate"] > 3.5 * row["single_session_ceiling"] * 0.9 and not row["both_at_once_fits"]
     assert row["aggregate_decode_tps"] > 0 and row["turns_identical_to_unbudgeted"].split("/")[0] == \

@@ -1,10 +1,12 @@
 """`justfit serve --max-batch N`: concurrent clients are computed together and get the
 replies they get one at a time; a short request is answered while a long prompt is
-still prefilling; a client that disconnects leaves the batch and the rest finish."""
+still prefilling; a client that disconnects leaves the batch and the rest finish; under
+a budget for two, four clients get their replies, requests set aside on disk and back."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from aiohttp import ClientSession, ClientTimeout
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from tests.server_harness import LiveServer
+from tests.server_harness import LiveServer, request
 
 
 def _completion(prompt: str, n: int) -> dict:
@@ -103,6 +105,35 @@ def test_a_disconnected_client_leaves_the_batch(engine):
         while sched.active and time.monotonic() < end:
             time.sleep(0.01)
         assert sched.cancelled == 1 and sched.completed == 1 and not sched.active
+    finally:
+        live.close()
+    engine.reset()
+
+
+def test_under_a_budget_for_two_four_clients_get_their_replies_with_preemption(tiny_llama_dir, tmp_path):
+    prompts = [" ".join(f"w{i}{j}" for j in range(40)) for i in range(4)]
+    engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=1 << 30, prefill_chunk=32,
+                                                             state_dir=str(tmp_path)))
+    longest = max(len(engine.encode(p)) for p in prompts) + 48
+    assert longest < 400
+    one = engine.footprint(longest)
+    engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
+    bodies = [{**_completion(p, 48), "ignore_eos": True} for p in prompts]
+    alone = LiveServer(engine)
+    try:
+        expected = [_replies(alone, [b])[0][1]["choices"][0]["text"] for b in bodies]
+    finally:
+        alone.close()
+    engine.reset()
+    live = LiveServer(engine, max_batch=4)
+    try:
+        got = _replies(live, bodies)
+        assert [s for s, _, _ in got] == [200] * 4
+        assert [d["choices"][0]["text"] for _, d, _ in got] == expected
+        status = json.loads(request(live, "GET", "/v1/justfit/status")[2])
+        queue, last = status["queue"], status["last_request"]
+        assert queue["preemptions"] > 0 and queue["swap_s"] > 0 and queue["preempted"] == 0
+        assert {"queue_s", "prefill_s", "decode_s", "preemptions", "preempted_s", "swap_s"} <= set(last)
     finally:
         live.close()
     engine.reset()

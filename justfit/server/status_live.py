@@ -83,7 +83,7 @@ class LiveStatus:
             del self.first_seen[key]
         return sorted(rows, key=lambda r: (r["name"] is None, r["age_s"]))
 
-    def _requests(self, now: float) -> tuple[dict | None, list[dict]]:
+    def _requests(self, now: float) -> tuple[dict | None, list[dict], list[dict]]:
         sched = self.server.scheduler
         job = sched.running
 
@@ -91,12 +91,13 @@ class LiveStatus:
             return {"route": j.route or "-", "prompt_tokens": len(j.tokens), "max_tokens": j.sampling.max_tokens,
                     "waited_s": round((j.started or now) - j.submitted, 2)}
 
-        running = None
-        if job is not None:
-            running = {**row(job), "processed": job.processed, "generated": job.generated,
-                       "phase": "decode" if job.generated else "prefill",
-                       "elapsed_s": round(now - (job.started or now), 2)}
-        return running, [row(j) for j in sched.queued()]
+        def computing(j) -> dict:
+            return {**row(j), "processed": j.processed, "generated": j.generated,
+                    "phase": j.phase or ("decode" if j.generated else "prefill"),
+                    "elapsed_s": round(now - (j.started or now), 2)}
+
+        batch = [computing(j) for j in list(sched.active)]  # every request computing (batching)
+        return (computing(job) if job is not None else None), batch, [row(j) for j in sched.queued()]
 
     def _recent(self) -> list[dict]:
         out = []
@@ -139,9 +140,9 @@ class LiveStatus:
     def document(self, since: float = 0.0) -> dict:
         """Everything the page shows; the history only after `since` (epoch seconds)."""
         engine, now = self.server.engine, time.monotonic()
-        running, queued = self._requests(now)
+        running, batch, queued = self._requests(now)
         budget, budget_kind = self._budget()
-        held = running["processed"] + running["generated"] if running else 0
+        held = sum(r["processed"] + r["generated"] for r in batch)  # every computing request's positions
         return {
             "t": round(time.time(), 3), "model": self.server.model_id, "policy": engine.policy.name,
             "blas": engine.blas, "backend": str(mx.default_device()),
@@ -150,7 +151,8 @@ class LiveStatus:
             "capacity_budget": budget, "capacity_budget_kind": budget_kind,
             "now": self.measure(), "memory": memory(engine),
             "history": [s for s in list(self.samples) if s["t"] > since],
-            "states": self._states(now), "running": running, "queued": queued, "recent": self._recent(),
+            "states": self._states(now), "running": running, "batch": batch, "queued": queued,
+            "recent": self._recent(),
             "capacity": self.capacity(held),
             "requests": {"completed": self.server.scheduler.completed, "failed": self.server.scheduler.failed,
                          "cancelled": self.server.scheduler.cancelled},

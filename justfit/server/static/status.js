@@ -94,16 +94,19 @@ function renderKinds(now) {
 
 // -- tables ------------------------------------------------------------------------------
 function renderRunning(doc) {
-  const r = doc.running, el = $("running");
-  if (!r) { el.className = "empty"; el.innerHTML = '<span data-field="running">idle</span>'; return; }
-  const pct = r.phase === "prefill" ? (100 * r.processed) / Math.max(1, r.prompt_tokens)
-                                    : (100 * r.generated) / Math.max(1, r.max_tokens);
+  // With batching every computing request has a row (oldest first); without, the one running.
+  const rows = doc.batch && doc.batch.length ? doc.batch : doc.running ? [doc.running] : [], el = $("running");
+  if (!rows.length) { el.className = "empty"; el.innerHTML = '<span data-field="running">idle</span>'; return; }
   el.className = "";
-  el.innerHTML = `<div data-field="running" data-value="${r.phase}">${esc(r.route)} · <b>${r.phase}</b> · ` +
-    `<span data-field="processed" data-value="${r.processed}">${num(r.processed)}</span> of ` +
-    `<span data-field="prompt_tokens" data-value="${r.prompt_tokens}">${num(r.prompt_tokens)}</span> prompt tokens, ` +
-    `<span data-field="generated" data-value="${r.generated}">${num(r.generated)}</span> generated · ${secs(r.elapsed_s)}</div>` +
-    `<div class="bar"><div style="width:${pct.toFixed(1)}%"></div></div>`;
+  el.innerHTML = rows.map((r) => {
+    const pct = r.phase === "prefill" ? (100 * r.processed) / Math.max(1, r.prompt_tokens)
+                                      : (100 * r.generated) / Math.max(1, r.max_tokens);
+    return `<div data-field="running" data-value="${r.phase}">${esc(r.route)} · <b>${r.phase}</b> · ` +
+      `<span data-field="processed" data-value="${r.processed}">${num(r.processed)}</span> of ` +
+      `<span data-field="prompt_tokens" data-value="${r.prompt_tokens}">${num(r.prompt_tokens)}</span> prompt tokens, ` +
+      `<span data-field="generated" data-value="${r.generated}">${num(r.generated)}</span> generated · ${secs(r.elapsed_s)}</div>` +
+      `<div class="bar"><div style="width:${pct.toFixed(1)}%"></div></div>`;
+  }).join("");
 }
 
 function render(doc) {
