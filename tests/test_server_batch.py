@@ -43,14 +43,19 @@ def _replies(live, bodies):
     return asyncio.run(go())
 
 
-def test_concurrent_clients_get_their_one_at_a_time_replies(engine):
-    bodies = [_completion(p, 10) for p in PROMPTS]
+def _one_at_a_time(engine, bodies) -> list[str]:
+    """Each body's reply text from a server without batching, one request after another."""
     alone = LiveServer(engine)
     try:
-        expected = [_replies(alone, [b])[0][1]["choices"][0]["text"] for b in bodies]
+        return [_replies(alone, [b])[0][1]["choices"][0]["text"] for b in bodies]
     finally:
         alone.close()
-    engine.reset()
+        engine.reset()
+
+
+def test_concurrent_clients_get_their_one_at_a_time_replies(engine):
+    bodies = [_completion(p, 10) for p in PROMPTS]
+    expected = _one_at_a_time(engine, bodies)
     batched = LiveServer(engine, max_batch=4)
     try:
         got = _replies(batched, bodies)
@@ -119,12 +124,7 @@ def test_under_a_budget_for_two_four_clients_get_their_replies_with_preemption(t
     one = engine.footprint(longest)
     engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
     bodies = [{**_completion(p, 48), "ignore_eos": True} for p in prompts]
-    alone = LiveServer(engine)
-    try:
-        expected = [_replies(alone, [b])[0][1]["choices"][0]["text"] for b in bodies]
-    finally:
-        alone.close()
-    engine.reset()
+    expected = _one_at_a_time(engine, bodies)
     live = LiveServer(engine, max_batch=4)
     try:
         got = _replies(live, bodies)
