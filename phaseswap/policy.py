@@ -23,6 +23,10 @@ POLICIES = {p.name: p for p in (
     ResidencyPolicy("cpu", "q8t", "dense", True,
            "decode on q8t weights (8-bit, [in,out] layout: MLX's fastest CPU matvec); prefill "
            "materializes each layer in fp32 just in time for a BLAS GEMM and releases it"),
+    ResidencyPolicy("cpu-native", "native", "dense", True,
+           "decode on the stored quantized weights through JustFit's native CPU kernel "
+           "(native/, built by ./dev): the stored bytes, read once per step for every row "
+           "of a batch; q8t where the kernel cannot compute a layer; prefill dense just in time"),
     ResidencyPolicy("cpu-exact", "grouped", "dense", True,
            "the stored quantization exactly in every phase: decode on its integer grid "
            "regrouped for MLX's fast CPU matvec (1.5 bytes/weight); prefill dense just in time"),

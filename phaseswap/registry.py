@@ -22,8 +22,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
                              set_module, to_dense, to_grouped, to_q8t)
 
-RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense")
-CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense}
+from phaseswap.native import eligible, to_native
+
+RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", "native")
+# native: the stored weights where the native kernel computes them, q8t where it cannot.
+CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense,
+           "native": lambda mod: to_native(mod) or to_q8t(mod)}
 
 
 class Residency(str, Enum):
@@ -78,7 +82,7 @@ class Counters:
 
 
 # Bytes per weight of a linear converted to each resident form (see forms.py).
-_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0}
+_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0, "native": 1 + 8 / Q8T_GROUP}
 
 
 def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None = None) -> int:
@@ -95,15 +99,22 @@ def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None =
     body = _body(model)
     linears = [m for _, m in model.named_modules() if is_linear(m)]
     for mod in linears:
+        if form == "native" and eligible(mod):
+            continue  # held as stored
         weights = dense_bytes(mod) // 4 - (mod["bias"].size if "bias" in mod else 0)
         total += int(weights * per_weight) - sum(nbytes(v) for k, v in tree_flatten(mod.parameters())
                                                  if k != "bias")
     embed = body.embed_tokens
-    if not isinstance(getattr(model, "lm_head", None), nn.Module) and form in ("q8t", "grouped"):
+    if not isinstance(getattr(model, "lm_head", None), nn.Module) and _split_head(form, embed):
         total += int(dense_bytes(embed) // 4 * per_weight)  # the tied head's own form
     if form == "dense":  # the embedding too
         total += dense_bytes(embed) - sum(nbytes(v) for _, v in tree_flatten(embed.parameters()))
     return total
+
+
+def _split_head(form: str, embed: nn.Module) -> bool:
+    """Whether a tied output head gets its own decode form (q8t) apart from the lookup table."""
+    return form in ("q8t", "grouped") or (form == "native" and not eligible(embed))
 
 
 def predict_working_bytes(model: nn.Module) -> int:
@@ -155,7 +166,7 @@ class Registry:
         comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i in range(len(body.layers))]
         if isinstance(getattr(model, "lm_head", None), nn.Module):
             comps.append(Component("head", "head", model, "lm_head"))
-        elif resident_form in ("q8t", "grouped") and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
+        elif _split_head(resident_form, body.embed_tokens) and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
             # tied: the head gets its own decode form (in _convert)
             body.embed_tokens = TiedEmbedding(body.embed_tokens, body.embed_tokens)
             comps[0].scope = "embed_tokens.lookup"
@@ -173,6 +184,8 @@ class Registry:
             self._swap(comp, "", CONVERT[form](_cast(comp.module, dtype)))
         elif form == "dense" and comp.kind == "embed":
             self._swap(comp, "", to_dense(comp.module))
+        elif form == "native" and comp.kind == "embed" and eligible(comp.module):
+            self._swap(comp, "", to_native(comp.module))  # a tied head runs on the stored table
         elif form != "stored" and comp.kind != "embed":
             for path in comp.linears():
                 self._swap(comp, path, CONVERT[form](get_module(comp.module, path)))

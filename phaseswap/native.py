@@ -1,0 +1,84 @@
+"""The native resident form: the stored affine-quantized weights (4 or 8 bits, as the
+GGUF import or mlx-lm leaves them) computed by JustFit's own CPU kernel
+(`native/qmatvec.cpp`, built by `./dev setup` into the `justfit_native` package).
+
+MLX's CPU `quantized_matmul` runs the stored layout several times slower than q8t and
+computes each row of a batch on its own; the native kernel reads each weight once for
+all rows, so decode runs on the stored bytes (no re-quantization: the stored values
+exactly, up to float summation order) and a batched step costs little more than one
+row. Where the kernel is not built, or off the CPU, or the weights are in another
+quantization, the layers stay in MLX's own forms (see `to_native`)."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@functools.cache
+def kernels():
+    """The built extension module, or None when it is not installed."""
+    try:
+        from justfit_native import _ext
+
+        # A module built against another nanobind ABI than MLX's cannot take its arrays.
+        w, scales, biases = mx.quantize(mx.ones((32, 32)), 32, 8)
+        mx.eval(_ext.quantized_matvec(mx.ones((1, 32)), w, scales, biases, 32, 8))
+    except (ImportError, TypeError, RuntimeError):
+        return None
+    return _ext
+
+
+def available() -> bool:
+    """Whether the native kernel can run here (built, and MLX computes on the CPU)."""
+    return kernels() is not None and mx.default_device() == mx.cpu
+
+
+def eligible(mod: nn.Module) -> bool:
+    """Whether `mod` holds weights the kernel computes: affine 4- or 8-bit, groups of 32k."""
+    return (isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and getattr(mod, "mode", "affine") == "affine"
+            and mod.bits in (4, 8) and mod.group_size % 32 == 0 and mod.group_size <= 256)
+
+
+def _matvec(x: mx.array, mod: nn.Module) -> mx.array | None:
+    """x @ W^T through the kernel, or None where it does not apply (the caller falls back)."""
+    ext = kernels()
+    if ext is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu or mod["scales"].dtype != mx.float32:
+        return None
+    return ext.quantized_matvec(x, mod["weight"], mod["scales"], mod["biases"], mod.group_size, mod.bits)
+
+
+class NativeQuantizedLinear(nn.QuantizedLinear):
+    """A stored quantized linear computed by the native kernel (same parameters, same layout)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _matvec(x, self)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A stored quantized embedding whose use as the tied output head runs the native kernel."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """The tied output head: x @ E^T."""
+        y = _matvec(x, self)
+        return super().as_linear(x) if y is None else y
+
+
+def _recast(mod: nn.Module, cls: type) -> nn.Module:
+    """A new module of `cls` holding the same arrays and settings as `mod` (nothing copied)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(mod.__dict__)
+    dict.update(new, dict(mod))
+    return new
+
+
+def to_native(mod: nn.Module) -> nn.Module | None:
+    """`mod` in the native form, or None when the kernel cannot compute it."""
+    if not eligible(mod):
+        return None
+    return _recast(mod, NativeQuantizedEmbedding if isinstance(mod, nn.QuantizedEmbedding) else NativeQuantizedLinear)

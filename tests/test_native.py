@@ -1,0 +1,91 @@
+"""The native kernel (native/qmatvec.cpp) and the `native` resident form: the product
+equals MLX's own on the stored weights for 4 and 8 bits, any number of rows and
+leading dimensions; shapes it cannot take are refused; the cpu-native policy holds
+the stored bytes (not more than cpu-compact) and generates the tokens cpu-compact
+does; without the built kernel the form falls back to MLX's kernels."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from justfit import Engine, SamplingParams
+from justfit.config import EngineConfig
+from phaseswap import native
+from tests.tiny_models import write_mlx_folder
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason="native/ is not built here (./dev setup builds it)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_the_kernel_equals_mlx_on_the_stored_weights(bits, group, rows):
+    mx.random.seed(bits * rows + group)
+    w, scales, biases = mx.quantize(mx.random.normal((192, 256)), group, bits)
+    x = mx.random.normal((rows, 256))
+    ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group, bits=bits)
+    got = native.kernels().quantized_matvec(x, w, scales, biases, group, bits)
+    assert got.shape == ref.shape and got.dtype == mx.float32
+    assert mx.allclose(got, ref, rtol=1e-5, atol=1e-4 * float(mx.abs(ref).max()))
+
+
+@needs_kernel
+def test_the_kernel_takes_leading_dimensions_and_refuses_what_it_cannot_compute():
+    w, scales, biases = mx.quantize(mx.random.normal((64, 128)), 32, 4)
+    ext = native.kernels()
+    x = mx.random.normal((2, 3, 128))
+    ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=4)
+    assert mx.allclose(ext.quantized_matvec(x, w, scales, biases, 32, 4), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        ext.quantized_matvec(mx.random.normal((1, 64)), w, scales, biases, 32, 4)  # in does not match
+    with pytest.raises(ValueError):
+        ext.quantized_matvec(x, w, scales, biases, 32, 3)
+    with pytest.raises(ValueError):
+        ext.quantized_matvec(x.astype(mx.float16), w, scales, biases, 32, 4)
+
+
+@needs_kernel
+def test_the_native_form_is_the_stored_layer_and_falls_back_off_float32():
+    lin = nn.QuantizedLinear(128, 64, bias=True, group_size=32, bits=4)
+    lin.apply(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a)
+    form = native.to_native(lin)
+    assert isinstance(form, native.NativeQuantizedLinear) and form["weight"] is lin["weight"]  # nothing copied
+    x = mx.random.normal((5, 128))
+    assert mx.allclose(form(x), lin(x), rtol=1e-5, atol=1e-4)
+    assert mx.allclose(form(x.astype(mx.float16)).astype(mx.float32), lin(x.astype(mx.float16)).astype(mx.float32),
+                       rtol=1e-2, atol=1e-2)  # MLX's own kernel, as before
+    assert native.to_native(nn.QuantizedLinear(128, 64, group_size=32, bits=6)) is None
+
+
+@pytest.fixture(scope="module")
+def q4_dir(tmp_path_factory):
+    return write_mlx_folder(tmp_path_factory.mktemp("native") / "q4", "llama", seed=9, quantize_bits=4,
+                            layers=3, vocab_size=288)
+
+
+@needs_kernel
+def test_cpu_native_holds_the_stored_bytes_and_generates_as_cpu_compact(q4_dir):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    compact = Engine(str(q4_dir), config=EngineConfig(policy="cpu-compact"))
+    fast = Engine(str(q4_dir), config=EngineConfig(policy="cpu-native"))
+    assert fast.swap.registry.resident_bytes() <= compact.swap.registry.resident_bytes()
+    prompts = ["one two three", "a b c d e f g h i j"]
+    for p in prompts:
+        a = [c.token for c in compact.generate(p, sp) if c.token is not None]
+        b = [c.token for c in fast.generate(p, sp) if c.token is not None]
+        assert a == b
+
+
+def test_without_the_kernel_the_native_form_is_mlx_s_own(q4_dir, monkeypatch):
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    assert not native.available()
+    lin = nn.QuantizedLinear(64, 32, group_size=32, bits=4)
+    form = native.to_native(lin)
+    x = mx.random.normal((2, 64))
+    assert mx.allclose(form(x), lin(x))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a = [c.token for c in Engine(str(q4_dir), config=EngineConfig(policy="cpu-native")).generate("x y z", sp)]
+    b = [c.token for c in Engine(str(q4_dir), config=EngineConfig(policy="cpu-compact")).generate("x y z", sp)]
+    assert [c for c in a if c is not None] == [c for c in b if c is not None]
