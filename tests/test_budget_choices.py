@@ -31,9 +31,15 @@ def test_predicted_weight_bytes_are_what_the_registry_holds(q4_dir, policy, form
         assert working == engine.swap.working_bytes() > 0
 
 
-def test_auto_keeps_the_fast_weights_while_the_whole_context_fits(q4_dir):
+def test_auto_keeps_the_fast_weights_while_the_whole_context_fits(q4_dir, monkeypatch):
+    import phaseswap.native
+
     fast = Engine(str(q4_dir), config=EngineConfig(policy="cpu"))
     whole = fast.footprint(fast.context_limit, chunk=MIN_PREFILL_CHUNK).total
+    if phaseswap.native.available():  # the stored weights at full speed, whatever the budget
+        assert Engine(str(q4_dir), budget=whole + 2**16).policy.name == "cpu-native"
+        assert Engine(str(q4_dir), budget=whole - 2**16).policy.name == "cpu-native"
+    monkeypatch.setattr(phaseswap.native, "kernels", lambda: None)  # without the kernel
     roomy = Engine(str(q4_dir), budget=whole + 2**16)
     assert roomy.policy.name == "cpu"
     tight = Engine(str(q4_dir), budget=whole - 2**16)

@@ -6,6 +6,7 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
+from phaseswap.policy import default_policy
 from justfit.errors import BudgetExceeded, ContextTooLong
 from justfit.stops import StopMatcher
 from tests.tiny_models import write_mlx_folder
@@ -39,7 +40,7 @@ def test_stream_ends_with_stats(llama):
     assert st.prompt_tokens == len(llama.encode("the cat sat on"))
     assert 1 <= st.generated_tokens <= 5
     assert st.prefill_s > 0 and st.memory.weights > 0 and st.memory.mlx_peak >= st.memory.weights
-    assert llama.policy.name == "cpu" and st.memory.rss_peak > 0
+    assert llama.policy.name == default_policy() and st.memory.rss_peak > 0
 
 
 def test_conversation_state_is_reused_and_exact(llama, tiny_llama_dir):
