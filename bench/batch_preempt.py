@@ -29,21 +29,17 @@ def _engine(args):
 
 
 def _batched(engine, prompts: list[list[int]], sampling, preempt: bool) -> dict:
-    from justfit.batch import BatchRunner
+    from justfit.batch import BatchRunner, run_all
     from justfit.batch_sequence import Sequence
 
     engine.reset()
     runner = BatchRunner(engine, max_batch=len(prompts), preempt=preempt)
-    waiting = [Sequence(engine, p, sampling) for p in prompts]
-    seqs, got, most = list(waiting), {}, 0
+    seqs, got, most = [Sequence(engine, p, sampling) for p in prompts], {}, 0
     start = time.perf_counter()
-    while waiting or runner.running or runner.parked:
-        while waiting and runner.fits(waiting[0]):
-            runner.admit(waiting.pop(0))
-        most = max(most, len(runner.running))
-        for seq, chunk in runner.step():
-            if chunk is not None and chunk.token is not None:
-                got.setdefault(id(seq), []).append(chunk.token)
+    for seq, chunk in run_all(runner, seqs):
+        most = max(most, len(runner.running) + (seq not in runner.running))  # it may have just left
+        if chunk is not None and chunk.token is not None:
+            got.setdefault(id(seq), []).append(chunk.token)
     wall = time.perf_counter() - start
     engine.reset()
     return {"preempt": preempt, "wall_s": round(wall, 2), "most_running": most, "preemptions": runner.preemptions,

@@ -18,7 +18,7 @@ def run_batched(model: str, budget: int, single: int, text: list[int], turn: int
                 state_dir: str, reference: list[tuple[str, list[int], list[int]]]) -> dict:
     """The batched row; `reference`: the round-robin run's (session, prompt, reply) per turn."""
     from justfit import Engine, SamplingParams
-    from justfit.batch import BatchRunner
+    from justfit.batch import BatchRunner, run_all
     from justfit.batch_sequence import Sequence
     from justfit.config import EngineConfig
 
@@ -38,16 +38,13 @@ def run_batched(model: str, budget: int, single: int, text: list[int], turn: int
                 source[name] += new
         if not waiting:
             break
-        seqs, out, start = list(waiting), {}, time.perf_counter()
-        while waiting or runner.running or runner.parked:
-            while waiting and runner.fits(waiting[0]):
-                runner.admit(waiting.pop(0))
-            for seq, chunk in runner.step():
-                if chunk is not None and chunk.token is not None:
-                    if id(seq) not in out:
-                        ttfts.append(time.perf_counter() - start)
-                    out.setdefault(id(seq), []).append(chunk.token)
-        for s in seqs:
+        out, start = {}, time.perf_counter()
+        for seq, chunk in run_all(runner, waiting):
+            if chunk is not None and chunk.token is not None:
+                if id(seq) not in out:
+                    ttfts.append(time.perf_counter() - start)
+                out.setdefault(id(seq), []).append(chunk.token)
+        for s in waiting:
             replies.append((s.session, s.tokens, out.get(id(s), [])))
             held[s.session] = s.tokens + out.get(id(s), [])[:-1]  # the last token is sampled, not fed
     active = time.perf_counter() - began

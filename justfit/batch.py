@@ -14,7 +14,7 @@ the sequences' KV, the largest transient (`BatchRunner.fits`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -177,3 +177,13 @@ class BatchRunner:
         """The decoding sequences as batched steps: all paged ones together, any other alone."""
         paged = [s for s in seqs if batchable(s.cache)]
         return ([paged] if paged else []) + [[s] for s in seqs if s not in paged]
+
+
+def run_all(runner: BatchRunner, seqs: list[Sequence]) -> Iterator[tuple[Sequence, Chunk | None]]:
+    """Run `seqs` on `runner` until every one ends, admitting them in order as they fit;
+    what each step produced (BatchRunner.step)."""
+    waiting = list(seqs)
+    while waiting or runner.running or runner.parked:
+        while waiting and runner.fits(waiting[0]):
+            runner.admit(waiting.pop(0))
+        yield from runner.step()

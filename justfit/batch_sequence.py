@@ -16,7 +16,7 @@ from justfit.generate import feed, prefill, token_logprobs
 from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import StopMatcher
-from statetrans import Parked, holds
+from statetrans import Parked, holds, keep_parked, park, unpark
 
 if TYPE_CHECKING:
     from justfit.engine import Engine
@@ -46,7 +46,7 @@ class Sequence:
     def start(self, state_allowance: int | None) -> None:
         """Take the stored state sharing the longest prefix (the memory tier held to
         `state_allowance`), bound its pages to its plan, and pin its prompt."""
-        e, plan = self.engine, self.plan
+        e = self.engine
         reuse = e.states.take(self.tokens, self.session, state_allowance)
         self._bind(reuse.cache if reuse.cache is not None else e.new_cache())
         self.held = list(reuse.tokens)
@@ -74,7 +74,7 @@ class Sequence:
         """Set this sequence aside: its exact state written to disk through StateTrans,
         its cache let go (what it sampled, its stops and text stay here); the seconds
         the write took. Raises, with the cache kept, when the write fails."""
-        self.parked = self.engine.states.park(self.held, self.cache, self.rng)
+        self.parked = park(self.engine.states, self.held, self.cache, self.rng)
         self.cache = None
         self._parked_at = time.perf_counter()
         s = self.stats
@@ -85,7 +85,7 @@ class Sequence:
     def resume(self) -> float:
         """Take the parked state back, byte for byte, and go on where it stopped; the
         seconds the read took."""
-        cache, read_s = self.engine.states.unpark(self.parked)
+        cache, read_s = unpark(self.engine.states, self.parked)
         self.parked = None
         self._bind(cache)
         s = self.stats
@@ -173,7 +173,7 @@ class Sequence:
         interrupted step left the cache and the tokens apart; then let the cache go."""
         cache, self.cache = self.cache, None
         if self.parked is not None:  # ended while set aside: its snapshot becomes a stored state
-            self.engine.states.keep_parked(self.parked)
+            keep_parked(self.engine.states, self.parked)
             self.parked = None
             return
         if cache is None:

@@ -5,7 +5,7 @@ state is written as an anonymous snapshot of the disk tier (so a process killed 
 it waits leaves a reusable prefix state, found by the next one's scan) but kept out of
 the index, so no other request takes it and the disk tier's clean-up never deletes
 it. `unpark` reads it back, checked against the model and its tokens, and deletes the
-file; `keep` hands a parked state to the index instead (its request was cancelled:
+file; `keep_parked` hands a parked state to the index instead (its request was cancelled:
 what it computed stays reusable without being read)."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def unpark(tiers: StateTiers, parked: Parked) -> tuple[list, float]:
     return cache, time.perf_counter() - start
 
 
-def keep(tiers: StateTiers, parked: Parked) -> None:
+def keep_parked(tiers: StateTiers, parked: Parked) -> None:
     """Index a parked state as an ordinary anonymous disk state (the prefix cache's),
     unless the index already holds those tokens."""
     e = _entry(parked)

@@ -26,8 +26,6 @@ from statetrans.disk_tier import DiskTier
 from statetrans.faults import Faults
 from statetrans.identity import identity_key, read_checked
 from statetrans.memory_tier import Entry, Index, Reuse, cache_nbytes
-from statetrans import parking
-from statetrans.parking import Parked
 from statetrans.reuse import take
 from statetrans.sessions import SessionStore
 from statetrans.snapshot import SnapshotError, load_snapshot
@@ -153,19 +151,6 @@ class StateTiers:
             if older is not None:
                 self._adopt(older)
             return None
-
-    # -- preemption (statetrans.parking) ---------------------------------------------
-    def park(self, tokens: list[int], cache: list, sampler: dict | None = None) -> Parked:
-        """A running sequence's state written to disk, out of the index, to be taken back."""
-        return parking.park(self, tokens, cache, sampler)
-
-    def unpark(self, parked: Parked) -> tuple[list, float]:
-        """A parked state read back exactly (its file deleted), and the seconds it took."""
-        return parking.unpark(self, parked)
-
-    def keep_parked(self, parked: Parked) -> None:
-        """A parked state kept as an anonymous stored state (its request ended)."""
-        parking.keep(self, parked)
 
     # -- tiers ----------------------------------------------------------------------
     def fit(self, memory_limit: int | None = None, spare: Entry | None = None) -> None:

@@ -14,7 +14,7 @@ from justfit import Engine, SamplingParams
 from justfit.batch import BatchRunner
 from justfit.batch_sequence import Sequence
 from justfit.config import EngineConfig
-from statetrans import SnapshotError, StateTiers, capture
+from statetrans import SnapshotError, StateTiers, capture, park, unpark
 
 PROMPT, NEW = 96, 48
 PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(PROMPT)] for i in range(4)]
@@ -123,13 +123,13 @@ def test_a_parked_snapshot_is_checked_and_outlives_its_process(engine, tmp_path)
     list(engine.generate(PROMPTS[2][:40], _greedy(1)))
     stored = engine.states.last
     tokens, cache = list(stored.tokens), stored.cache
-    parked = engine.states.park(tokens, cache)
+    parked = park(engine.states, tokens, cache)
     # A process killed while the sequence waited: the next one finds the snapshot as a stored state.
     later = StateTiers(engine.states.dir.parent, engine.states.identity, engine.states.layers, 1 << 30, 1 << 30)
     assert any(e.tokens == tokens for e in later.entries.values())
     with pytest.raises(SnapshotError):  # tokens that are not the parked ones
-        engine.states.unpark(type(parked)(**{**vars(parked), "tokens": tokens[:-1]}))
-    restored, seconds = engine.states.unpark(parked)
+        unpark(engine.states, type(parked)(**{**vars(parked), "tokens": tokens[:-1]}))
+    restored, seconds = unpark(engine.states, parked)
     assert seconds >= 0 and not parked.path.exists()
     assert all(np.array_equal(a, b) for a, b in zip(_arrays(cache).values(), _arrays(restored).values()))
     engine.reset()
