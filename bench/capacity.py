@@ -47,13 +47,15 @@ QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max
 MIB = 2**20
 
 
-def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0) -> dict:
-    """One growing run in a fresh process: {"setup", "steps", "end", "error"?}."""
+def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0, step: int = 0,
+          limit: int = 0) -> dict:
+    """One growing run in a fresh process (steps of `step` tokens, else --step; at most
+    `limit` positions, else --max-positions): {"setup", "steps", "end", "error"?}."""
     from bench.common import progress_bar
 
     cmd = [sys.executable, "-m", "bench.capacity", "--worker", system, "--model", args.model,
-           "--budget", str(budget), "--step", str(args.step), "--out", str(args.out),
-           "--max-positions", str(args.max_positions), "--max-seconds", str(args.max_seconds),
+           "--budget", str(budget), "--step", str(step or args.step), "--out", str(args.out),
+           "--max-positions", str(limit or args.max_positions), "--max-seconds", str(args.max_seconds),
            "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
     run = {"setup": {}, "steps": [], "end": {"end": "crashed"}}
     bar = progress_bar(args.max_positions, f"{system} @ {budget / MIB:.0f} MiB" + (" (finer)" if fine_step else ""),
@@ -82,8 +84,10 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
     return run
 
 
-def row_at(system: str, args, budget: int, run: dict) -> dict:
-    """The capacity row a run gives at `budget`: its last step within the budget."""
+def row_at(system: str, args, budget: int, run: dict, measured_step: int = 0) -> dict:
+    """The capacity row a run gives at `budget`: its last step within the budget (a
+    stock run stopped by its clock also gets its memory model's capacity, stated at
+    --step when it was measured in steps of `measured_step`)."""
     steps, setup = run["steps"], run["setup"]
     ok = [s for s in steps if s["peak_rss"] <= budget]
     passed = len(ok) < len(steps) or run["end"]["end"] == "budget"
@@ -109,28 +113,10 @@ def row_at(system: str, args, budget: int, run: dict) -> dict:
     elif "error" not in row:
         row["error"] = f"no step completed within the budget ({row['ended_by']})"
     if run["end"]["end"] == "time limit" and "positions" in row and setup.get("shape"):
-        _model(row, run, budget, args.step)
+        from bench.capacity_model import model_row
+
+        model_row(row, run, budget, measured_step or args.step, args.step)
     return row
-
-
-def _model(row: dict, run: dict, budget: int, step: int) -> None:
-    """A stock run that stopped before the budget: its memory model's capacity there."""
-    from bench.memmodel import SCORE_BYTES, fit, kv_bytes_per_position, transient_terms
-    from bench.stock import STOCK
-
-    setup, shape = run["setup"], run["setup"]["shape"]
-    stock = STOCK[row["system"]]
-    itemsize = 4 if stock.dtype == "float32" else 2
-    kv = kv_bytes_per_position(shape["full_layers"], shape["kv_heads_x_head_dim"], 1, itemsize, stock.kv_bits,
-                               stock.kv_group_size)
-    chunk = min(stock.prefill_step, step)
-    transient = transient_terms(shape["heads"], shape["hidden"], shape["intermediate"], shape["vocab"], chunk,
-                                itemsize, SCORE_BYTES.get((stock.dtype, stock.kv_bits)))
-    model = fit([(s["positions"], s["peak_rss"]) for s in run["steps"]], setup["baseline_rss"],
-                setup["weights_bytes"], kv, transient)
-    modeled = model.capacity(budget)
-    if modeled > row["positions"]:
-        row.update(modeled_positions=modeled, modeled=True, memory_model=model.as_dict())
 
 
 def _refined(system: str, args, budget: int, row: dict) -> dict:
@@ -201,6 +187,25 @@ def _repeat(system: str, args, budget: int, row: dict) -> dict:
     return row
 
 
+def _stock_rows(system: str, args, budgets: list[int]) -> list[dict]:
+    """A stock system's rows: one run to the largest budget, in steps of --stock-step
+    where given (float16 mlx-lm needs minutes per hundred tokens here). mlx-lm-fp32,
+    fast enough for both, also runs at --step and gains `model_check`: the short
+    run's memory model against what the full steps measured."""
+    measured = getattr(args, "stock_step", 0) or args.step
+    checking = system == "mlx-lm-fp32" and measured != args.step
+    # the check fits its model to as few short steps as a float16 run completes here
+    run = _grow(system, args, max(budgets), step=measured, limit=3 * (measured + args.out) if checking else 0)
+    if checking:
+        from bench.capacity_model import check
+
+        full = _grow(system, args, max(budgets))
+        checked = check(system, run, full, measured, args.step, budgets)
+        return [{**_refined(system, args, b, row_at(system, args, b, full)), "model_check": checked} for b in budgets]
+    rows = [_refined(system, args, b, row_at(system, args, b, run, measured)) for b in budgets]
+    return [{**r, "measured_step_tokens": measured} for r in rows]
+
+
 def sweep(system: str, args, budgets: list[int]) -> list[dict]:
     """Every budget's row for one system (ascending budgets)."""
     if system.startswith("llama.cpp"):
@@ -208,9 +213,9 @@ def sweep(system: str, args, budgets: list[int]) -> list[dict]:
     if system.startswith("justfit"):
         rows = [_refined(system, args, b, row_at(system, args, b, _grow(system, args, b))) for b in budgets]
     else:  # stock: independent of the budget, one run to the largest
-        run = _grow(system, args, max(budgets))
-        rows = [_refined(system, args, b, row_at(system, args, b, run)) for b in budgets]
-    rows[0] = _repeat(system, args, budgets[0], rows[0])
+        rows = _stock_rows(system, args, budgets)
+    if "measured_step_tokens" not in rows[0] or rows[0]["measured_step_tokens"] == args.step:
+        rows[0] = _repeat(system, args, budgets[0], rows[0])  # (a short-step stock run is modeled: no repeats)
     for r in rows:
         r["step_tokens"] = args.step
     return rows
@@ -227,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="input tokens per step (2048: mlx-lm's prefill chunk, so each step's transient "
                          "is that of a fresh run's last chunk)")
     ap.add_argument("--out", type=int, default=256, help="generated tokens per step")
+    ap.add_argument("--stock-step", type=int, default=0,
+                    help="input tokens per step for the stock mlx-lm systems (0: --step); a run "
+                         "stopped by its clock is modeled at --step (bench/capacity_model.py)")
     ap.add_argument("--max-positions", type=int, default=65536)
     ap.add_argument("--max-seconds", type=float, default=3600, help="per run")
     ap.add_argument("--retain", type=int, default=4096, help="positions justfit-retention keeps")
@@ -278,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     fidelity.attach(rows, args.model, args.fidelity_tokens)
     for r in rows:
         fidelity.mark(r)
-    settings = {k: getattr(args, k) for k in ("model", "budget", "step", "out", "max_positions", "max_seconds",
+    settings = {k: getattr(args, k) for k in ("model", "budget", "step", "stock_step", "out", "max_positions",
+                                              "max_seconds",
                                               "retain", "refine", "repeats", "fidelity_tokens")}
     settings.update(budget=names[0] if len(names) == 1 else ",".join(names), budgets=names)
     result = {"machine": machine_info(), "settings": settings, "systems": rows, "headline": headline(rows)}

@@ -85,14 +85,32 @@ def capacity_markdown(result: dict) -> str:
     models = [r for r in rows if r.get("memory_model")]
     if models:
         lines += ["", "## Fitted memory models (stock runs that could not reach the budget in their time)", "",
-                  "| system | budget MiB | baseline MiB | weights MiB | KV B/pos | transient B/pos | fitted const MiB "
-                  "| points | max error MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| system | budget MiB | measured in steps of | stated at steps of | baseline MiB | weights MiB "
+                  "| KV B/pos | transient B/pos | fitted const MiB | points | max error MiB |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in models:
             m = r["memory_model"]
-            lines.append(f"| {r['system']} | {r['budget_mib']:.0f} | {m['baseline_mib']} | {m['weights_mib']} | "
+            lines.append(f"| {r['system']} | {r['budget_mib']:.0f} | {r.get('measured_step_tokens', s['step'])} | "
+                         f"{r.get('modeled_step_tokens', s['step'])} | {m['baseline_mib']} | {m['weights_mib']} | "
                          f"{m['kv_bytes_per_position']:.0f} | {m['transient_bytes_per_position']:.0f} | "
                          f"{m['constant_mib']} | {m['points']} | {m['error_mib']} |")
+    checked = next((r["model_check"] for r in rows if r.get("model_check")), None)
+    if checked:
+        lines += _check_lines(checked)
     return "\n".join(lines) + "\n"
+
+
+def _check_lines(c: dict) -> list[str]:
+    """The modeling procedure checked on a system fast enough to measure both ways."""
+    lines = ["", f"## The modeling checked: {c['system']} fitted to {c['memory_model']['points']} steps of "
+                 f"{c['measured_step_tokens']} tokens, against its measured steps of {c['step_tokens']}", "",
+             "| positions | measured peak MiB | modeled MiB | error MiB |", "|---:|---:|---:|---:|"]
+    lines += [f"| {p['positions']:,} | {p['measured_mib']} | {p['modeled_mib']} | {p['error_mib']:+} |"
+              for p in c["points"]]
+    lines += ["", "| budget MiB | modeled positions | measured positions | measured is |", "|---:|---:|---:|---|"]
+    lines += [f"| {k['budget_mib']:.0f} | {k['modeled']:,} | {k['measured']:,} | {k['measured_is']} |"
+              for k in c["capacities"]]
+    return lines
 
 
 def capacity_plot(result: dict, path) -> bool:

@@ -71,21 +71,25 @@ def render(path) -> None:
         write_views(Path(path).name.split("-")[0], path, result)
 
 
-# What capacity runs must share for their rows to stand in one table.
-_SAME_RUN = ("model", "budget", "step", "out", "refine")
+# What capacity runs must share for their rows to stand in one table (limits, refine
+# and repeats may differ: each row names its `source` file, whose settings say them).
+_SAME_RUN = ("model", "step", "out")
 _SAME_MACHINE = ("cpu", "cores", "memory_gib", "mlx", "mlx_backend", "mlx_lm", "blas")
 
 
 def combine_capacity(paths) -> dict:
-    """One capacity result from runs made apart (a system rerun with a higher position
-    or time limit): each system's row from the last file that has it, tagged with that
-    file. The runs must share model, budget, steps and machine, else ValueError."""
+    """One capacity result (a sweep) from runs made apart (systems or budgets run
+    separately, or rerun with a higher limit): each (system, budget) row from the last
+    file that has it, tagged with that file, and the headline over them all. The runs
+    must share model, step sizes and machine, else ValueError."""
     import json
     from pathlib import Path
 
+    from bench.sweep import headline
+
     results = [(Path(p).name, json.loads(Path(p).read_text())) for p in paths]
     first = results[0][1]
-    rows: dict[str, dict] = {}
+    rows: dict[tuple, dict] = {}
     for name, r in results:
         for keys, a, b, what in ((_SAME_RUN, first["settings"], r["settings"], "settings"),
                                  (_SAME_MACHINE, first["machine"], r["machine"], "machine")):
@@ -93,9 +97,31 @@ def combine_capacity(paths) -> dict:
             if differ:
                 raise ValueError(f"{name}: {what} differ from {results[0][0]}'s in {', '.join(differ)}")
         for row in r["systems"]:
-            rows[row["system"]] = {**row, "source": name}
-    settings = {**first["settings"], "combined_from": [name for name, _ in results]}
-    return {"machine": first["machine"], "settings": settings, "systems": list(rows.values())}
+            rows[row["system"], row.get("budget_mib")] = {**row, "source": name}
+    budgets = sorted({b for _, b in rows if b is not None})
+    names = [f"{b:g}MiB" for b in budgets]
+    settings = {**first["settings"], "budget": ",".join(names), "budgets": names,
+                "combined_from": [name for name, _ in results],
+                "sources": {name: r["settings"] for name, r in results}}
+    combined = list(rows.values())
+    _share_fidelity(combined)
+    return {"machine": first["machine"], "settings": settings, "systems": combined, "headline": headline(combined)}
+
+
+def _share_fidelity(rows: list[dict]) -> None:
+    """A JustFit row run with --fidelity-tokens 0 takes the fidelity measured for the
+    same page mix (spec) in another run; then every row's marks are set again."""
+    from bench.fidelity import mark, mix_distance
+
+    measured = {f["spec"]: f for r in rows if "top1" in (f := r.get("fidelity") or {})}
+    for r in rows:
+        f = r.get("fidelity") or {}
+        if "top1" not in f and f.get("spec") in measured:
+            got = {**measured[f["spec"]], "shared_from_another_row": True}
+            if got.get("measured_mix") and r.get("kv_formats"):
+                got["mix_distance"] = round(mix_distance(got["measured_mix"], r["kv_formats"]), 3)
+            r["fidelity"] = got
+        mark(r)
 
 
 if __name__ == "__main__":

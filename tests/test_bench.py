@@ -79,10 +79,12 @@ def test_capacity_runs_made_apart_combine_only_when_comparable(tmp_path):
     machine = {"cpu": "x86_64", "cores": 2, "memory_gib": 24, "mlx": "0.3", "date": "d1"}
     settings = {"model": "m", "budget": "1GiB", "step": 2048, "out": 64, "refine": False, "max_positions": 100}
     first = {"machine": machine, "settings": settings, "systems": [
-        {"system": "mlx-lm", "positions": 1000, "peak_mib": 900, "ended_by": "budget"},
-        {"system": "justfit-default", "positions": 5000, "peak_mib": 800, "ended_by": "position limit", "limited": True}]}
+        {"system": "mlx-lm", "budget_mib": 1024.0, "positions": 1000, "peak_mib": 900, "ended_by": "budget"},
+        {"system": "justfit-default", "budget_mib": 1024.0, "positions": 5000, "peak_mib": 800,
+         "ended_by": "position limit", "limited": True}]}
     again = {"machine": {**machine, "date": "d2"}, "settings": {**settings, "max_positions": 200}, "systems": [
-        {"system": "justfit-default", "positions": 12000, "peak_mib": 850, "ended_by": "position limit", "limited": True}]}
+        {"system": "justfit-default", "budget_mib": 1024.0, "positions": 12000, "peak_mib": 850,
+         "ended_by": "position limit", "limited": True}]}
     paths = []
     for i, r in enumerate((first, again)):
         paths.append(tmp_path / f"capacity-{i}.json")
@@ -93,8 +95,25 @@ def test_capacity_runs_made_apart_combine_only_when_comparable(tmp_path):
     assert rows["mlx-lm"]["source"] == "capacity-0.json" and both["settings"]["combined_from"] == \
         ["capacity-0.json", "capacity-1.json"]
     assert "| >= 12.00x |" in capacity_markdown(both)
-    paths[1].write_text(json.dumps({**again, "settings": {**settings, "budget": "2GiB"}}))
-    with pytest.raises(ValueError, match="budget"):
+    # a budget run apart joins the sweep as rows of its own
+    other = {**again, "systems": [{**again["systems"][0], "budget_mib": 2048.0}]}
+    paths[1].write_text(json.dumps(other))
+    swept = combine_capacity(paths)
+    assert swept["settings"]["budgets"] == ["1024MiB", "2048MiB"] and len(swept["systems"]) == 3
+    assert [h["budget_mib"] for h in swept["headline"]] == [1024.0, 2048.0]
+    # fidelity measured for a mix in one run stands for the same mix in another
+    measured = {"spec": "q8c", "top1": 0.998, "kl": 1e-5, "tokens": 8192}
+    lossless = {"system": "justfit-lossless", "budget_mib": 1024.0, "positions": 7000, "trained_context": 8192,
+                "fidelity": measured}
+    paths[0].write_text(json.dumps({**first, "systems": first["systems"] + [lossless]}))
+    paths[1].write_text(json.dumps({**other, "systems": [{**lossless, "budget_mib": 2048.0, "positions": 9000,
+                                                          "fidelity": {"spec": "q8c", "error": "not measured"}}]}))
+    shared = {(r["system"], r["budget_mib"]): r for r in combine_capacity(paths)["systems"]}
+    assert shared["justfit-lossless", 2048.0]["fidelity"]["top1"] == 0.998
+    assert shared["justfit-lossless", 2048.0]["headline"] == "eligible"
+    assert shared["justfit-lossless", 2048.0]["past_trained_context"]
+    paths[1].write_text(json.dumps({**again, "settings": {**settings, "step": 1024}}))
+    with pytest.raises(ValueError, match="step"):
         combine_capacity(paths)
 
 

@@ -140,3 +140,44 @@ def test_mlx_lm_dense_holds_the_same_weights_dequantized(tiny_gemma3_dir):
     assert weights_dtype(model) == "float32"
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
     assert mx.allclose(model(x), packed, atol=1e-4).item()
+
+
+def test_a_short_step_stock_run_is_modeled_at_the_sweeps_step_and_checked_where_both_ran():
+    """Float16 mlx-lm is measured in short steps here; its capacity is stated for the
+    sweep's 2,048-token steps (a larger chunk transient), and the same procedure on
+    mlx-lm-fp32 is checked against a run that measured those steps."""
+    from bench.capacity_model import _terms, check, model_row
+    from bench.memmodel import kv_bytes_per_position
+    from bench.stock import STOCK
+
+    shape = {"full_layers": 30, "kv_heads_x_head_dim": 192, "heads": 9, "hidden": 576, "intermediate": 1536,
+             "vocab": 49152}
+    setup = {"shape": shape, "baseline_rss": 250 * 2**20, "weights_bytes": 100 * 2**20}
+
+    def run(system: str, step: int, sizes) -> dict:
+        stock = STOCK[system]
+        kv = kv_bytes_per_position(30, 192, 1, 4 if stock.dtype == "float32" else 2, stock.kv_bits)
+        per, fixed = _terms(stock, shape, min(stock.prefill_step, step))
+        truth = lambda p: setup["baseline_rss"] + 5 * 2**20 + fixed + p * (kv + per)  # noqa: E731
+        return {"setup": setup, "steps": [{"positions": p, "peak_rss": int(truth(p))} for p in sizes]}
+
+    short = run("mlx-lm", 128, (160, 320))
+    row = {"system": "mlx-lm", "positions": 320}
+    model_row(row, short, 1600 * 2**20, 128, 2048)
+    assert row["modeled"] and row["modeled_step_tokens"] == 2048 and row["measured_step_tokens"] == 128
+    at_2048 = run("mlx-lm", 2048, (2080,))["steps"][0]["peak_rss"]
+    per, fixed = _terms(STOCK["mlx-lm"], shape, 2048)
+    expected = (1600 * 2**20 - (at_2048 - 2080 * (23040 + per))) // (23040 + per)
+    assert abs(row["modeled_positions"] - expected) <= 1  # the 2,048-token chunk, not the 128 it was measured in
+    checked = check("mlx-lm-fp32", run("mlx-lm-fp32", 128, (160, 320, 480)),
+                    run("mlx-lm-fp32", 2048, (2080, 4160, 6240)), 128, 2048, [400 * 2**20, 1600 * 2**20])
+    assert checked["max_error_mib"] <= 0.1 and len(checked["points"]) == 3
+    small, large = checked["capacities"]
+    assert small["measured"] == 0 and large["measured"] == 6240 and large["measured_is"].startswith("at least")
+    assert large["modeled"] >= 6240
+    from bench.capacity_report import capacity_markdown
+
+    md = capacity_markdown({"machine": {}, "settings": {"model": "m", "budget": "1600MiB", "step": 2048, "out": 32},
+                            "systems": [{**row, "budget_mib": 1600.0, "peak_mib": 300, "ended_by": "time limit",
+                                         "model_check": checked}]})
+    assert "| mlx-lm | 1600 | 128 | 2048 |" in md and "The modeling checked: mlx-lm-fp32" in md
