@@ -22,6 +22,8 @@ def _positions(r: dict) -> str:
         text = f"{n:,} modeled (measured >= {r['positions']:,}, error {r['memory_model']['error_mib']:.1f} MiB)"
     elif how == "at least":
         text += " (limit: at least this)"
+    if r.get("planned_positions") is not None:
+        text += f" (planner predicted {r['planned_positions']:,})"
     if r.get("min_positions") is not None:
         text += f" [min {r['min_positions']:,}, max {r['max_positions']:,} of {len(r['repeat_positions'])} runs]"
     return text
