@@ -54,8 +54,9 @@ inline void unpack_group(const uint8_t* src, float* dst, int group_size) {
   }
 }
 
-template <int Bits>
-void matvec(const float* x, const uint8_t* w, const float* scales, const float* biases, float* y,
+// S: the scales' and biases' type as stored (float16 from GGUF and mlx-lm, or float32).
+template <int Bits, typename S>
+void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
             int rows, int in, int out, int group_size) {
   const int groups = in / group_size;
   const int row_bytes = in * Bits / 8;
@@ -76,8 +77,8 @@ void matvec(const float* x, const uint8_t* w, const float* scales, const float* 
       float acc[kRows] = {0.f};
       for (int g = 0; g < groups; ++g) {
         unpack_group<Bits>(wrow + g * group_size * Bits / 8, q, group_size);
-        const float sc = scales[static_cast<size_t>(o) * groups + g];
-        const float bi = biases[static_cast<size_t>(o) * groups + g];
+        const float sc = static_cast<float>(scales[static_cast<size_t>(o) * groups + g]);
+        const float bi = static_cast<float>(biases[static_cast<size_t>(o) * groups + g]);
         for (int r = 0; r < nr; ++r) {
           const float* xr = x + static_cast<size_t>(r0 + r) * in + g * group_size;
           float dot = 0.f;
@@ -98,8 +99,10 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
   if (group_size % 32 != 0 || group_size > 256)
     throw std::invalid_argument("quantized_matvec: group_size must be a multiple of 32, at most 256");
-  if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
-    throw std::invalid_argument("quantized_matvec: x, scales and biases must be float32");
+  if (x.dtype() != mx::float32)
+    throw std::invalid_argument("quantized_matvec: x must be float32");
+  if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16) || biases.dtype() != scales.dtype())
+    throw std::invalid_argument("quantized_matvec: scales and biases must both be float16 or both float32");
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2)
     throw std::invalid_argument("quantized_matvec: w must be a 2-D uint32 array");
   int out = w.shape(0), in = w.shape(1) * 32 / bits;
@@ -128,14 +131,25 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.set_input_array(biases);
   encoder.set_output_array(y);
   int out = w.shape(0), in = x.shape(-1), rows = x.size() / in;
-  encoder.dispatch([xp = x.data<float>(), wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>()),
-                    sp = scales.data<float>(), bp = biases.data<float>(), yp = y.data<float>(), rows, in, out,
-                    gs = group_size_, bits = bits_]() {
-    if (bits == 4)
-      matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
-    else
-      matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
-  });
+  const float* xp = x.data<float>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+  float* yp = y.data<float>();
+  int gs = group_size_, bits = bits_;
+  if (scales.dtype() == mx::float16) {
+    encoder.dispatch([=, sp = scales.data<mx::float16_t>(), bp = biases.data<mx::float16_t>()]() {
+      if (bits == 4)
+        matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
+      else
+        matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
+    });
+  } else {
+    encoder.dispatch([=, sp = scales.data<float>(), bp = biases.data<float>()]() {
+      if (bits == 4)
+        matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
+      else
+        matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
+    });
+  }
 }
 
 void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -11,7 +11,7 @@ namespace justfit {
 namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T for w [out, in * bits / 32] (uint32),
-// scales and biases [out, in / group_size], x [..., in]; float32 in and out.
+// scales and biases [out, in / group_size] (float16 or float32), x [..., in]; float32 in and out.
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
 

@@ -42,12 +42,24 @@ def eligible(mod: nn.Module) -> bool:
             and mod.bits in (4, 8) and mod.group_size % 32 == 0 and mod.group_size <= 256)
 
 
+# The native form keeps the scales and biases as stored (float16 from a GGUF or mlx-lm:
+# a quarter fewer bytes than float32 casts of them at 4 bits), and computes in float32.
+SCALE_DTYPES = (mx.float16, mx.float32)
+
+
 def _matvec(x: mx.array, mod: nn.Module) -> mx.array | None:
     """x @ W^T through the kernel, or None where it does not apply (the caller falls back)."""
     ext = kernels()
-    if ext is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu or mod["scales"].dtype != mx.float32:
+    if (ext is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu
+            or mod["scales"].dtype not in SCALE_DTYPES):
         return None
     return ext.quantized_matvec(x, mod["weight"], mod["scales"], mod["biases"], mod.group_size, mod.bits)
+
+
+def _fallback(x: mx.array, mod: nn.Module) -> mx.array:
+    """MLX's own kernel, the scales in x's dtype (MLX computes in theirs)."""
+    return mx.quantized_matmul(x, mod["weight"], mod["scales"].astype(x.dtype), mod["biases"].astype(x.dtype),
+                               transpose=True, group_size=mod.group_size, bits=mod.bits)
 
 
 class NativeQuantizedLinear(nn.QuantizedLinear):
@@ -56,17 +68,26 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         y = _matvec(x, self)
         if y is None:
-            return super().__call__(x)
-        return y + self["bias"] if "bias" in self else y
+            y = _fallback(x, self)
+        return y + self["bias"].astype(y.dtype) if "bias" in self else y
 
 
 class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     """A stored quantized embedding whose use as the tied output head runs the native kernel."""
 
+    def __call__(self, x: mx.array) -> mx.array:
+        """The rows of `x`, dequantized in float32 (exact: float16 scales widen exactly)."""
+        return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
+                             self["biases"][x].astype(mx.float32), group_size=self.group_size, bits=self.bits)
+
     def as_linear(self, x: mx.array) -> mx.array:
         """The tied output head: x @ E^T."""
         y = _matvec(x, self)
-        return super().as_linear(x) if y is None else y
+        return _fallback(x, self) if y is None else y
+
+
+def is_native(mod: nn.Module) -> bool:
+    return isinstance(mod, (NativeQuantizedLinear, NativeQuantizedEmbedding))
 
 
 def _recast(mod: nn.Module, cls: type) -> nn.Module:

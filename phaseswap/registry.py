@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
                              set_module, to_dense, to_grouped, to_q8t)
 
-from phaseswap.native import eligible, to_native
+from phaseswap.native import eligible, is_native, to_native
 
 RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", "native")
 # native: the stored weights where the native kernel computes them, q8t where it cannot.
@@ -99,12 +99,15 @@ def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None =
     body = _body(model)
     linears = [m for _, m in model.named_modules() if is_linear(m)]
     for mod in linears:
-        if form == "native" and eligible(mod):
-            continue  # held as stored
+        if form == "native" and eligible(mod):  # held as stored, scales and biases too
+            total -= sum(nbytes(mod[k]) - mod[k].nbytes for k in ("scales", "biases"))
+            continue
         weights = dense_bytes(mod) // 4 - (mod["bias"].size if "bias" in mod else 0)
         total += int(weights * per_weight) - sum(nbytes(v) for k, v in tree_flatten(mod.parameters())
                                                  if k != "bias")
     embed = body.embed_tokens
+    if form == "native" and eligible(embed):
+        total -= sum(nbytes(embed[k]) - embed[k].nbytes for k in ("scales", "biases"))
     if not isinstance(getattr(model, "lm_head", None), nn.Module) and _split_head(form, embed):
         total += int(dense_bytes(embed) // 4 * per_weight)  # the tied head's own form
     if form == "dense":  # the embedding too
@@ -288,6 +291,10 @@ class Registry:
 
 
 def _cast(module: nn.Module, dtype: mx.Dtype | None) -> nn.Module:
+    """Floating parameters to `dtype`, but a native module's scales and biases stay as
+    stored (the kernel reads them so)."""
     if dtype is not None:
-        module.apply(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a)
+        keep = lambda m, k, v: nn.Module.valid_parameter_filter(m, k, v) and not (  # noqa: E731
+            is_native(m) and k in ("scales", "biases"))
+        module.apply(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, keep)
     return module
