@@ -49,11 +49,31 @@ def llama_bench(llama_cpp: str, model: str, contexts: list[int], decode: int, re
                 tests = json.loads(out)
                 pp = next(t for t in tests if t.get("n_prompt") == context and not t.get("n_gen"))
                 tg = next(t for t in tests if t.get("n_gen") == decode and not t.get("n_prompt"))
-                row.update(prefill_tps=pp["avg_ts"], decode_tps=tg["avg_ts"], ttft_s=context / pp["avg_ts"])
+                row.update(prefill_tps=pp["avg_ts"], decode_tps=tg["avg_ts"], ttft_s=context / pp["avg_ts"],
+                           read_bytes=read_bytes(model, gguf, context + decode, CACHE_TYPES[system]))
             except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError) as e:
                 row["error"] = f"llama-bench failed: {e}"
             rows.append(row)
     return rows
+
+
+_BYTES_PER_VALUE = {"q8_0": 34 / 32, "q4_0": 18 / 32, "f16": 2.0}
+
+
+def read_bytes(model: str, gguf: str, context: int, cache_type: str) -> int:
+    """Bytes one llama.cpp decode step at `context` reads: the GGUF's tensors (a tied
+    embedding is the head) and the KV cache it attends over (sliding-window layers:
+    their window), from the model's config."""
+    from justfit.fit_config import layer_kinds
+    from justfit.models import resolve
+
+    config = json.loads((Path(resolve(model)) / "config.json").read_text())
+    kv_dim = config.get("num_key_value_heads", config["num_attention_heads"]) * config.get(
+        "head_dim", config["hidden_size"] // config["num_attention_heads"])
+    window = config.get("sliding_window") or context
+    seen = sum(min(context, window) if kind == "sliding" else context
+               for kind in layer_kinds(config, config["num_hidden_layers"]))
+    return Path(gguf).stat().st_size + int(2 * kv_dim * seen * _BYTES_PER_VALUE[cache_type])
 
 
 def peak_rss(cmd: list[str], timeout: float) -> tuple[int, int, str]:

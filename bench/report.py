@@ -25,10 +25,15 @@ def _table(title: str, result: dict, columns: str, second: str, cells) -> str:
 
 
 def speed_markdown(result: dict) -> str:
-    return _table("Speed", result, "system:l | context:r | prefill tok/s:r | decode tok/s:r | TTFT s:r | "
-                  "peak MiB:r | runs:r", "context", lambda r: [
+    bw = result.get("read_bandwidth_gbs")
+    title = "Speed" + (f" (decode floor: MiB read per token at {max(bw):.1f} GB/s, the best streaming read "
+                       f"of {', '.join(map(str, bw))} GB/s measured before and after)" if bw else "")
+    return _table(title, result, "system:l | context:r | prefill tok/s:r | decode tok/s:r | TTFT s:r | "
+                  "peak MiB:r | MiB read/token:r | floor tok/s:r | of floor:r | runs:r", "context", lambda r: [
                       r["system"], str(r["context"]), f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.2f}",
-                      f"{r['ttft_s']:.2f}", f"{r['peak_mib']:.0f}" if "peak_mib" in r else "", str(r.get("runs", ""))])
+                      f"{r['ttft_s']:.2f}", f"{r['peak_mib']:.0f}" if "peak_mib" in r else "",
+                      str(r.get("read_mib_per_token", "")), str(r.get("floor_tps", "")),
+                      f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else "", str(r.get("runs", ""))])
 
 
 def quality_markdown(result: dict) -> str:

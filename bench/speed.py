@@ -52,7 +52,10 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
             if first is None:
                 first = time.perf_counter() - start
         st = engine.last_stats
+        from bench.floor import justfit_read_bytes
+
         return {"prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "ttft_s": first,
+                "read_bytes": justfit_read_bytes(engine, context + decode),
                 "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20,
                 "blas": active_blas(), "weights_dtype": f"{engine.policy.name}: {engine.swap.registry.resident_form}",
                 "kv_dtype": f"{engine.config.kv.format} pages" if engine.config.kv else "mlx-lm cache",
@@ -86,9 +89,11 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
     for _ in range(decode - 1):
         next(steps)
     decode_s = time.perf_counter() - start - ttft
+    from bench.floor import stock_read_bytes
     from justfit.memory import peak_rss_bytes
 
     return {"prefill_tps": context / ttft, "decode_tps": (decode - 1) / decode_s, "ttft_s": ttft,
+            "read_bytes": stock_read_bytes(loaded.model, cache),
             "peak_mib": mx.get_peak_memory() / 2**20, "rss_peak_mib": peak_rss_bytes() / 2**20,
             "blas": active_blas(), "weights_dtype": weights_dtype(loaded.model), "kv_dtype": kv_dtype(cache),
             "kv_bits": setup.kv_bits, "prefill_step": setup.prefill_step, **({"note": note} if note else {})}
@@ -123,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     from bench.common import machine_info, progress_bar, publish, run_worker
+    from bench.floor import floor_fields, read_bandwidth
 
+    bandwidth = [read_bandwidth()]  # again at the end: the machine is shared
     rows = []
     contexts, systems = [int(c) for c in args.contexts.split(",")], args.systems.split(",")
     bar = progress_bar(len(contexts) * len(systems) * args.repeat, "speed")
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                     vals = sorted(r[key] for r in ok)
                     row[key] = vals[len(vals) // 2]  # median; the best run beside it
                     row[f"{key}_best"] = vals[0] if key in ("ttft_s", "peak_mib", "rss_peak_mib") else vals[-1]
+                row["read_bytes"] = ok[0]["read_bytes"]
                 for key in ("blas", "weights_dtype", "kv_dtype", "kv_bits", "prefill_step", "note"):
                     if key in ok[0]:
                         row[key] = ok[0][key]  # of the worker process, not this one
@@ -156,7 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
         from bench.llamacpp import llama_bench
 
         rows += llama_bench(args.llama_cpp, args.model, contexts, args.decode, args.repeat)
-    result = {"machine": machine_info(), "systems": rows}
+    bandwidth.append(read_bandwidth())
+    for row in rows:
+        if row.get("read_bytes") and row.get("decode_tps"):
+            row.update(floor_fields(row["decode_tps"], row["read_bytes"], max(bandwidth)))
+    result = {"machine": machine_info(), "read_bandwidth_gbs": [round(b / 1e9, 3) for b in bandwidth],
+              "systems": rows}
     publish("speed", result, args.json)
     return result
 

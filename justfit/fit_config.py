@@ -48,7 +48,8 @@ def _text(config: dict) -> dict:
     return {**config, **config.get("text_config", {})} if "text_config" in config else config
 
 
-def _kinds(c: dict, layers: int) -> tuple[str, ...]:
+def layer_kinds(c: dict, layers: int) -> tuple[str, ...]:
+    """Each layer's attention ("full", "sliding" or "linear") from a config's fields."""
     names = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
     if isinstance(c.get("layer_types"), list) and len(c["layer_types"]) == layers:
         return tuple(names.get(t, "full") for t in c["layer_types"])
@@ -76,7 +77,7 @@ def read_config(config: dict) -> ConfigShape:
     kv_heads = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or hidden // heads
     vocab = c.get("vocab_size") or (262208 if gemma else 32000)
-    kinds = _kinds({**c, "model_type": model_type}, layers)
+    kinds = layer_kinds({**c, "model_type": model_type}, layers)
     window = c.get("sliding_window") or (4096 if gemma else None)
     gated_q = 2 if model_type == "qwen3_next" else 1  # its attention gates the output per head
     attn = hidden * heads * head_dim * (gated_q + 1) + 2 * hidden * kv_heads * head_dim

@@ -133,6 +133,14 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
         assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
         assert r["blas"] and r["weights_dtype"] and r["kv_dtype"] and r["prefill_step"]
     assert rows["mlx-lm"]["kv_dtype"] == "float16" and "reference BLAS" in rows["mlx-lm"]["blas"]
+    # decode against the memory floor: bytes read per token over the measured bandwidth
+    assert len(out["read_bandwidth_gbs"]) == 2 and min(out["read_bandwidth_gbs"]) > 0
+    for name in ("justfit-default", "mlx-lm"):
+        r = rows[name]
+        assert r["read_mib_per_token"] > 0 and r["floor_tps"] > 0
+        floor = max(out["read_bandwidth_gbs"]) * 1e9 / r["read_bytes"]
+        assert abs(r["floor_tps"] - floor) <= 0.01 * floor + 0.1
+        assert abs(r["floor_fraction"] - r["decode_tps"] / r["floor_tps"]) <= 0.01 * r["floor_fraction"] + 0.002
     for name in ("llama.cpp-q8_0", "llama.cpp-q4_0"):  # a failure is a row, never dropped
         assert "llama-bench failed" in rows[name]["error"]
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
