@@ -15,7 +15,7 @@ from justfit.config import SamplingParams
 from justfit.generate import feed, prefill, token_logprobs
 from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
-from justfit.stops import StopMatcher
+from justfit.stops import ReplyText
 from statetrans import Parked, holds, keep_parked, park, unpark
 
 if TYPE_CHECKING:
@@ -53,9 +53,6 @@ class Sequence:
         s = self.stats
         s.cached_tokens, s.restored_from, s.restore_s = len(self.held), reuse.source, reuse.seconds
         self.rng = new_rng(self.sp.seed) if self.sp.seed is not None else (reuse.sampler or new_rng())
-        self.stops = StopMatcher(self.sp.stop)
-        self.eos = set() if self.sp.ignore_eos else set(e.tokenizer.eos_token_ids)
-        self.detok = e.tokenizer.detokenizer  # mlx-lm hands each caller its own copy
 
     def _bind(self, cache: list) -> None:
         """Use `cache`, its pages held to this sequence's plan and its prompt pinned."""
@@ -122,12 +119,12 @@ class Sequence:
     def _first(self, logits: mx.array) -> Chunk:
         """Set up sampling once the prompt is in; the first token's chunk."""
         sp = self.sp
+        self.reply = ReplyText(self.engine.tokenizer, sp, self.stats)
         if sp.max_tokens == 0:
-            return self._end("length", "")
+            return self._end("")
         self.sampler = keyed_sampler(sp, int(logits.shape[-1]), self.rng)
         self.processors = logits_processors(sp, len(self.tokens))
         self.context = mx.array(self.tokens)
-        self.detok.reset()
         self._decode_started = time.perf_counter()
         return self.accept(logits)
 
@@ -141,16 +138,12 @@ class Sequence:
         token = int(self.sampler(logprobs[None]).item())
         self.context = mx.concatenate([self.context, mx.array([token])])
         s.decode_s = time.perf_counter() - self._decode_started
-        if token in self.eos:
-            return self._end("stop", "")
-        s.generated_tokens += 1
-        self.detok.add_token(token)
-        text, hit = self.stops.feed(self.detok.last_segment)
+        text = self.reply.add(token)
+        if text is None:  # end-of-sequence
+            return self._end("")
         logprob, top = token_logprobs(token, logprobs, sp.logprobs) if sp.logprobs is not None else (None, None)
-        if hit:
-            return self._end("stop", text, token, logprob, top)
-        if s.generated_tokens >= sp.max_tokens:
-            return self._end("length", text, token, logprob, top)
+        if self.reply.reason:
+            return self._end(text, token, logprob, top)
         self.pending = token
         return Chunk(text, token, logprob=logprob, top_logprobs=top)
 
@@ -159,14 +152,12 @@ class Sequence:
         self.held.append(self.pending)
         self.pending = None
 
-    def _end(self, reason: str, text: str, token: int | None = None, logprob=None, top=None) -> Chunk:
-        self.detok.finalize()
-        tail = self.stops.flush(self.detok.last_segment) if reason == "length" else ""
+    def _end(self, text: str, token: int | None = None, logprob=None, top=None) -> Chunk:
+        tail = self.reply.end()
         self.finished = True
         s = self.stats
-        s.finish_reason, s.stop_sequence = reason, self.stops.hit
         s.decode_s = time.perf_counter() - self._decode_started if self._decode_started else 0.0
-        return Chunk(text + tail, token, finish_reason=reason, stats=s, logprob=logprob, top_logprobs=top)
+        return Chunk(text + tail, token, finish_reason=s.finish_reason, stats=s, logprob=logprob, top_logprobs=top)
 
     def store(self) -> None:
         """Keep what was computed (also on cancel or error) as a stored state, unless an

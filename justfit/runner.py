@@ -14,7 +14,7 @@ from justfit.generate import ProgressFn, decode, prefill, token_logprobs
 from justfit.memory import MemoryReport, memory_report, peak_rss_bytes, trimming
 from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
-from justfit.stops import StopMatcher
+from justfit.stops import ReplyText
 import kvexec
 from statetrans import holds
 
@@ -89,14 +89,10 @@ def _memory(engine: Engine, stats: GenerationStats, cache: list) -> MemoryReport
     return memory_report(engine.swap.registry.resident_bytes(), cache, peak, stored)
 
 
-def _decode(engine: Engine, logits, tokens, cache, sp, stats, sampler, processors, record):
+def _decode(engine, logits, tokens, cache, sp, stats, sampler, processors, record):
     """Yield a chunk per token; return the text held back at the end."""
-    detok = engine.tokenizer.detokenizer
-    detok.reset()
-    stops = StopMatcher(sp.stop)
-    eos = set() if sp.ignore_eos else set(engine.tokenizer.eos_token_ids)
+    reply = ReplyText(engine.tokenizer, sp, stats)
     start = time.perf_counter()
-    reason = "length"
     seen: dict[str, tuple] = {}  # the last token's logprobs, when asked for
 
     def note(token: int, logprobs: mx.array) -> None:
@@ -104,22 +100,14 @@ def _decode(engine: Engine, logits, tokens, cache, sp, stats, sampler, processor
 
     for token in decode(engine.model, logits, cache, sampler, processors, tokens, record,
                         note if sp.logprobs is not None else None):
-        if token in eos:
-            reason = "stop"
+        text = reply.add(token)
+        if text is None:  # end-of-sequence
             break
-        stats.generated_tokens += 1
-        detok.add_token(token)
-        text, hit = stops.feed(detok.last_segment)
         stats.decode_s = time.perf_counter() - start
         logprob, top = seen.get("last", (None, None))
         yield Chunk(text, token, logprob=logprob, top_logprobs=top)  # one per token, text may be "" (partial UTF-8)
-        if hit:
-            reason = "stop"
+        if reply.reason:
             break
-        if stats.generated_tokens >= sp.max_tokens:
-            break
-    detok.finalize()
-    tail = stops.flush(detok.last_segment) if reason == "length" else ""
+    tail = reply.end()
     stats.decode_s = time.perf_counter() - start
-    stats.finish_reason, stats.stop_sequence = reason, stops.hit
     return tail

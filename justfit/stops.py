@@ -37,3 +37,43 @@ class StopMatcher:
         out, hit = self.feed(text)
         rest, self._pending = self._pending, ""
         return out if hit else out + rest
+
+
+class ReplyText:
+    """One reply's tokens turned into text: end-of-sequence, detokenizing, stop strings
+    and the token limit, with the counts and finish kept in `stats` (GenerationStats).
+    The lone path (justfit.runner) and a batch's sequences (justfit.batch_sequence)
+    both emit through it."""
+
+    def __init__(self, tokenizer, sp, stats):
+        self.detok = tokenizer.detokenizer  # mlx-lm hands each caller its own copy
+        self.detok.reset()
+        self.stops = StopMatcher(sp.stop)
+        self.eos = set() if sp.ignore_eos else set(tokenizer.eos_token_ids)
+        self.max_tokens, self.stats = sp.max_tokens, stats
+        self.reason: str | None = None  # "stop" or "length" once the reply ended
+
+    def add(self, token: int) -> str | None:
+        """The text `token` lets out now ("" while a character or a possible stop
+        string is incomplete), or None when it is end-of-sequence (never counted or
+        shown). After either, `reason` says whether the reply ended."""
+        if token in self.eos:
+            self.reason = "stop"
+            return None
+        self.stats.generated_tokens += 1
+        self.detok.add_token(token)
+        text, hit = self.stops.feed(self.detok.last_segment)
+        if hit:
+            self.reason = "stop"
+        elif self.stats.generated_tokens >= self.max_tokens:
+            self.reason = "length"
+        return text
+
+    def end(self) -> str:
+        """Close the reply (a "length" finish when nothing else ended it); the text
+        held back until now."""
+        self.reason = self.reason or "length"
+        self.detok.finalize()
+        tail = self.stops.flush(self.detok.last_segment) if self.reason == "length" else ""
+        self.stats.finish_reason, self.stats.stop_sequence = self.reason, self.stops.hit
+        return tail
