@@ -1,0 +1,51 @@
+"""Layers pipelined over mx.distributed (justfit/pipeline.py): two local ranks on the
+ring backend, launched by mlx.launch as a user would, against one process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHILD = str(Path(__file__).with_name("pipeline_child.py"))
+LAUNCH = str(Path(sys.executable).with_name("mlx.launch"))
+
+
+def _run(model: str, ranks: int, *extra: str, timeout: float = 120) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, CHILD, model, *extra]
+    if ranks > 1:
+        cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
+def test_two_ranks_give_the_greedy_tokens_of_one_process(fixture, request):
+    model = str(request.getfixturevalue(fixture))
+    alone, split = _run(model, 1), _run(model, 2)
+    assert split["tokens"] == alone["tokens"] and len(alone["tokens"]) == 8
+    assert 0 < split["held_layers"] < (2 if "llama" in fixture else 6)  # rank 0 holds only its share
+
+
+def test_smollm2_over_two_ranks_matches_one_process(smollm2_gguf):
+    assert _run("smollm2", 2, "--tokens", "6")["tokens"] == _run("smollm2", 1, "--tokens", "6")["tokens"]
+
+
+def test_a_rank_that_leaves_is_an_error_on_rank_0_not_a_hang(tiny_llama_dir):
+    got = _run(str(tiny_llama_dir), 2, "--die-after", "3", timeout=60)
+    assert "error" in got and "tokens" not in got
+
+
+def test_layers_split_in_proportion_to_budgets():
+    from justfit.pipeline import split_layers
+
+    assert split_layers(30, [1, 1]).starts == (0, 15, 30)
+    assert split_layers(30, [100, 300], fixed=0).starts == (0, 8, 30)
+    uneven = split_layers(30, [600, 400], fixed=200)  # rank 0 also holds embedding and head
+    assert uneven.starts == (0, 15, 30) and uneven.layers(1) == range(15, 30)
+    assert split_layers(2, [1, 1000]).starts == (0, 1, 2)  # never an empty rank
+    with pytest.raises(ValueError, match="at least one"):
+        split_layers(2, [1, 1, 1])
