@@ -21,6 +21,7 @@ from justfit.generate import ProgressFn
 from justfit.loader import install_kv, load_lazily, offload_dir
 from justfit.memory import hold_memory_to, parse_size, trim_heap
 from justfit.models import weight_files
+from justfit.pipeline import Pipeline, attach
 from justfit.planner import Footprint, attention_shape, choose_policy, footprint
 from justfit.runner import run_request
 from justfit.state_io import (StateIO, export_state, import_state, resume_session, save_session, state_identity,
@@ -43,7 +44,7 @@ class Engine:
     model are in `engine.config`."""
 
     def __init__(self, model: str | None = None, budget: int | str | None = None,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, group=None):
         runtime.setup()  # idempotent: the shared exec stream for this thread (and OpenBLAS, if still in time)
         config = config or EngineConfig()
         if budget is not None:
@@ -58,6 +59,11 @@ class Engine:
             self._share = ProcessShare(config.budget_bytes)
             config = replace(config, budget_bytes=self._share.remeasure(), budget_covers_process=False)
         self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv))
+        self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline)
+        if group is not None and group.size() > 1:
+            # Before any weight is read or counted: from here the model, the planner and
+            # PhaseSwap see only this rank's layers.
+            self.pipeline = attach(self.model, group, self.config.budget_bytes, self.model.args.hidden_size)
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.policy: ResidencyPolicy = get_policy(choose_policy(self.model, self.model_config, self.config.policy,
@@ -227,6 +233,23 @@ class Engine:
         if not tokens:
             raise ValueError("empty prompt")
         yield from run_request(self, tokens, sampling or SamplingParams(), progress, session)
+
+    def follow(self) -> None:
+        """On ranks > 0 of a pipeline: compute this rank's layers for every forward
+        rank 0 drives, until it stops (justfit.pipeline.follow)."""
+        from justfit.pipeline import follow
+
+        if self.pipeline is None or self.pipeline.rank == 0:
+            raise RuntimeError("follow() is for ranks > 0 of a pipeline")
+        follow(self.model, self.pipeline.group, self.new_cache, self.model.args.hidden_size,
+               mx.float32 if self.policy.fp32 else mx.float16, phase=self.swap.phase)
+
+    def close_pipeline(self) -> None:
+        """On rank 0: let the other ranks' `follow` return."""
+        from justfit.pipeline import STOP, control
+
+        if self.pipeline is not None and self.pipeline.rank == 0:
+            control(self.pipeline.group, STOP)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
         """The whole reply as one string."""

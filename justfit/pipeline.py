@@ -20,14 +20,17 @@ advance on every rank's stand-in caches so masks and offsets agree with rank 0's
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
-FORWARD, RESET, STOP = 1, 2, 3  # header ops rank 0 sends
+from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, make_cache
 
+__all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
+           "keep_share", "make_cache", "split_layers"]
 
 @dataclass(frozen=True)
 class Split:
@@ -61,138 +64,58 @@ def split_layers(layers: int, budgets: list[int], fixed: int = 0, per_layer: int
     return Split(tuple(starts))
 
 
-class Position(KVCache):
-    """A layer this rank does not hold: no keys or values, only the offset every cache
-    of the sequence shares (masks are made from it)."""
+@dataclass(frozen=True)
+class Pipeline:
+    """This process's place in a layer pipeline."""
 
-    def advance(self, n: int) -> None:
-        self.offset += n
-
-    @property
-    def state(self) -> list:
-        return []
-
-    @state.setter
-    def state(self, v) -> None:
-        pass
+    group: object  # mx.distributed.Group
+    split: Split
 
     @property
-    def nbytes(self) -> int:
-        return 0
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
 
 
-class WindowPosition(RotatingKVCache):
-    """A sliding-window layer this rank does not hold: a one-value-wide shadow of its
-    rotating cache, so the masks made from it (offset, rotation) match the real one's."""
-
-    def advance(self, n: int) -> None:
-        dummy = mx.zeros((1, 1, n, 1), dtype=mx.float16)
-        self.update_and_fetch(dummy, dummy)
-
-
-def shadow(cache) -> KVCache:
-    """The stand-in for a layer whose own cache would be `cache`."""
-    if isinstance(cache, RotatingKVCache):
-        return WindowPosition(max_size=cache.max_size, keep=cache.keep)
-    return Position()
-
-
-class _StandIn(nn.Module):
-    """A layer held elsewhere: advances its position cache; subclasses move the state."""
-
-    def __call__(self, x: mx.array, mask=None, cache=None, **_) -> mx.array:
-        if isinstance(cache, (Position, WindowPosition)):
-            cache.advance(x.shape[1])
-        return self.move(x)
-
-    def move(self, x: mx.array) -> mx.array:
-        return x
+def attach(model: nn.Module, group, budget: int | None, hidden: int, fixed: int = 0) -> Pipeline:
+    """Make `model` this rank's share of a pipeline over `group`: layers split in
+    proportion to every rank's budget (gathered from all of them; None counts as
+    equal), what it does not hold replaced by stand-ins, and, on ranks > 0, the
+    embedding by a one-row stub (only rank 0 embeds and runs the head). Its
+    `make_cache` then gives shadows for the stand-ins."""
+    mine = mx.array([budget if budget is not None else -1], dtype=mx.int64)
+    budgets = [int(b) for b in mx.distributed.all_gather(mine, group=group).tolist()]
+    if any(b < 0 for b in budgets):
+        budgets = [1] * len(budgets)
+    split = split_layers(len(model.model.layers), budgets, fixed)
+    full = _cache_maker(model)
+    keep_share(model, split.layers(group.rank()), group)
+    if group.rank() > 0:
+        body = model.model
+        dtype = _float_dtype(body.embed_tokens)
+        body.embed_tokens = nn.Embedding(1, hidden)
+        body.embed_tokens.weight = body.embed_tokens.weight.astype(dtype)
+    model.make_cache = lambda: make_cache(model, full())  # read by mlx-lm's make_prompt_cache
+    return Pipeline(group, split)
 
 
-class Exchange(_StandIn):
-    """Rank 0: send the header and the hidden state on; receive the normed state back."""
-
-    def __init__(self, group, last: int):
-        super().__init__()
-        self._group, self._last = group, last
-
-    def move(self, x: mx.array) -> mx.array:
-        header = mx.distributed.send(mx.array([FORWARD, x.shape[1]], dtype=mx.int32), 1, group=self._group)
-        sent = mx.distributed.send(mx.depends(x, header), 1, group=self._group)
-        back = mx.distributed.recv_like(x, self._last, group=self._group)
-        return mx.depends(back, sent)
+def _cache_maker(model: nn.Module):
+    """The model's own cache factory, as mlx-lm's make_prompt_cache would use it."""
+    if hasattr(model, "make_cache"):
+        return model.make_cache
+    layers = len(model.layers)
+    return lambda: [KVCache() for _ in range(layers)]
 
 
-class Receive(_StandIn):
-    """Rank r > 0, in place of layer 0: the hidden state from rank r - 1."""
-
-    def __init__(self, group, source: int):
-        super().__init__()
-        self._group, self._source = group, source
-
-    def move(self, x: mx.array) -> mx.array:
-        return mx.distributed.recv_like(x, self._source, group=self._group)
-
-
-class Forward(_StandIn):
-    """Rank 0 < r < last, after its last layer: the hidden state to rank r + 1."""
-
-    def __init__(self, group, dest: int):
-        super().__init__()
-        self._group, self._dest = group, dest
-
-    def move(self, x: mx.array) -> mx.array:
-        return mx.distributed.send(x, self._dest, group=self._group)
-
-
-class SendBack(nn.Module):
-    """The last rank's final norm: normalize, then send the result to rank 0."""
-
-    def __init__(self, norm: nn.Module, group):
-        super().__init__()
-        self.norm, self._group = norm, group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.distributed.send(self.norm(x), 0, group=self._group)
-
-
-class Identity(nn.Module):
-    def __call__(self, x: mx.array) -> mx.array:
-        return x
-
-
-def keep_share(model: nn.Module, split: Split, group) -> None:
-    """Replace, in place, what this rank does not hold by stand-ins (their weights are
-    let go): see the module's docstring."""
-    rank, size = group.rank(), group.size()
-    body = model.model
-    mine = split.layers(rank)
-    for i, layer in enumerate(body.layers):
-        if i in mine:
-            continue
-        if rank == 0 and i == mine.stop:
-            stand_in = Exchange(group, size - 1)
-        elif rank > 0 and i == 0:
-            stand_in = Receive(group, rank - 1)
-        elif 0 < rank < size - 1 and i == mine.stop:
-            stand_in = Forward(group, rank + 1)
-        else:
-            stand_in = _StandIn()
-        # the model's loop reads plain facts off each layer (e.g. `use_sliding` for its mask)
-        for key, value in vars(layer).items():
-            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
-                setattr(stand_in, key, value)
-        body.layers[i] = stand_in
-    if rank == 0:
-        body.norm = Identity()
-    elif rank == size - 1:
-        body.norm = SendBack(body.norm, group)
-
-
-def make_cache(model: nn.Module, full: list) -> list:
-    """This rank's caches from `full`, the caches the whole model would use: its own
-    layers' as they are, a shadow for each stand-in."""
-    return [shadow(c) if isinstance(layer, _StandIn) else c for layer, c in zip(model.model.layers, full)]
+def _float_dtype(module: nn.Module):
+    for name in ("scales", "weight"):
+        a = getattr(module, name, None)
+        if a is not None and mx.issubdtype(a.dtype, mx.floating):
+            return a.dtype
+    return mx.float32
 
 
 def control(group, op: int) -> None:
@@ -201,14 +124,11 @@ def control(group, op: int) -> None:
     mx.eval(mx.distributed.send(mx.array([op, 0], dtype=mx.int32), 1, group=group))
 
 
-def held_layers(model: nn.Module):
-    """This rank's own layers."""
-    return (layer for layer in model.model.layers if not isinstance(layer, _StandIn))
-
-
-def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, limit: int = 0) -> None:
+def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, limit: int = 0,
+           phase=None) -> None:
     """Rank r > 0: run this rank's share for each header from rank 0 (the previous rank
-    forwards rank 0's header on) until STOP (or, for tests, `limit` forwards)."""
+    forwards rank 0's header on) until STOP (or, for tests, `limit` forwards); `phase`
+    (PhaseSwap.phase) wraps each forward, "prefill" for several positions."""
     rank, size = group.rank(), group.size()
     cache = new_cache()
     header_like = mx.zeros((2,), dtype=mx.int32)
@@ -222,6 +142,7 @@ def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, li
         if op == RESET:
             cache = new_cache()
             continue
-        out = model.model(None, cache=cache, input_embeddings=mx.zeros((1, n, hidden), dtype=dtype))
-        mx.eval(out, [c.state for c in cache])
+        with phase("prefill" if n > 1 else "decode") if phase else contextlib.nullcontext():
+            out = model.model(None, cache=cache, input_embeddings=mx.zeros((1, n, hidden), dtype=dtype))
+            mx.eval(out, [c.state for c in cache])
         forwards += 1

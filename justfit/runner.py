@@ -16,7 +16,8 @@ from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import ReplyText
 import kvexec
-from statetrans import holds
+from justfit.pipeline import RESET, control
+from statetrans import Reuse, holds
 
 if TYPE_CHECKING:
     from justfit.engine import Engine
@@ -30,7 +31,11 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     high_water = peak_rss_bytes()
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
-    reuse = engine.states.take(tokens, session, engine.state_allowance(request))
+    if engine.pipeline is None:
+        reuse = engine.states.take(tokens, session, engine.state_allowance(request))
+    else:  # a pipeline keeps no states yet: every rank starts the request afresh
+        reuse = Reuse(None, [], {}, "")
+        control(engine.pipeline.group, RESET)
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
     budget = engine.config.budget_bytes
     if engine.config.kv is not None and request.shape.full_layers:
@@ -46,7 +51,7 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
         # Also on cancel or error: what was computed is stored, once evaluated
         # (StateTiers.put), unless an interrupt left the cache and tokens apart.
         engine.live_cache = None
-        if held and holds(cache, len(held)):
+        if held and holds(cache, len(held)) and engine.pipeline is None:
             engine.states.put(held, cache, session, rng)
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)

@@ -166,7 +166,9 @@ class Registry:
         reg = cls(model, resident_form, offload_to)
         body = _body(model)
         comps = [Component("embed", "embed", body, "embed_tokens")]
-        comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i in range(len(body.layers))]
+        # (a layer without parameters is held elsewhere: a pipeline's stand-in)
+        comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i, layer in enumerate(body.layers)
+                  if tree_flatten(layer.parameters())]
         if isinstance(getattr(model, "lm_head", None), nn.Module):
             comps.append(Component("head", "head", model, "lm_head"))
         elif _split_head(resident_form, body.embed_tokens) and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:

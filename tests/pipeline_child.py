@@ -40,7 +40,8 @@ def greedy(cache) -> list[int]:
 if group is None:
     print(json.dumps({"tokens": greedy(make_prompt_cache(model))}))
     sys.exit()
-pipeline.keep_share(model, pipeline.split_layers(len(model.model.layers), [1] * group.size()), group)
+split = pipeline.split_layers(len(model.model.layers), [1] * group.size())
+pipeline.keep_share(model, split.layers(group.rank()), group)
 
 
 def new_cache():

@@ -49,3 +49,32 @@ def test_layers_split_in_proportion_to_budgets():
     assert split_layers(2, [1, 1000]).starts == (0, 1, 2)  # never an empty rank
     with pytest.raises(ValueError, match="at least one"):
         split_layers(2, [1, 1, 1])
+
+
+ENGINE_CHILD = str(Path(__file__).with_name("pipeline_engine_child.py"))
+
+
+def _engine(model: str, ranks: int, budget: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, ENGINE_CHILD, model, *([budget] if budget else [])]
+    if ranks > 1:
+        cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.parametrize("model", ["smollm2", "tiny_gemma3_dir"])
+def test_engines_on_two_ranks_reply_as_one_and_each_holds_half(model, request):
+    """Each rank an Engine over its layers (KVExec pages, PhaseSwap, its own planner):
+    two requests' greedy tokens equal one process's; each rank's planner counts the KV
+    of its own layers only, and each holds only its layers' weights."""
+    if model == "smollm2":
+        request.getfixturevalue("smollm2_gguf")
+    else:
+        model = str(request.getfixturevalue(model))
+    alone, split = _engine(model, 1), _engine(model, 2)
+    assert split["tokens"] == alone["tokens"] and split["again"] == alone["again"]
+    whole, (first, second) = alone["ranks"][0], split["ranks"]
+    assert first["layers"] + second["layers"] == whole["layers"] and min(first["layers"], second["layers"]) > 0
+    assert first["kv_4096"] + second["kv_4096"] <= whole["kv_4096"] * 1.01
+    assert second["weights"] < whole["weights"] * 0.75 and first["weights"] < whole["weights"]

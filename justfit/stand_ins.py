@@ -1,0 +1,181 @@
+"""The parts of a model a pipeline rank does not hold (justfit.pipeline): stand-in
+layers that pass the hidden state between ranks, and shadow caches that keep their
+positions so masks and offsets agree with rank 0's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache, create_attention_mask
+
+FORWARD, RESET, STOP = 1, 2, 3  # header ops rank 0 sends
+
+
+class Position:
+    """A layer this rank does not hold: no keys or values, only the offset every cache
+    of the sequence shares (masks are made from it, as mlx-lm's KVCache makes them).
+    Not a KVCache, so the planner and KVExec count and page only the layers held."""
+
+    def __init__(self):
+        self.offset = 0
+        self.exchanged: mx.array | None = None  # rank 0: the last state sent on and back (see Exchange)
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list:
+        # Evaluating a cache's state (as a prefill chunk does, the body's output unused)
+        # must also run the exchange, or the other ranks would never see that chunk.
+        return [self.exchanged] if self.exchanged is not None else []
+
+    nbytes = 0
+
+
+class WindowPosition(Position):
+    """A sliding-window layer this rank does not hold: a one-value-wide shadow of its
+    rotating cache, so the masks made from it (offset, rotation) match the real one's."""
+
+    def __init__(self, max_size: int, keep: int = 0):
+        super().__init__()
+        self._ring = RotatingKVCache(max_size=max_size, keep=keep)
+
+    def advance(self, n: int) -> None:
+        dummy = mx.zeros((1, 1, n, 1), dtype=mx.float16)
+        self._ring.update_and_fetch(dummy, dummy)
+        self.offset = self._ring.offset
+
+    def make_mask(self, *args, **kwargs):
+        return self._ring.make_mask(*args, **kwargs)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> list:
+        return [a for a in (self._ring.keys, self._ring.values) if a is not None] + super().state
+
+
+def shadow(cache) -> Position:
+    """The stand-in for a layer whose own cache would be `cache`."""
+    if isinstance(cache, RotatingKVCache):
+        return WindowPosition(cache.max_size, cache.keep)
+    return Position()
+
+
+class _StandIn(nn.Module):
+    """A layer held elsewhere: advances its position cache; subclasses move the state."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None, **_) -> mx.array:
+        out = self.move(x)
+        if isinstance(cache, Position):
+            cache.advance(x.shape[1])
+            if isinstance(self, Exchange):
+                cache.exchanged = out
+        return out
+
+    def move(self, x: mx.array) -> mx.array:
+        return x
+
+
+class Exchange(_StandIn):
+    """Rank 0: send the header and the hidden state on; receive the normed state back."""
+
+    def __init__(self, group, last: int):
+        super().__init__()
+        self._group, self._last = group, last
+
+    def move(self, x: mx.array) -> mx.array:
+        header = mx.distributed.send(mx.array([FORWARD, x.shape[1]], dtype=mx.int32), 1, group=self._group)
+        sent = mx.distributed.send(mx.depends(x, header), 1, group=self._group)
+        back = mx.distributed.recv_like(x, self._last, group=self._group)
+        return mx.depends(back, sent)
+
+
+class Receive(_StandIn):
+    """Rank r > 0, in place of layer 0: the hidden state from rank r - 1."""
+
+    def __init__(self, group, source: int):
+        super().__init__()
+        self._group, self._source = group, source
+
+    def move(self, x: mx.array) -> mx.array:
+        return mx.distributed.recv_like(x, self._source, group=self._group)
+
+
+class Forward(_StandIn):
+    """Rank 0 < r < last, after its last layer: the hidden state to rank r + 1."""
+
+    def __init__(self, group, dest: int):
+        super().__init__()
+        self._group, self._dest = group, dest
+
+    def move(self, x: mx.array) -> mx.array:
+        return mx.distributed.send(x, self._dest, group=self._group)
+
+
+class SendBack(nn.Module):
+    """The last rank's final norm: normalize, then send the result to rank 0."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.norm, self._group = norm, group
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.distributed.send(self.norm(x), 0, group=self._group)
+
+
+class Identity(nn.Module):
+    def __call__(self, x: mx.array) -> mx.array:
+        return x
+
+
+def keep_share(model: nn.Module, mine: range, group) -> None:
+    """Replace, in place, what this rank does not hold by stand-ins (their weights are
+    let go): see the module's docstring."""
+    rank, size = group.rank(), group.size()
+    body = model.model
+    for i, layer in enumerate(body.layers):
+        if i in mine:
+            continue
+        if rank == 0 and i == mine.stop:
+            stand_in = Exchange(group, size - 1)
+        elif rank > 0 and i == 0:
+            stand_in = Receive(group, rank - 1)
+        elif 0 < rank < size - 1 and i == mine.stop:
+            stand_in = Forward(group, rank + 1)
+        else:
+            stand_in = _StandIn()
+        # the model's loop reads plain facts off each layer (e.g. `use_sliding` for its mask)
+        for key, value in vars(layer).items():
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
+                setattr(stand_in, key, value)
+        body.layers[i] = stand_in
+    if rank == 0:
+        body.norm = Identity()
+    elif rank == size - 1:
+        body.norm = SendBack(body.norm, group)
+
+
+def make_cache(model: nn.Module, full: list) -> list:
+    """This rank's caches from `full`, the caches the whole model would use: its own
+    layers' as they are, a shadow for each stand-in."""
+    return [shadow(c) if isinstance(layer, _StandIn) else c for layer, c in zip(model.model.layers, full)]
+
+
+def held_layers(model: nn.Module):
+    """This rank's own layers."""
+    return (layer for layer in model.model.layers if not isinstance(layer, _StandIn))
+
+

@@ -1,0 +1,35 @@
+"""One rank of a JustFit engine pipeline (tests/test_pipeline.py): each rank an Engine
+over its share of the layers (KVExec pages, PhaseSwap residency, its own budget); rank 0
+generates greedily and prints JSON: the tokens, and per rank the layers held and the
+planner's KV bytes for 4,096 positions. Alone (no mlx.launch): the one-process figures."""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+
+from justfit import Engine, SamplingParams
+
+model, budget = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+group = mx.distributed.init(backend="ring") if "MLX_RANK" in os.environ else None
+from justfit.config import EngineConfig
+
+config = EngineConfig(**json.loads(os.environ.get("PIPELINE_CONFIG", "{}")))
+engine = Engine(model, budget=budget, config=config, group=group)
+facts = {"layers": len(engine.swap.registry.layers), "kv_4096": engine.footprint(4096).kv,
+         "weights": engine.swap.registry.total_bytes()}
+if group is not None and group.rank() > 0:
+    engine.follow()
+    mx.eval(mx.distributed.send(mx.array(list(facts.values()), dtype=mx.int64), 0, group=group))
+    sys.exit()
+sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+prompt = "The capital of France is Paris. The capital of Italy is"
+tokens = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
+again = [c.token for c in engine.generate(prompt + " Rome.", sp) if c.token is not None]  # a second request
+out = {"tokens": tokens, "again": again, "ranks": [facts]}
+if group is not None:
+    engine.close_pipeline()
+    other = mx.distributed.recv_like(mx.zeros((3,), dtype=mx.int64), 1, group=group).tolist()
+    out["ranks"].append(dict(zip(facts, other)))
+print(json.dumps(out))
