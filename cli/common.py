@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -138,5 +139,27 @@ def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "n
     from kvexec import KVConfig
 
     kv = None if kv_format == "none" else KVConfig(format=kv_format)
-    return Engine(model=model, budget=budget, config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy,
-                                                                        budget_covers_process=whole_process))
+    group = launch_group()
+    engine = Engine(model=model, budget=budget, group=group,
+                    config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy, budget_covers_process=whole_process))
+    if engine.pipeline is not None:
+        if engine.pipeline.rank > 0:  # this process computes its layers for rank 0, then leaves
+            click.echo(f"rank {engine.pipeline.rank}: layers {list(engine.pipeline.split.layers(engine.pipeline.rank))}"
+                       " of the pipeline; rank 0 serves", file=sys.stderr)
+            engine.follow()
+            sys.exit(0)
+        import atexit
+
+        atexit.register(engine.close_pipeline)
+    return engine
+
+
+def launch_group():
+    """The mx.distributed group when started by `mlx.launch` with two or more ranks
+    (a layer pipeline: justfit.pipeline), else None."""
+    if "MLX_RANK" not in os.environ:
+        return None
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None

@@ -22,10 +22,13 @@ from cli import common
               show_default=True, help="With --config: the weights' bit width (16: unquantized).")
 @click.option("--compute", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True,
               help="With --config: activation width (fp16 on Apple GPUs, fp32 on MLX's CPU backend).")
+@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Plan a layer pipeline over this many ranks (mlx.launch), each with --budget.")
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
-def fit(model, budget, context, as_json, config_path, weights_bits, compute, gguf_bits, kv_format, policy) -> None:
+def fit(model, budget, context, as_json, config_path, weights_bits, compute, ranks, gguf_bits, kv_format,
+        policy) -> None:
     """Weights, KV bytes per position, transient bound and maximum context per KV
     format for a memory budget (default: memory available now), without running;
     with --config, from a model's config.json alone."""
@@ -47,5 +50,14 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ggu
         click.echo(json.dumps(report, indent=2) if as_json else format_config_fit(report))
         return
     engine = common.load_engine(model, None, gguf_bits, kv_format, policy)
+    if ranks > 1:
+        from justfit.fit_ranks import format_ranks, ranks_report
+
+        try:
+            report = ranks_report(engine, [budget] * ranks)
+        except ValueError as e:
+            raise common.UserError(str(e)) from None
+        click.echo(json.dumps(report, indent=2) if as_json else format_ranks(report))
+        return
     report = fit_report(engine, budget, context)
     click.echo(json.dumps(report, indent=2) if as_json else format_fit(report))

@@ -61,6 +61,8 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    if engine.pipeline is not None and max_batch > 1:
+        raise click.UsageError("--max-batch above 1 does not run on a layer pipeline yet")
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {chat_template}")
     name = served_name or engine.name

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import KVCache
 from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, make_cache
 
 __all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
-           "keep_share", "make_cache", "split_layers"]
+           "keep_share", "make_cache", "split_layers", "head_bytes"]
 
 @dataclass(frozen=True)
 class Split:
@@ -80,7 +80,16 @@ class Pipeline:
         return self.group.size()
 
 
-def attach(model: nn.Module, group, budget: int | None, hidden: int, fixed: int = 0) -> Pipeline:
+def head_bytes(model: nn.Module) -> int:
+    """What rank 0 holds besides its layers: the embedding and an untied head."""
+    from mlx.utils import tree_flatten
+
+    parts = [model.model.embed_tokens] + ([model.lm_head] if isinstance(getattr(model, "lm_head", None), nn.Module)
+                                          else [])
+    return sum(v.nbytes for p in parts for _, v in tree_flatten(p.parameters()))
+
+
+def attach(model: nn.Module, group, budget: int | None, hidden: int) -> Pipeline:
     """Make `model` this rank's share of a pipeline over `group`: layers split in
     proportion to every rank's budget (gathered from all of them; None counts as
     equal), what it does not hold replaced by stand-ins, and, on ranks > 0, the
@@ -90,7 +99,7 @@ def attach(model: nn.Module, group, budget: int | None, hidden: int, fixed: int 
     budgets = [int(b) for b in mx.distributed.all_gather(mine, group=group).tolist()]
     if any(b < 0 for b in budgets):
         budgets = [1] * len(budgets)
-    split = split_layers(len(model.model.layers), budgets, fixed)
+    split = split_layers(len(model.model.layers), budgets, head_bytes(model))
     full = _cache_maker(model)
     keep_share(model, split.layers(group.rank()), group)
     if group.rank() > 0:

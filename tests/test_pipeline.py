@@ -78,3 +78,35 @@ def test_engines_on_two_ranks_reply_as_one_and_each_holds_half(model, request):
     assert first["layers"] + second["layers"] == whole["layers"] and min(first["layers"], second["layers"]) > 0
     assert first["kv_4096"] + second["kv_4096"] <= whole["kv_4096"] * 1.01
     assert second["weights"] < whole["weights"] * 0.75 and first["weights"] < whole["weights"]
+
+
+def test_justfit_generate_under_mlx_launch_prints_what_one_process_prints(smollm2_gguf):
+    """A user's command line: `mlx.launch -n 2 --backend ring -- justfit generate ...`;
+    rank 0 prints the continuation, rank 1 computes its layers and leaves."""
+    exe = str(Path(sys.executable).with_name("justfit"))
+    args = [exe, "generate", "--model", "smollm2", "--prompt", "The capital of France is", "-t", "0",
+            "--max-tokens", "8"]
+    alone = subprocess.run(args, capture_output=True, text=True, timeout=300).stdout
+    launched = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", *args], capture_output=True, text=True,
+                              timeout=300)
+    assert alone.strip() and launched.stdout.strip() == alone.strip()
+    assert "rank 1: layers" in launched.stderr
+
+
+def test_fit_plans_a_pipeline_per_rank_before_launching(smollm2_gguf):
+    """`justfit fit --ranks 2 --budget B`: each rank's layers, weights and positions from
+    its own share; the pipeline holds what its smallest rank holds."""
+    from click.testing import CliRunner
+
+    from cli.fit import fit
+
+    out = CliRunner().invoke(fit, ["--budget", "600MiB", "--ranks", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    first, second = report["ranks"]
+    assert first["layers"] == [0, 14] and second["layers"] == [15, 29]
+    assert second["weights"] < first["weights"]  # rank 0 also holds the embedding (the tied head)
+    assert report["max_positions"] == min(first["max_positions"], second["max_positions"])
+    assert report["max_positions"] >= 1.8 * report["one_process_max_positions"]
+    bad = CliRunner().invoke(fit, ["--budget", "600MiB", "--ranks", "31"])
+    assert bad.exit_code != 0 and "at least one" in bad.output

@@ -1,0 +1,45 @@
+"""`justfit fit --ranks N`: what a layer pipeline over N ranks (justfit.pipeline) holds,
+planned from one process's engine before launching any: the layers split by the
+ranks' budgets, each rank's footprint from its own layers, weights and KV alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from justfit.pipeline import head_bytes, split_layers
+from justfit.planner import MIN_PREFILL_CHUNK
+
+
+def ranks_report(engine, budgets: list[int]) -> dict:
+    """Per rank: its layers, weights and the most positions its budget holds; the
+    pipeline holds the fewest of them. Beside it, one process at the first budget."""
+    reg = engine.swap.registry
+    kinds = make_prompt_cache(engine.model)
+    layer_bytes = [reg.components[f"layer.{i}"].nbytes for i in range(len(kinds))]
+    shared = reg.total_bytes() - sum(layer_bytes)  # embedding and head: rank 0's
+    split = split_layers(len(kinds), budgets, head_bytes(engine.model))  # as the ranks split (pipeline.attach)
+    whole = engine.footprint(1, chunk=MIN_PREFILL_CHUNK)
+    ranks = []
+    for r, budget in enumerate(budgets):
+        mine = split.layers(r)
+        shape = replace(whole.shape, weights=sum(layer_bytes[i] for i in mine) + (shared if r == 0 else 0),
+                        full_layers=sum(isinstance(kinds[i], KVCache) for i in mine),
+                        windows=tuple(kinds[i].max_size for i in mine if isinstance(kinds[i], RotatingKVCache)))
+        fp = replace(whole, shape=shape).at(1)
+        ranks.append({"rank": r, "budget": budget, "layers": [mine.start, mine.stop - 1],
+                      "weights": shape.weights, "max_positions": fp.max_positions(budget)})
+    return {"ranks": ranks, "max_positions": min(r["max_positions"] for r in ranks),
+            "one_process_max_positions": whole.max_positions(budgets[0])}
+
+
+def format_ranks(r: dict) -> str:
+    lines = [f"{'rank':>4} {'layers':>9} {'weights':>10} {'budget':>10} {'max positions':>14}"]
+    for k in r["ranks"]:
+        lines.append(f"{k['rank']:>4} {k['layers'][0]:>4}-{k['layers'][1]:<4} {k['weights'] / 2**20:>7.1f} MiB "
+                     f"{k['budget'] / 2**20:>6.0f} MiB {k['max_positions']:>14,}")
+    ratio = r["max_positions"] / max(1, r["one_process_max_positions"])
+    lines.append(f"the pipeline holds {r['max_positions']:,} positions (its smallest rank); one process at "
+                 f"{r['ranks'][0]['budget'] / 2**20:.0f} MiB: {r['one_process_max_positions']:,} ({ratio:.2f}x)")
+    return "\n".join(lines)
