@@ -16,7 +16,7 @@ from justfit import blas, runtime
 from justfit.budget import ProcessShare, check_fits, plan
 from justfit.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
-from justfit.errors import BudgetExceeded
+from justfit.errors import BudgetExceeded, PipelineLost
 from justfit.generate import ProgressFn
 from justfit.loader import install_kv, load_lazily, offload_dir
 from justfit.memory import hold_memory_to, parse_size, trim_heap
@@ -60,6 +60,7 @@ class Engine:
             config = replace(config, budget_bytes=self._share.remeasure(), budget_covers_process=False)
         self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv))
         self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline)
+        self.pipeline_lost = ""  # why the pipeline stopped, once a rank is gone
         if group is not None and group.size() > 1:
             # Before any weight is read or counted: from here the model, the planner and
             # PhaseSwap see only this rank's layers.
@@ -232,17 +233,26 @@ class Engine:
         tokens = self.encode(prompt)  # here, in the iterating thread, as before the first chunk
         if not tokens:
             raise ValueError("empty prompt")
-        yield from run_request(self, tokens, sampling or SamplingParams(), progress, session)
+        if self.pipeline_lost:
+            raise PipelineLost(self.pipeline_lost)
+        try:
+            yield from run_request(self, tokens, sampling or SamplingParams(), progress, session)
+        except RuntimeError as e:  # MLX's ring backend: a peer closed its connection
+            if self.pipeline is None or "[ring]" not in str(e):
+                raise
+            self.pipeline_lost = str(e)
+            raise PipelineLost(self.pipeline_lost) from e
 
-    def follow(self) -> None:
+    def follow(self, limit: int = 0) -> None:
         """On ranks > 0 of a pipeline: compute this rank's layers for every forward
-        rank 0 drives, until it stops (justfit.pipeline.follow)."""
+        rank 0 drives, until it stops (justfit.pipeline.follow; `limit`: at most that
+        many forwards, for tests of a lost rank)."""
         from justfit.pipeline import follow
 
         if self.pipeline is None or self.pipeline.rank == 0:
             raise RuntimeError("follow() is for ranks > 0 of a pipeline")
         follow(self.model, self.pipeline.group, self.new_cache, self.model.args.hidden_size,
-               mx.float32 if self.policy.fp32 else mx.float16, phase=self.swap.phase)
+               mx.float32 if self.policy.fp32 else mx.float16, limit, phase=self.swap.phase)
 
     def close_pipeline(self) -> None:
         """On rank 0: let the other ranks' `follow` return."""

@@ -32,3 +32,11 @@ class BudgetExceeded(JustFitError):
             f"{format_size(needed)} > budget {format_size(budget)}; at most {fits_positions} "
             f"positions fit; raise --budget or shorten the prompt"
         )
+
+
+class PipelineLost(JustFitError):
+    """A rank of the layer pipeline stopped answering: nothing can run until it is back."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"a rank of the layer pipeline is gone ({reason}); restart all ranks with mlx.launch")

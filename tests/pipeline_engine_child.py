@@ -19,11 +19,25 @@ config = EngineConfig(**json.loads(os.environ.get("PIPELINE_CONFIG", "{}")))
 engine = Engine(model, budget=budget, config=config, group=group)
 facts = {"layers": len(engine.swap.registry.layers), "kv_4096": engine.footprint(4096).kv,
          "weights": engine.swap.registry.total_bytes()}
+die_after = int(os.environ.get("PIPELINE_DIE_AFTER", "0"))
 if group is not None and group.rank() > 0:
-    engine.follow()
+    engine.follow(die_after)
+    if die_after:
+        os._exit(0)  # a rank lost mid-request
     mx.eval(mx.distributed.send(mx.array(list(facts.values()), dtype=mx.int64), 0, group=group))
     sys.exit()
 sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+if die_after:
+    from justfit.errors import PipelineLost
+
+    errors = []
+    for _ in range(2):  # the request in flight, then the next: both refused, neither hangs
+        try:
+            list(engine.generate("The capital of France is", sp))
+        except PipelineLost as e:
+            errors.append(str(e))
+    print(json.dumps({"errors": errors, "lost": engine.pipeline_lost}))
+    os._exit(0)
 prompt = "The capital of France is Paris. The capital of Italy is"
 tokens = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
 again = [c.token for c in engine.generate(prompt + " Rome.", sp) if c.token is not None]  # a second request

@@ -110,3 +110,11 @@ def test_fit_plans_a_pipeline_per_rank_before_launching(smollm2_gguf):
     assert report["max_positions"] >= 1.8 * report["one_process_max_positions"]
     bad = CliRunner().invoke(fit, ["--budget", "600MiB", "--ranks", "31"])
     assert bad.exit_code != 0 and "at least one" in bad.output
+
+
+def test_an_engine_whose_rank_is_lost_refuses_with_a_clear_error_and_does_not_hang(tiny_llama_dir):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PIPELINE_DIE_AFTER": "2"}
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, ENGINE_CHILD, str(tiny_llama_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env).stdout
+    got = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert len(got["errors"]) == 2 and all("restart all ranks" in e for e in got["errors"]) and got["lost"]

@@ -191,8 +191,12 @@ class Server:
 
     # -- operations -----------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: ok, and the model served."""
-        return web.json_response({"status": "ok", "model": self.model_id})
+        """GET /health: ok (degraded once a pipeline rank is gone), and the model served."""
+        lost, pipeline = getattr(self.engine, "pipeline_lost", ""), getattr(self.engine, "pipeline", None)
+        body = {"status": "degraded" if lost else "ok", "model": self.model_id}
+        if pipeline is not None:
+            body["pipeline"] = {"ranks": pipeline.size, "lost": lost or None}
+        return web.json_response(body)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         """GET /metrics: the counters as Prometheus text."""

@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 
 from justfit.chat_template import has_chat_template
-from justfit.errors import JustFitError
+from justfit.errors import JustFitError, PipelineLost
 from justfit.server.logprobs import chat_entries, chat_entry, chat_logprobs, completion_logprobs
 from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
@@ -54,7 +54,10 @@ def usage(stats) -> dict:
 
 
 def engine_error(e: Exception) -> BadRequest:
-    """An engine failure as the client's answer: 400 for a JustFitError, else 500."""
+    """An engine failure as the client's answer: 503 when a pipeline rank is gone, 400
+    for another JustFitError, else 500."""
+    if isinstance(e, PipelineLost):
+        return BadRequest(str(e), None, 503, "server_error", "pipeline_degraded")
     if isinstance(e, JustFitError):
         return BadRequest(str(e), None, 400, "context_length_exceeded", "context_length_exceeded")
     return BadRequest("internal error while generating", None, 500, "server_error")
