@@ -10,8 +10,8 @@ share between two transfers:
   sends the hidden state on (after a header saying how many positions follow) and
   receives the final, normed hidden state back; the rest pass through, and its norm is
   the identity (the last rank applied the real one);
-- rank r > 0: a `Receive` in place of layer 0 takes the hidden state from rank r - 1;
-  after its last layer a `Forward` sends it to rank r + 1, or, on the last rank, its
+- rank r > 0: a `Pass` in place of layer 0 takes the hidden state from rank r - 1;
+  after its last layer another `Pass` sends it to rank r + 1, or, on the last rank, its
   norm sends the normed state back to rank 0.
 
 Ranks other than 0 run `follow`, a loop that waits for rank 0's headers. Positions

@@ -103,26 +103,19 @@ class Exchange(_StandIn):
         return mx.depends(back, sent)
 
 
-class Receive(_StandIn):
-    """Rank r > 0, in place of layer 0: the hidden state from rank r - 1."""
+class Pass(_StandIn):
+    """Rank r > 0: in place of layer 0, the hidden state received from rank r - 1
+    (`sending` False); on a middle rank, after its last layer, the state sent to rank
+    r + 1 (`sending` True)."""
 
-    def __init__(self, group, source: int):
+    def __init__(self, group, peer: int, sending: bool):
         super().__init__()
-        self._group, self._source = group, source
+        self._group, self._peer, self._sending = group, peer, sending
 
     def move(self, x: mx.array) -> mx.array:
-        return mx.distributed.recv_like(x, self._source, group=self._group)
-
-
-class Forward(_StandIn):
-    """Rank 0 < r < last, after its last layer: the hidden state to rank r + 1."""
-
-    def __init__(self, group, dest: int):
-        super().__init__()
-        self._group, self._dest = group, dest
-
-    def move(self, x: mx.array) -> mx.array:
-        return mx.distributed.send(x, self._dest, group=self._group)
+        if self._sending:
+            return mx.distributed.send(x, self._peer, group=self._group)
+        return mx.distributed.recv_like(x, self._peer, group=self._group)
 
 
 class SendBack(nn.Module):
@@ -152,9 +145,9 @@ def keep_share(model: nn.Module, mine: range, group) -> None:
         if rank == 0 and i == mine.stop:
             stand_in = Exchange(group, size - 1)
         elif rank > 0 and i == 0:
-            stand_in = Receive(group, rank - 1)
+            stand_in = Pass(group, rank - 1, sending=False)
         elif 0 < rank < size - 1 and i == mine.stop:
-            stand_in = Forward(group, rank + 1)
+            stand_in = Pass(group, rank + 1, sending=True)
         else:
             stand_in = _StandIn()
         # the model's loop reads plain facts off each layer (e.g. `use_sliding` for its mask)
