@@ -55,7 +55,9 @@ class MemoryModel:
 # shape, chunk 256, 2,048 positions seen (bench/results/attn-transient-20261201-*.json):
 # one scores array in the activations' dtype plus the mask, not float32 scores and
 # exponentials as the planner assumes for JustFit's own path.
-SCORE_BYTES = {("float16", None): 2.18, ("float32", None): 4.24}
+# The quantized-KV rows are mlx-lm's quantized_scaled_dot_product_attention (float16
+# scores and their softmax; same file, 2,048 positions seen).
+SCORE_BYTES = {("float16", None): 2.18, ("float32", None): 4.24, ("float16", 8): 2.64, ("float16", 4): 2.39}
 
 
 def transient_terms(heads: int, hidden: int, intermediate: int, vocab: int, chunk: int,

@@ -109,8 +109,24 @@ def combine_capacity(paths) -> dict:
                 "combined_from": [name for name, _ in results],
                 "sources": {name: r["settings"] for name, r in results}}
     combined = list(rows.values())
+    for row in combined:
+        _remodel(row)
     _share_fidelity(combined)
     return {"machine": first["machine"], "settings": settings, "systems": combined, "headline": headline(combined)}
+
+
+def _remodel(row: dict) -> None:
+    """A modeled stock row's model fitted again from its saved steps (so a corrected
+    term, e.g. a newly measured attention transient, reaches rows already run)."""
+    if row.get("memory_model") is None or not row.get("steps") or not row.get("shape"):
+        return
+    from bench.capacity_model import model_row
+
+    for key in ("modeled_positions", "modeled", "memory_model"):
+        row.pop(key, None)
+    run = {"setup": {k: row[k] for k in ("shape", "baseline_rss", "weights_bytes")}, "steps": row["steps"]}
+    model_row(row, run, int(row["budget_mib"] * 2**20), row.get("measured_step_tokens", row["step_tokens"]),
+              row["step_tokens"])
 
 
 def _share_fidelity(rows: list[dict]) -> None:

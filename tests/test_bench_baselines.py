@@ -169,6 +169,12 @@ def test_a_short_step_stock_run_is_modeled_at_the_sweeps_step_and_checked_where_
     per, fixed = _terms(STOCK["mlx-lm"], shape, 2048)
     expected = (1600 * 2**20 - (at_2048 - 2080 * (23040 + per))) // (23040 + per)
     assert abs(row["modeled_positions"] - expected) <= 1  # the 2,048-token chunk, not the 128 it was measured in
+    from bench.report import _remodel  # combining saved runs fits the models again from their steps
+
+    saved = {**row, **setup, "steps": short["steps"], "budget_mib": 1600.0, "step_tokens": 2048,
+             "modeled_positions": 1}
+    _remodel(saved)
+    assert saved["modeled_positions"] == row["modeled_positions"]
     checked = check("mlx-lm-fp32", run("mlx-lm-fp32", 128, (160, 320, 480)),
                     run("mlx-lm-fp32", 2048, (2080, 4160, 6240)), 128, 2048, [400 * 2**20, 1600 * 2**20])
     assert checked["max_error_mib"] <= 0.1 and len(checked["points"]) == 3
