@@ -28,9 +28,14 @@ def work_batched(sched: Scheduler) -> None:
     runner = sched.batch = BatchRunner(sched.engine, sched.max_batch, preempt=sched.preempt)
     seqs: dict[int, Job] = {}  # id(Sequence) -> its job
     taken: list[Job] = []  # out of the queue, not yet admitted, in arrival order
-    closing = False
+    closing, was_busy = False, False
     while True:
         busy = bool(runner.running or runner.parked)
+        if was_busy and not busy:
+            # The batch drained: what the process holds besides MLX is measured again,
+            # as after a lone request (a whole-process budget's outside share).
+            runner.engine.remeasure_outside()
+        was_busy = busy
         closing = _take_arrivals(sched, taken, block=not busy and not taken) or closing
         if closing and not busy and not taken:
             return

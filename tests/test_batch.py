@@ -122,3 +122,31 @@ def test_the_batch_is_admitted_on_the_sum_of_its_plans(tiny_llama_dir):
     with pytest.raises(ValueError):
         BatchRunner(engine, max_batch=0)
 
+
+
+def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
+    """Under a whole-process budget the lone path re-measures what the process holds
+    besides MLX after each request; the batch does so each time it drains."""
+    import asyncio
+
+    from justfit.scheduler import Job, Scheduler
+
+    engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=2**30, budget_covers_process=True))
+    calls = []
+    measure = engine.remeasure_outside
+    engine.remeasure_outside = lambda *a: (calls.append(a), measure(*a))
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, max_batch=2)
+        jobs = [Job(list(p), _greedy(4), loop) for p in PROMPTS[:2]]
+        for job in jobs:
+            sched.submit(job)
+        for job in jobs:
+            async for kind, _ in job.stream():
+                if kind == "done":
+                    break
+        sched.close()
+
+    asyncio.run(both())
+    assert calls and engine.config.budget_bytes < 2**30  # the engine's share is what the outside leaves
