@@ -22,7 +22,8 @@ from justfit.loader import install_kv, load_lazily, offload_dir
 from justfit.memory import hold_memory_to, parse_size, trim_heap
 from justfit.models import weight_files
 from justfit.pipeline import Pipeline, attach
-from justfit.planner import Footprint, attention_shape, choose_policy, footprint
+from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
+from phaseswap.registry import predict_working_bytes
 from justfit.runner import run_request
 from justfit.state_io import (StateIO, export_state, import_state, resume_session, save_session, state_identity,
                                state_root)
@@ -64,7 +65,9 @@ class Engine:
         if group is not None and group.size() > 1:
             # Before any weight is read or counted: from here the model, the planner and
             # PhaseSwap see only this rank's layers.
-            self.pipeline = attach(self.model, group, self.config.budget_bytes, self.model.args.hidden_size)
+            base = footprint(self.model, self.model_config, 1, MIN_PREFILL_CHUNK, self.config.kv, 0,
+                             predict_working_bytes(self.model), 4)
+            self.pipeline = attach(self.model, group, self.config.budget_bytes, self.model.args.hidden_size, base)
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.policy: ResidencyPolicy = get_policy(choose_policy(self.model, self.model_config, self.config.policy,

@@ -8,19 +8,22 @@ from dataclasses import replace
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from justfit.pipeline import head_bytes, split_layers
+from justfit.pipeline import plan_split
 from justfit.planner import MIN_PREFILL_CHUNK
 
 
-def ranks_report(engine, budgets: list[int]) -> dict:
+def ranks_report(engine, budgets: list[int], split=None) -> dict:
     """Per rank: its layers, weights and the most positions its budget holds; the
-    pipeline holds the fewest of them. Beside it, one process at the first budget."""
+    pipeline holds the fewest of them. Beside it, one process at the first budget.
+    `split`: another split than the one the ranks would plan (for comparison)."""
     reg = engine.swap.registry
     kinds = make_prompt_cache(engine.model)
     layer_bytes = [reg.components[f"layer.{i}"].nbytes for i in range(len(kinds))]
     shared = reg.total_bytes() - sum(layer_bytes)  # embedding and head: rank 0's
-    split = split_layers(len(kinds), budgets, head_bytes(engine.model))  # as the ranks split (pipeline.attach)
     whole = engine.footprint(1, chunk=MIN_PREFILL_CHUNK)
+    # as the ranks split (pipeline.attach), from what this engine holds
+    split = split or plan_split(whole, [None if type(c) is KVCache else getattr(c, "max_size", 0) for c in kinds],
+                                layer_bytes, shared, budgets)
     ranks = []
     for r, budget in enumerate(budgets):
         mine = split.layers(r)

@@ -30,7 +30,8 @@ from mlx_lm.models.cache import KVCache
 from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, make_cache
 
 __all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
-           "keep_share", "make_cache", "split_layers", "head_bytes"]
+           "keep_share", "make_cache", "split_layers", "head_bytes", "layer_facts",
+           "plan_split"]
 
 @dataclass(frozen=True)
 class Split:
@@ -46,7 +47,52 @@ class Split:
         return range(self.starts[rank], self.starts[rank + 1])
 
 
-def split_layers(layers: int, budgets: list[int], fixed: int = 0, per_layer: int = 1) -> Split:
+def plan_split(base, kinds: list[int | None], layer_bytes: list[int], head: int, budgets: list[int]) -> Split:
+    """The contiguous split whose smallest rank holds the most positions, each rank's
+    footprint planned from its own layers alone: `kinds[i]` None for a layer whose KV
+    grows, its window for a sliding one; `layer_bytes[i]` its weights; `head` what
+    rank 0 holds besides (embedding, head); `base` the planner's Footprint of the whole
+    model for everything else (chunk, page format, transient). Falls back to
+    `split_layers` when no split holds a position."""
+    from dataclasses import replace
+
+    n, ranks = len(kinds), len(budgets)
+    if ranks > n:
+        raise ValueError(f"{ranks} ranks for {n} layers: each rank needs at least one")
+
+    def need(lo: int, hi: int, rank: int, positions: int) -> int:
+        shape = replace(base.shape, weights=sum(layer_bytes[lo:hi]) + (head if rank == 0 else 0),
+                        full_layers=sum(k is None for k in kinds[lo:hi]),
+                        windows=tuple(k for k in kinds[lo:hi] if k is not None))
+        return replace(base, shape=shape).at(positions).total
+
+    def greedy(positions: int) -> tuple[int, ...] | None:
+        """Each rank in turn takes as many layers as its budget holds at `positions`
+        (optimal for contiguous shares: a share's need only grows with its layers)."""
+        starts, lo = [0], 0
+        for r, budget in enumerate(budgets):
+            last = n if r == ranks - 1 else n - (ranks - 1 - r)
+            hi = lo
+            while hi < last and need(lo, hi + 1, r, positions) <= budget:
+                hi += 1
+            if hi == lo or (r == ranks - 1 and hi < n):
+                return None
+            starts.append(hi)
+            lo = hi
+        return tuple(starts)
+
+    if greedy(1) is None:
+        return split_layers(n, budgets, head)
+    lo, hi = 1, 2
+    while greedy(hi) is not None and hi < 1 << 30:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if greedy(mid) is not None else (lo, mid)
+    return Split(greedy(lo))
+
+
+def split_layers(layers: int, budgets: list[int], fixed: int = 0) -> Split:
     """Layers in proportion to each rank's budget, after rank 0's `fixed` bytes (embedding
     and head) come off its share; every rank holds at least one layer."""
     if len(budgets) > layers:
@@ -89,17 +135,32 @@ def head_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for p in parts for _, v in tree_flatten(p.parameters()))
 
 
-def attach(model: nn.Module, group, budget: int | None, hidden: int) -> Pipeline:
-    """Make `model` this rank's share of a pipeline over `group`: layers split in
-    proportion to every rank's budget (gathered from all of them; None counts as
-    equal), what it does not hold replaced by stand-ins, and, on ranks > 0, the
+def layer_facts(model: nn.Module) -> tuple[list[int | None], list[int]]:
+    """Per layer: None where its KV grows, else its window (0: a constant state), and
+    its weights' bytes as loaded (lazily: no weight is read)."""
+    from mlx.utils import tree_flatten
+
+    kinds = []
+    for c in _cache_maker(model)():
+        kinds.append(None if type(c) is KVCache else getattr(c, "max_size", 0) or 0)
+    sizes = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in model.model.layers]
+    return kinds, sizes
+
+
+def attach(model: nn.Module, group, budget: int | None, hidden: int, base=None) -> Pipeline:
+    """Make `model` this rank's share of a pipeline over `group`: layers split so the
+    smallest rank holds the most positions (every rank's budget gathered; `base`, the
+    planner's footprint of the whole model; without budgets or base, evenly), what it
+    does not hold replaced by stand-ins, and, on ranks > 0, the
     embedding by a one-row stub (only rank 0 embeds and runs the head). Its
     `make_cache` then gives shadows for the stand-ins."""
     mine = mx.array([budget if budget is not None else -1], dtype=mx.int64)
     budgets = [int(b) for b in mx.distributed.all_gather(mine, group=group).tolist()]
-    if any(b < 0 for b in budgets):
-        budgets = [1] * len(budgets)
-    split = split_layers(len(model.model.layers), budgets, head_bytes(model))
+    if any(b < 0 for b in budgets) or base is None:  # no budgets to plan with: an even split
+        split = split_layers(len(model.model.layers), [1] * len(budgets) if min(budgets) < 0 else budgets,
+                             head_bytes(model))
+    else:
+        split = plan_split(base, *layer_facts(model), head_bytes(model), budgets)
     full = _cache_maker(model)
     keep_share(model, split.layers(group.rank()), group)
     if group.rank() > 0:

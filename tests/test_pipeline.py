@@ -118,3 +118,25 @@ def test_an_engine_whose_rank_is_lost_refuses_with_a_clear_error_and_does_not_ha
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env).stdout
     got = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert len(got["errors"]) == 2 and all("restart all ranks" in e for e in got["errors"]) and got["lost"]
+
+
+def test_the_split_balances_positions_not_weights(gemma3_gguf):
+    """Gemma 3 keeps growing KV in 3 of its 18 layers (5, 11, 17): the planned split
+    gives the rank with the embedding's 170 MB the fewer of those, and holds what its
+    smallest rank holds."""
+    from click.testing import CliRunner
+
+    from cli.fit import fit
+
+    out = CliRunner().invoke(fit, ["--model", "gemma3", "--budget", "1600MiB", "--ranks", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    first, second = report["ranks"]
+    assert first["layers"][0] == 0 and second["layers"][1] == 17 and first["layers"][1] + 1 == second["layers"][0]
+    assert report["max_positions"] >= 1.8 * report["one_process_max_positions"]
+    from justfit import Engine
+    from justfit.fit_ranks import ranks_report
+    from justfit.pipeline import split_layers
+
+    even = ranks_report(Engine("gemma3"), [1600 * 2**20] * 2, split_layers(18, [1, 1]))
+    assert even["ranks"][0]["layers"] == [0, 8] and even["max_positions"] < report["max_positions"]
