@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
            "justfit-default", "justfit-compact", "justfit-retention")
@@ -57,7 +58,11 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
            "--budget", str(budget), "--step", str(step or args.step), "--out", str(args.out),
            "--max-positions", str(limit or args.max_positions), "--max-seconds", str(args.max_seconds),
            "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
+    ranks = int(system.partition("@")[2] or 1)
+    if ranks > 1:  # a layer pipeline: every rank a worker, each held to the budget
+        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks), "--backend", "ring", "--", *cmd]
     run = {"setup": {}, "steps": [], "end": {"end": "crashed"}}
+    others = 0  # the largest peak any other rank reported
     bar = progress_bar(args.max_positions, f"{system} @ {budget / MIB:.0f} MiB" + (" (finer)" if fine_step else ""),
                        "pos")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -66,11 +71,15 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
             item = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if "setup" in item:
+        if "rank" in item:
+            others = max(others, item["peak_rss"])
+        elif "setup" in item:
             run["setup"] = item["setup"]
         elif "end" in item:
             run["end"] = item
         else:
+            if ranks > 1:
+                item.update(rank0_peak_rss=item["peak_rss"], peak_rss=max(item["peak_rss"], others))
             run["steps"].append(item)
             bar.update(item["positions"] - bar.n)
             if bar.disable and not args.json:  # no terminal: a line per step for the log

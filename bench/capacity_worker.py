@@ -12,17 +12,23 @@ from dataclasses import replace
 
 
 class Peak(threading.Thread):
-    """Samples this process's RSS; exits the process (status 3) past the budget."""
+    """Samples this process's RSS; exits the process (status 3) past the budget. On a
+    pipeline rank > 0 (`rank`), also prints each MiB its peak rises by, for the parent
+    to take the largest rank's peak at each step."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, rank: int = 0):
         super().__init__(daemon=True)
         import psutil
 
-        self.proc, self.budget, self.peak = psutil.Process(), budget, 0
+        self.proc, self.budget, self.peak, self.rank = psutil.Process(), budget, 0, rank
 
     def run(self) -> None:
+        told = 0
         while True:
             self.peak = max(self.peak, self.proc.memory_info().rss)
+            if self.rank and self.peak >= told + 2**20:
+                told = self.peak
+                print(json.dumps({"rank": self.rank, "peak_rss": self.peak}), flush=True)
             if self.peak > self.budget:
                 print(json.dumps({"end": "budget", "peak_rss": self.peak}), flush=True)
                 os._exit(3)
@@ -78,13 +84,23 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
     from kvexec import FORMATS, KVConfig, get_format
 
     # The budget is the whole process's: the engine takes off what the interpreter,
-    # libraries and tokenizer hold beside it, measured at load.
+    # libraries and tokenizer hold beside it, measured at load. "SYSTEM@N": a layer
+    # pipeline over N ranks (mlx.launch), each rank with this budget.
+    system, _, ranks = system.partition("@")
+    group = None
+    if ranks:
+        import mlx.core as mx
+
+        group = mx.distributed.init()
     config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
     if system == "justfit-retention":
         config = replace(config, kv=KVConfig(max_positions=retain, pin_prompt=False))
     elif system == "justfit-lossless":  # the page format only: no page ever steps down
         config = replace(config, kv=KVConfig(pressure=()))
-    engine = Engine(model, config=config)
+    engine = Engine(model, config=config, group=group)
+    if engine.pipeline is not None and engine.pipeline.rank > 0:
+        engine.follow()  # until rank 0 ends (or this rank's Peak ends the run)
+        os._exit(0)
     if system == "justfit-compact":  # chosen for this model's head_dim, before any request
         head_dim = engine.kv_shape[2]
         usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
@@ -143,7 +159,7 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
     from justfit.errors import JustFitError
     from justfit.memory import peak_rss_bytes
 
-    sampler = Peak(budget)
+    sampler = Peak(budget, int(os.environ.get("MLX_RANK", "0")))
     sampler.start()
     if system.startswith("justfit"):
         tokenizer, step, details, facts = _justfit(model, system, budget, retain, max_positions + out + 1)
@@ -168,7 +184,9 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
         try:
             got = step(pending + text[fed:fed + size], out)
         except JustFitError as e:
-            print(json.dumps({"end": "planner refused", "reason": str(e)}), flush=True)
+            # a pipeline rank gone: its own Peak ended it past the budget (its line says so)
+            lost = type(e).__name__ == "PipelineLost"
+            print(json.dumps({"end": "budget" if lost else "planner refused", "reason": str(e)}), flush=True)
             return
         fed, generated = fed + size, generated + len(got)
         pending = got[-1:]

@@ -140,3 +140,20 @@ def test_the_split_balances_positions_not_weights(gemma3_gguf):
 
     even = ranks_report(Engine("gemma3"), [1600 * 2**20] * 2, split_layers(18, [1, 1]))
     assert even["ranks"][0]["layers"] == [0, 8] and even["max_positions"] < report["max_positions"]
+
+
+def test_the_capacity_bench_runs_a_pipeline_with_every_rank_held_to_the_budget(tmp_path, monkeypatch):
+    """`--systems justfit-lossless@2`: two ranks under mlx.launch, each held to the
+    budget by its own sampler; a step's peak is the largest rank's."""
+    import bench.common
+    from bench.capacity import main
+    from tests.tiny_models import write_mlx_folder
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    model = str(write_mlx_folder(tmp_path / "llama", "llama", layers=4))
+    result = main(["--model", model, "--budget", "1GiB", "--systems", "justfit-lossless@2", "--step", "64", "--out",
+                   "4", "--max-positions", "300", "--max-seconds", "60", "--repeats", "1", "--no-refine",
+                   "--fidelity-tokens", "0", "--json"])
+    row = result["systems"][0]
+    assert row["system"] == "justfit-lossless@2" and row["positions"] == 272 and row["ended_by"] == "position limit"
+    assert all(s["peak_rss"] >= s["rank0_peak_rss"] > 0 for s in row["steps"])
