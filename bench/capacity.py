@@ -138,52 +138,6 @@ def _refined(system: str, args, budget: int, row: dict) -> dict:
     return row
 
 
-def _llama_runs(system: str, args, budgets: list[int]) -> list[dict]:
-    """llama.cpp rows: per budget, the largest n_ctx whose reserved memory plus compute
-    buffer fits (bench.llamacpp.reserve_edge; `--repeats` times at the smallest budget),
-    checked against full passes at `--llama-validate` contexts."""
-    from bench.llamacpp import reserve_edge, validate
-
-    setup = {"trained_context": _trained_context(args.model), "blas": "llama.cpp's own (ggml CPU)"}
-    checks = [int(n) for n in (args.llama_validate or "").split(",") if n]
-    checked = validate(args.llama_cpp or "", system, args.model, checks, args.out, args.max_seconds) if checks else []
-    rows = []
-    for i, budget in enumerate(budgets):
-        runs = [reserve_edge(args.llama_cpp or "", system, args.model, budget, args.max_positions)
-                for _ in range(args.repeats if i == 0 else 1)]
-        steps, end = runs[0]
-        run = {"setup": setup, "steps": steps, "end": {"end": "crashed" if end.startswith("error") else end}}
-        if end.startswith("error"):
-            run["error"] = end[len("error: "):]
-        row = row_at(system, args, budget, run)
-        if len(runs) > 1:
-            got = [row_at(system, args, budget, {"setup": setup, "steps": st, "end": {"end": e}}).get("positions")
-                   for st, e in runs]
-            ok = [g for g in got if g is not None]
-            row.update(repeat_positions=got, **({"min_positions": min(ok), "max_positions": max(ok)} if ok else {}))
-        last = next((s for s in reversed(steps) if s["positions"] == row.get("positions")), None)
-        if last:
-            row.update({k: last[k] for k in ("kv_bytes_per_position", "kv_buffer_mib", "compute_buffer_mib",
-                                              "reserved_rss", "method")})
-        if checked:
-            row["validation"] = checked
-        rows.append(row)
-    return rows
-
-
-def _trained_context(model: str) -> int | None:
-    """The model's trained context from its converted config (None if unknown)."""
-    from pathlib import Path
-
-    from justfit.models import resolve
-
-    try:
-        config = Path(resolve(model)) / "config.json"
-        return json.loads(config.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-
-
 def _repeat(system: str, args, budget: int, row: dict) -> dict:
     """Run again at `budget` (args.repeats in all): the row gains min and max."""
     got = [row.get("positions")]
@@ -218,7 +172,9 @@ def _stock_rows(system: str, args, budgets: list[int]) -> list[dict]:
 def sweep(system: str, args, budgets: list[int]) -> list[dict]:
     """Every budget's row for one system (ascending budgets)."""
     if system.startswith("llama.cpp"):
-        return _llama_runs(system, args, budgets)
+        from bench.capacity_llama import llama_rows
+
+        return llama_rows(system, args, budgets)
     if system.startswith("justfit"):
         rows = [_refined(system, args, b, row_at(system, args, b, _grow(system, args, b))) for b in budgets]
     else:  # stock: independent of the budget, one run to the largest
