@@ -157,8 +157,8 @@ def _stock_rows(system: str, args, budgets: list[int]) -> list[dict]:
     run's memory model against what the full steps measured."""
     measured = getattr(args, "stock_step", 0) or args.step
     checking = system == "mlx-lm-fp32" and measured != args.step
-    # the check fits its model to as few short steps as a float16 run completes here
-    run = _grow(system, args, max(budgets), step=measured, limit=3 * (measured + args.out) if checking else 0)
+    # the check fits its model to as few short steps as a float16 run completes here (two)
+    run = _grow(system, args, max(budgets), step=measured, limit=2 * (measured + args.out) if checking else 0)
     if checking:
         from bench.capacity_model import check
 

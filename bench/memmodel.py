@@ -9,8 +9,7 @@ it, are part of it) is measured in the worker; KV bytes per position follow from
 the cache's own bytes); the transient is the planner's first-order model of mlx-lm's
 prefill (scores, MLP and hidden activations of one chunk); `c`, what none of these
 terms hold (allocator slack, MLX's buffer cache), is the mean residual over the
-measured points (with three or more, the transient's per-position part is fitted with
-it), and the largest residual left is the model's error, shown with it.
+measured points, and the largest residual left is the model's error, shown with it.
 """
 
 from __future__ import annotations
@@ -74,17 +73,16 @@ def transient_terms(heads: int, hidden: int, intermediate: int, vocab: int, chun
 def fit(points: list[tuple[int, int]], baseline: int, weights: int, kv_per_position: float,
         transient: tuple[float, float]) -> MemoryModel:
     """The model through measured (positions, peak bytes) points. Baseline, weights and
-    KV bytes are measured or follow from shapes; of the transient, the fixed part is
-    the planner's, and with three or more distinct points its per-position part is
-    fitted by least squares with the constant (else the planner's is kept)."""
+    KV bytes are measured or follow from shapes, the transient from the attention peak
+    measured on its own (`transient`); only the constant is fitted. A per-position
+    slope fitted to short runs' points measures the allocator, not the KV: on
+    mlx-lm-fp32, three points at 160-480 positions gave ten times the true slope
+    (capacity-20261202-082119), so none is fitted."""
     if not points:
         raise ValueError("no measured points to fit")
     per, fixed = transient
     xs = [p for p, _ in points]
     residuals = [peak - baseline - fixed - p * kv_per_position for p, peak in points]
-    if len(set(xs)) >= 3:
-        mx_, mr = sum(xs) / len(xs), sum(residuals) / len(residuals)
-        per = max(0.0, sum((x - mx_) * (r - mr) for x, r in zip(xs, residuals)) / sum((x - mx_) ** 2 for x in xs))
     left = [r - per * x for x, r in zip(xs, residuals)]
     constant = sum(left) / len(left)
     error = max(abs(v - constant) for v in left)
