@@ -38,6 +38,7 @@ def ranks_report(engine, budgets: list[int], split=None) -> dict:
 
 
 def format_ranks(r: dict) -> str:
+    """`ranks_report`'s result as readable lines."""
     lines = [f"{'rank':>4} {'layers':>9} {'weights':>10} {'budget':>10} {'max positions':>14}"]
     for k in r["ranks"]:
         lines.append(f"{k['rank']:>4} {k['layers'][0]:>4}-{k['layers'][1]:<4} {k['weights'] / 2**20:>7.1f} MiB "

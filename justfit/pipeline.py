@@ -41,9 +41,11 @@ class Split:
 
     @property
     def size(self) -> int:
+        """How many ranks."""
         return len(self.starts) - 1
 
     def layers(self, rank: int) -> range:
+        """The layers `rank` holds."""
         return range(self.starts[rank], self.starts[rank + 1])
 
 
@@ -61,6 +63,7 @@ def plan_split(base, kinds: list[int | None], layer_bytes: list[int], head: int,
         raise ValueError(f"{ranks} ranks for {n} layers: each rank needs at least one")
 
     def need(lo: int, hi: int, rank: int, positions: int) -> int:
+        """Bytes ranks' layers lo..hi need at `positions`."""
         shape = replace(base.shape, weights=sum(layer_bytes[lo:hi]) + (head if rank == 0 else 0),
                         full_layers=sum(k is None for k in kinds[lo:hi]),
                         windows=tuple(k for k in kinds[lo:hi] if k is not None))
@@ -119,10 +122,12 @@ class Pipeline:
 
     @property
     def rank(self) -> int:
+        """This process's rank."""
         return self.group.rank()
 
     @property
     def size(self) -> int:
+        """How many ranks."""
         return self.group.size()
 
 

@@ -21,21 +21,26 @@ class Position:
         self.exchanged: mx.array | None = None  # rank 0: the last state sent on and back (see Exchange)
 
     def advance(self, n: int) -> None:
+        """Move on by `n` positions."""
         self.offset += n
 
     def make_mask(self, *args, **kwargs):
+        """The mask a KVCache at this offset would make."""
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
     def is_trimmable(self) -> bool:
+        """Positions can be dropped (the offset only)."""
         return True
 
     def trim(self, n: int) -> int:
+        """Drop the last `n` positions; how many were."""
         n = min(self.offset, n)
         self.offset -= n
         return n
 
     @property
     def state(self) -> list:
+        """Arrays to evaluate with the cache: the last exchange, on rank 0."""
         # Evaluating a cache's state (as a prefill chunk does, the body's output unused)
         # must also run the exchange, or the other ranks would never see that chunk.
         return [self.exchanged] if self.exchanged is not None else []
@@ -52,18 +57,22 @@ class WindowPosition(Position):
         self._ring = RotatingKVCache(max_size=max_size, keep=keep)
 
     def advance(self, n: int) -> None:
+        """Move on by `n` positions, rotating as the real cache would."""
         dummy = mx.zeros((1, 1, n, 1), dtype=mx.float16)
         self._ring.update_and_fetch(dummy, dummy)
         self.offset = self._ring.offset
 
     def make_mask(self, *args, **kwargs):
+        """The mask the real rotating cache would make."""
         return self._ring.make_mask(*args, **kwargs)
 
     def is_trimmable(self) -> bool:
+        """A rotating cache cannot drop positions."""
         return False
 
     @property
     def state(self) -> list:
+        """The shadow ring's arrays and the exchange."""
         return [a for a in (self._ring.keys, self._ring.values) if a is not None] + super().state
 
 
@@ -86,6 +95,7 @@ class _StandIn(nn.Module):
         return out
 
     def move(self, x: mx.array) -> mx.array:
+        """The hidden state this stand-in passes on."""
         return x
 
 
@@ -97,6 +107,7 @@ class Exchange(_StandIn):
         self._group, self._last = group, last
 
     def move(self, x: mx.array) -> mx.array:
+        """Header and state on to rank 1; the final state back from the last rank."""
         header = mx.distributed.send(mx.array([FORWARD, x.shape[1]], dtype=mx.int32), 1, group=self._group)
         sent = mx.distributed.send(mx.depends(x, header), 1, group=self._group)
         back = mx.distributed.recv_like(x, self._last, group=self._group)
@@ -113,6 +124,7 @@ class Pass(_StandIn):
         self._group, self._peer, self._sending = group, peer, sending
 
     def move(self, x: mx.array) -> mx.array:
+        """The state sent on, or the state received."""
         if self._sending:
             return mx.distributed.send(x, self._peer, group=self._group)
         return mx.distributed.recv_like(x, self._peer, group=self._group)
@@ -130,6 +142,7 @@ class SendBack(nn.Module):
 
 
 class Identity(nn.Module):
+    """The final norm on rank 0: the last rank applied the real one."""
     def __call__(self, x: mx.array) -> mx.array:
         return x
 

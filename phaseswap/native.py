@@ -87,6 +87,7 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 def is_native(mod: nn.Module) -> bool:
+    """Whether `mod` is one of the native forms."""
     return isinstance(mod, (NativeQuantizedLinear, NativeQuantizedEmbedding))
 
 
