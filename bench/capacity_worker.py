@@ -156,7 +156,7 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
 
     from bench.common import prompt_tokens
     from justfit.blas import active_blas
-    from justfit.errors import JustFitError
+    from justfit.errors import JustFitError, PipelineLost
     from justfit.memory import peak_rss_bytes
 
     sampler = Peak(budget, int(os.environ.get("MLX_RANK", "0")))
@@ -185,7 +185,7 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
             got = step(pending + text[fed:fed + size], out)
         except JustFitError as e:
             # a pipeline rank gone: its own Peak ended it past the budget (its line says so)
-            lost = type(e).__name__ == "PipelineLost"
+            lost = isinstance(e, PipelineLost)
             print(json.dumps({"end": "budget" if lost else "planner refused", "reason": str(e)}), flush=True)
             return
         fed, generated = fed + size, generated + len(got)

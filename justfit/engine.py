@@ -23,7 +23,6 @@ from justfit.memory import hold_memory_to, parse_size, trim_heap
 from justfit.models import weight_files
 from justfit.pipeline import Pipeline, attach
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
-from phaseswap.registry import predict_working_bytes
 from justfit.runner import run_request
 from justfit.state_io import (StateIO, export_state, import_state, resume_session, save_session, state_identity,
                                state_root)
@@ -31,6 +30,7 @@ from justfit.stats import Chunk, GenerationStats
 import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseSwap
+from phaseswap.registry import predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 

@@ -4,11 +4,7 @@ ranks' budgets, each rank's footprint from its own layers, weights and KV alone.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-
-from justfit.pipeline import plan_split
+from justfit.pipeline import layer_facts, plan_split, rank_footprint
 from justfit.planner import MIN_PREFILL_CHUNK
 
 
@@ -17,22 +13,17 @@ def ranks_report(engine, budgets: list[int], split=None) -> dict:
     pipeline holds the fewest of them. Beside it, one process at the first budget.
     `split`: another split than the one the ranks would plan (for comparison)."""
     reg = engine.swap.registry
-    kinds = make_prompt_cache(engine.model)
+    kinds = layer_facts(engine.model)[0]
     layer_bytes = [reg.components[f"layer.{i}"].nbytes for i in range(len(kinds))]
     shared = reg.total_bytes() - sum(layer_bytes)  # embedding and head: rank 0's
     whole = engine.footprint(1, chunk=MIN_PREFILL_CHUNK)
-    # as the ranks split (pipeline.attach), from what this engine holds
-    split = split or plan_split(whole, [None if type(c) is KVCache else getattr(c, "max_size", 0) for c in kinds],
-                                layer_bytes, shared, budgets)
+    split = split or plan_split(whole, kinds, layer_bytes, shared, budgets)  # as the ranks split (pipeline.attach)
     ranks = []
     for r, budget in enumerate(budgets):
         mine = split.layers(r)
-        shape = replace(whole.shape, weights=sum(layer_bytes[i] for i in mine) + (shared if r == 0 else 0),
-                        full_layers=sum(isinstance(kinds[i], KVCache) for i in mine),
-                        windows=tuple(kinds[i].max_size for i in mine if isinstance(kinds[i], RotatingKVCache)))
-        fp = replace(whole, shape=shape).at(1)
+        fp = rank_footprint(whole, kinds, layer_bytes, shared if r == 0 else 0, mine)
         ranks.append({"rank": r, "budget": budget, "layers": [mine.start, mine.stop - 1],
-                      "weights": shape.weights, "max_positions": fp.max_positions(budget)})
+                      "weights": fp.shape.weights, "max_positions": fp.max_positions(budget)})
     return {"ranks": ranks, "max_positions": min(r["max_positions"] for r in ranks),
             "one_process_max_positions": whole.max_positions(budgets[0])}
 

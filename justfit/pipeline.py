@@ -31,7 +31,7 @@ from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, mak
 
 __all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
            "keep_share", "make_cache", "split_layers", "head_bytes", "layer_facts",
-           "plan_split"]
+           "plan_split", "rank_footprint"]
 
 @dataclass(frozen=True)
 class Split:
@@ -56,18 +56,12 @@ def plan_split(base, kinds: list[int | None], layer_bytes: list[int], head: int,
     rank 0 holds besides (embedding, head); `base` the planner's Footprint of the whole
     model for everything else (chunk, page format, transient). Falls back to
     `split_layers` when no split holds a position."""
-    from dataclasses import replace
-
     n, ranks = len(kinds), len(budgets)
     if ranks > n:
         raise ValueError(f"{ranks} ranks for {n} layers: each rank needs at least one")
 
     def need(lo: int, hi: int, rank: int, positions: int) -> int:
-        """Bytes ranks' layers lo..hi need at `positions`."""
-        shape = replace(base.shape, weights=sum(layer_bytes[lo:hi]) + (head if rank == 0 else 0),
-                        full_layers=sum(k is None for k in kinds[lo:hi]),
-                        windows=tuple(k for k in kinds[lo:hi] if k is not None))
-        return replace(base, shape=shape).at(positions).total
+        return rank_footprint(base, kinds, layer_bytes, head if rank == 0 else 0, range(lo, hi)).at(positions).total
 
     def greedy(positions: int) -> tuple[int, ...] | None:
         """Each rank in turn takes as many layers as its budget holds at `positions`
@@ -93,6 +87,17 @@ def plan_split(base, kinds: list[int | None], layer_bytes: list[int], head: int,
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if greedy(mid) is not None else (lo, mid)
     return Split(greedy(lo))
+
+
+def rank_footprint(base, kinds: list[int | None], layer_bytes: list[int], head: int, layers: range):
+    """The planner's footprint (`base`, the whole model's) of a rank holding `layers`
+    (kinds and bytes as in `plan_split`) and `head` bytes besides."""
+    from dataclasses import replace
+
+    shape = replace(base.shape, weights=sum(layer_bytes[i] for i in layers) + head,
+                    full_layers=sum(kinds[i] is None for i in layers),
+                    windows=tuple(kinds[i] for i in layers if kinds[i] is not None))
+    return replace(base, shape=shape).at(1)
 
 
 def split_layers(layers: int, budgets: list[int], fixed: int = 0) -> Split:
@@ -161,9 +166,10 @@ def attach(model: nn.Module, group, budget: int | None, hidden: int, base=None) 
     `make_cache` then gives shadows for the stand-ins."""
     mine = mx.array([budget if budget is not None else -1], dtype=mx.int64)
     budgets = [int(b) for b in mx.distributed.all_gather(mine, group=group).tolist()]
-    if any(b < 0 for b in budgets) or base is None:  # no budgets to plan with: an even split
-        split = split_layers(len(model.model.layers), [1] * len(budgets) if min(budgets) < 0 else budgets,
-                             head_bytes(model))
+    if min(budgets) < 0:  # a rank without a budget: an even split
+        split = split_layers(len(model.model.layers), [1] * len(budgets))
+    elif base is None:
+        split = split_layers(len(model.model.layers), budgets, head_bytes(model))
     else:
         split = plan_split(base, *layer_facts(model), head_bytes(model), budgets)
     full = _cache_maker(model)

@@ -94,7 +94,7 @@ def _memory(engine: Engine, stats: GenerationStats, cache: list) -> MemoryReport
     return memory_report(engine.swap.registry.resident_bytes(), cache, peak, stored)
 
 
-def _decode(engine, logits, tokens, cache, sp, stats, sampler, processors, record):
+def _decode(engine: Engine, logits, tokens, cache, sp, stats, sampler, processors, record):
     """Yield a chunk per token; return the text held back at the end."""
     reply = ReplyText(engine.tokenizer, sp, stats)
     start = time.perf_counter()

@@ -87,12 +87,9 @@ class _StandIn(nn.Module):
     """A layer held elsewhere: advances its position cache; subclasses move the state."""
 
     def __call__(self, x: mx.array, mask=None, cache=None, **_) -> mx.array:
-        out = self.move(x)
         if isinstance(cache, Position):
             cache.advance(x.shape[1])
-            if isinstance(self, Exchange):
-                cache.exchanged = out
-        return out
+        return self.move(x)
 
     def move(self, x: mx.array) -> mx.array:
         """The hidden state this stand-in passes on."""
@@ -105,6 +102,12 @@ class Exchange(_StandIn):
     def __init__(self, group, last: int):
         super().__init__()
         self._group, self._last = group, last
+
+    def __call__(self, x: mx.array, mask=None, cache=None, **_) -> mx.array:
+        out = super().__call__(x, mask, cache)
+        if isinstance(cache, Position):
+            cache.exchanged = out  # evaluated with the cache's state (Position.state)
+        return out
 
     def move(self, x: mx.array) -> mx.array:
         """Header and state on to rank 1; the final state back from the last rank."""
@@ -141,12 +144,6 @@ class SendBack(nn.Module):
         return mx.distributed.send(self.norm(x), 0, group=self._group)
 
 
-class Identity(nn.Module):
-    """The final norm on rank 0: the last rank applied the real one."""
-    def __call__(self, x: mx.array) -> mx.array:
-        return x
-
-
 def keep_share(model: nn.Module, mine: range, group) -> None:
     """Replace, in place, what this rank does not hold by stand-ins (their weights are
     let go): see the module's docstring."""
@@ -169,7 +166,7 @@ def keep_share(model: nn.Module, mine: range, group) -> None:
                 setattr(stand_in, key, value)
         body.layers[i] = stand_in
     if rank == 0:
-        body.norm = Identity()
+        body.norm = nn.Identity()  # the last rank applied the real one
     elif rank == size - 1:
         body.norm = SendBack(body.norm, group)
 

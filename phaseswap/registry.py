@@ -98,16 +98,14 @@ def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None =
     per_weight = _BYTES_PER_WEIGHT[form]
     body = _body(model)
     linears = [m for _, m in model.named_modules() if is_linear(m)]
-    for mod in linears:
-        if form == "native" and eligible(mod):  # held as stored, scales and biases too
-            total -= sum(nbytes(mod[k]) - mod[k].nbytes for k in ("scales", "biases"))
-            continue
+    embed = body.embed_tokens
+    stored = {id(m): m for m in (*linears, embed) if form == "native" and eligible(m)}
+    for mod in stored.values():  # held as stored, scales and biases too
+        total -= sum(nbytes(mod[k]) - mod[k].nbytes for k in ("scales", "biases"))
+    for mod in (m for m in linears if id(m) not in stored):
         weights = dense_bytes(mod) // 4 - (mod["bias"].size if "bias" in mod else 0)
         total += int(weights * per_weight) - sum(nbytes(v) for k, v in tree_flatten(mod.parameters())
                                                  if k != "bias")
-    embed = body.embed_tokens
-    if form == "native" and eligible(embed):
-        total -= sum(nbytes(embed[k]) - embed[k].nbytes for k in ("scales", "biases"))
     if not isinstance(getattr(model, "lm_head", None), nn.Module) and _split_head(form, embed):
         total += int(dense_bytes(embed) // 4 * per_weight)  # the tied head's own form
     if form == "dense":  # the embedding too
@@ -166,9 +164,8 @@ class Registry:
         reg = cls(model, resident_form, offload_to)
         body = _body(model)
         comps = [Component("embed", "embed", body, "embed_tokens")]
-        # (a layer without parameters is held elsewhere: a pipeline's stand-in)
         comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i, layer in enumerate(body.layers)
-                  if tree_flatten(layer.parameters())]
+                  if tree_flatten(layer.parameters())]  # none: held elsewhere (a pipeline's stand-in)
         if isinstance(getattr(model, "lm_head", None), nn.Module):
             comps.append(Component("head", "head", model, "lm_head"))
         elif _split_head(resident_form, body.embed_tokens) and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
