@@ -95,8 +95,8 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
 
 def row_at(system: str, args, budget: int, run: dict, measured_step: int = 0) -> dict:
     """The capacity row a run gives at `budget`: its last step within the budget (a
-    stock run stopped by its clock also gets its memory model's capacity, stated at
-    --step when it was measured in steps of `measured_step`)."""
+    run stopped by its clock also gets its memory model's capacity, a stock one's
+    stated at --step when it was measured in steps of `measured_step`)."""
     steps, setup = run["steps"], run["setup"]
     ok = [s for s in steps if s["peak_rss"] <= budget]
     passed = len(ok) < len(steps) or run["end"]["end"] == "budget"
@@ -121,11 +121,17 @@ def row_at(system: str, args, budget: int, run: dict, measured_step: int = 0) ->
             row["kv_positions"] = dict(sorted(last["kv_formats"].items()))
     elif "error" not in row:
         row["error"] = f"no step completed within the budget ({row['ended_by']})"
-    if run["end"]["end"] == "time limit" and "positions" in row and setup.get("shape"):
+    if run["end"]["end"] == "time limit" and "positions" in row and modelable(system, setup):
         from bench.capacity_model import model_row
 
         model_row(row, run, budget, measured_step or args.step, args.step)
     return row
+
+
+def modelable(system: str, setup: dict) -> bool:
+    """Whether a run of `system` can be given a memory model: stock runs with their
+    shape, single-process JustFit runs (a pipeline's peak is its largest rank's)."""
+    return bool(setup.get("shape")) if not system.startswith("justfit") else "@" not in system
 
 
 def _refined(system: str, args, budget: int, row: dict) -> dict:

@@ -1,7 +1,10 @@
-"""Stock float16 rows that cannot reach their budget in their time: a memory model
-fitted to short measured steps, then stated at the sweep's own step (the chunk
-transient a user's prompt of that size meets), and checked on a system that is fast
-enough to run both ways (mlx-lm-fp32: the same model code, reference BLAS)."""
+"""Rows that cannot reach their budget in their time: a memory model fitted to the
+run's measured steps. Stock float16 runs are measured in short steps and stated at the
+sweep's own step (the chunk transient a user's prompt of that size meets), checked on a
+system fast enough to run both ways (mlx-lm-fp32: the same model code, reference
+BLAS). JustFit runs (attention over pages: the transient does not grow with the
+positions) take their page bytes per position from the planner's own accounting,
+checked on runs that reached their budget (`check_justfit`)."""
 
 from __future__ import annotations
 
@@ -35,10 +38,38 @@ def stock_model(system: str, run: dict, measured_step: int, step: int):
     return replace(model, transient_per_position=per, transient_fixed=at[1])
 
 
+def justfit_model(run: dict, steps: int = 0):
+    """JustFit's memory model from its run's first `steps` steps (0: all): baseline +
+    page bytes per position + a fitted constant (its flat transients, the allocator).
+    The page bytes are the slope of the planner's planned peak over the steps at the
+    last step's prefill chunk, so only what the planner accounts per position grows."""
+    from bench.memmodel import fit
+
+    taken = run["steps"][:steps or None]
+    chunk = taken[-1].get("prefill_chunk")
+    same = [s for s in taken if s.get("prefill_chunk") == chunk]
+    if len(same) < 2:
+        raise ValueError("a JustFit memory model needs two steps at one prefill chunk")
+    kv = (same[-1]["planned"] - same[0]["planned"]) / (same[-1]["positions"] - same[0]["positions"])
+    setup = run["setup"]
+    return fit([(s["positions"], s["peak_rss"]) for s in same], setup["baseline_rss"],
+               setup.get("weights_bytes", 0), kv, (0.0, 0.0))
+
+
+def memory_model(system: str, run: dict, measured_step: int, step: int):
+    """The system's memory model fitted to `run` (see the module's docstring)."""
+    if system.startswith("justfit"):
+        return justfit_model(run)
+    return stock_model(system, run, measured_step, step)
+
+
 def model_row(row: dict, run: dict, budget: int, measured_step: int, step: int) -> None:
-    """A stock run stopped by its clock before `budget`: the row gains its modeled
-    capacity there (only where above what it measured)."""
-    model = stock_model(row["system"], run, measured_step, step)
+    """A run stopped by its clock before `budget`: the row gains its modeled capacity
+    there (only where above what it measured)."""
+    try:
+        model = memory_model(row["system"], run, measured_step, step)
+    except ValueError:
+        return  # too few steps to fit: the measured lower bound stands alone
     modeled = model.capacity(budget)
     if modeled > row["positions"]:
         row.update(modeled_positions=modeled, modeled=True, memory_model=model.as_dict(),
@@ -64,3 +95,13 @@ def check(system: str, short: dict, full: dict, measured_step: int, step: int, b
     return {"system": system, "measured_step_tokens": measured_step, "step_tokens": step,
             "memory_model": model.as_dict(), "points": points, "capacities": capacities,
             "max_error_mib": max((abs(p["error_mib"]) for p in points), default=None)}
+
+
+def check_justfit(run: dict, budget: int, steps: int) -> dict:
+    """JustFit's modeling checked on a run that reached `budget`: the model fitted to
+    its first `steps` steps, its capacity against the measured edge."""
+    model = justfit_model(run, steps)
+    within = [s["positions"] for s in run["steps"] if s["peak_rss"] <= budget]
+    return {"fitted_steps": steps, "fitted_up_to": run["steps"][steps - 1]["positions"],
+            "budget_mib": round(budget / 2**20, 1), "modeled": model.capacity(budget),
+            "measured": within[-1] if within else 0, "memory_model": model.as_dict()}

@@ -135,9 +135,10 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
 
     # what the planner says this budget holds (at its smallest chunk, pages stepping down
     # where the ladder is on): a prediction beside the measurement, never in its place
-    planned = engine.footprint(1, chunk=MIN_PREFILL_CHUNK, pressed=bool(kv.pressure)).max_positions(
-        engine.config.budget_bytes)
+    planner = engine.footprint(1, chunk=MIN_PREFILL_CHUNK, pressed=bool(kv.pressure))
+    planned = planner.max_positions(engine.config.budget_bytes)
     facts = {"trained_context": engine.model_config.get("max_position_embeddings"), "planned_positions": planned,
+             "weights_bytes": planner.weights,
              "weights_dtype": f"{engine.policy.name}: resident {engine.swap.registry.resident_form}, "
                               f"compute {'float32' if engine.policy.fp32 else 'float16'}",
              "kv_bits": None, "kv_format": kv.format, "pressure": list(kv.pressure),

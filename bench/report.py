@@ -116,15 +116,18 @@ def combine_capacity(paths) -> dict:
 
 
 def _remodel(row: dict) -> None:
-    """A modeled stock row's model fitted again from its saved steps (so a corrected
+    """A row stopped by its clock, modeled again from its saved steps (so a corrected
     term, e.g. a newly measured attention transient, reaches rows already run)."""
-    if row.get("memory_model") is None or not row.get("steps") or not row.get("shape"):
-        return
+    from bench.capacity import modelable
     from bench.capacity_model import model_row
 
+    if row.get("ended_by") != "time limit" or not row.get("steps") or "positions" not in row \
+            or not modelable(row["system"], row):
+        return
     for key in ("modeled_positions", "modeled", "memory_model"):
         row.pop(key, None)
-    run = {"setup": {k: row[k] for k in ("shape", "baseline_rss", "weights_bytes")}, "steps": row["steps"]}
+    setup = {k: row[k] for k in ("shape", "baseline_rss", "weights_bytes") if k in row}
+    run = {"setup": setup, "steps": row["steps"]}
     model_row(row, run, int(row["budget_mib"] * 2**20), row.get("measured_step_tokens", row["step_tokens"]),
               row["step_tokens"])
 

@@ -62,6 +62,7 @@ class Engine:
         self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv))
         self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline)
         self.pipeline_lost = ""  # why the pipeline stopped, once a rank is gone
+        self.pipeline_live = None  # rank 0: (tokens, cache, sampler) every rank still holds (pipeline.resume)
         if group is not None and group.size() > 1:
             # Before any weight is read or counted: from here the model, the planner and
             # PhaseSwap see only this rank's layers.

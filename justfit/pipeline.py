@@ -31,7 +31,8 @@ from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, mak
 
 __all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
            "keep_share", "make_cache", "split_layers", "head_bytes", "layer_facts",
-           "plan_split", "rank_footprint"]
+           "plan_split", "rank_footprint", "resume"]
+
 
 @dataclass(frozen=True)
 class Split:
@@ -203,6 +204,21 @@ def control(group, op: int) -> None:
     """Rank 0: tell the other ranks (down the chain) to reset their caches (RESET) or to
     leave (STOP)."""
     mx.eval(mx.distributed.send(mx.array([op, 0], dtype=mx.int32), 1, group=group))
+
+
+def resume(group, live, tokens: list[int]):
+    """Rank 0, a request starting: the state every rank still holds from the last request
+    (`live`: its tokens, rank 0's cache and sampler state) where those tokens begin this
+    request's and leave one to compute (each rank extends its own share as it is); else
+    every rank starts afresh (RESET). A statetrans.Reuse either way."""
+    from statetrans import Reuse
+
+    if live is not None:
+        held, cache, sampler = live
+        if len(held) < len(tokens) and tokens[:len(held)] == held:
+            return Reuse(cache, list(held), dict(sampler), "memory")
+    control(group, RESET)
+    return Reuse(None, [], {}, "")
 
 
 def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, limit: int = 0,

@@ -16,8 +16,8 @@ from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import ReplyText
 import kvexec
-from justfit.pipeline import RESET, control
-from statetrans import Reuse, holds
+from justfit.pipeline import resume
+from statetrans import holds
 
 if TYPE_CHECKING:
     from justfit.engine import Engine
@@ -33,9 +33,8 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     if engine.pipeline is None:
         reuse = engine.states.take(tokens, session, engine.state_allowance(request))
-    else:  # a pipeline keeps no states yet: every rank starts the request afresh
-        reuse = Reuse(None, [], {}, "")
-        control(engine.pipeline.group, RESET)
+    else:  # a pipeline keeps its last state on every rank (stored states are one process's)
+        reuse, engine.pipeline_live = resume(engine.pipeline.group, engine.pipeline_live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
     budget = engine.config.budget_bytes
     if engine.config.kv is not None and request.shape.full_layers:
@@ -51,7 +50,10 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
         # Also on cancel or error: what was computed is stored, once evaluated
         # (StateTiers.put), unless an interrupt left the cache and tokens apart.
         engine.live_cache = None
-        if held and holds(cache, len(held)) and engine.pipeline is None:
+        kept = bool(held) and holds(cache, len(held))  # else an interrupt left cache and tokens apart
+        if engine.pipeline is not None:
+            engine.pipeline_live = (list(held), cache, rng) if kept else None
+        elif kept:
             engine.states.put(held, cache, session, rng)
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)

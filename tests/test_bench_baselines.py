@@ -174,7 +174,7 @@ def test_a_short_step_stock_run_is_modeled_at_the_sweeps_step_and_checked_where_
     from bench.report import _remodel  # combining saved runs fits the models again from their steps
 
     saved = {**row, **setup, "steps": short["steps"], "budget_mib": 1600.0, "step_tokens": 2048,
-             "modeled_positions": 1}
+             "modeled_positions": 1, "ended_by": "time limit"}
     _remodel(saved)
     assert saved["modeled_positions"] == row["modeled_positions"]
     checked = check("mlx-lm-fp32", run("mlx-lm-fp32", 128, (160, 320, 480)),
@@ -189,3 +189,36 @@ def test_a_short_step_stock_run_is_modeled_at_the_sweeps_step_and_checked_where_
                             "systems": [{**row, "budget_mib": 1600.0, "peak_mib": 300, "ended_by": "time limit",
                                          "model_check": checked}]})
     assert "| mlx-lm | 1600 | 128 | 2048 |" in md and "The modeling checked: mlx-lm-fp32" in md
+
+
+def test_a_justfit_run_stopped_by_its_clock_is_modeled_from_the_planners_page_bytes():
+    """JustFit's transient does not grow with the positions: its model is baseline +
+    the planner's page bytes per position (the slope of its planned peaks at one chunk)
+    + a fitted constant; checked on a run that reached its budget."""
+    from bench.capacity_model import check_justfit, model_row
+    from bench.report import _remodel
+
+    page, base = 13000, 210 * 2**20
+
+    def step(p: int, chunk: int = 512, extra: int = 0) -> dict:
+        return {"positions": p, "prefill_chunk": chunk, "planned": 290 * 2**20 + p * page,
+                "peak_rss": base + 140 * 2**20 + p * page + extra}
+
+    # the first step ran at another chunk: the slope is taken at the last step's chunk only
+    steps = [step(2080, 256, 9 * 2**20), step(4160), step(6240), step(8320)]
+    run = {"setup": {"baseline_rss": base}, "steps": steps}
+    row = {"system": "justfit-lossless", "positions": 8320, "ended_by": "time limit"}
+    model_row(row, run, 1100 * 2**20, 2048, 2048)
+    expected = (1100 * 2**20 - base - 140 * 2**20) // page
+    assert row["modeled"] and abs(row["modeled_positions"] - expected) <= 1
+    assert row["memory_model"]["kv_bytes_per_position"] == page and row["memory_model"]["error_mib"] == 0
+    saved = {**row, "baseline_rss": base, "steps": steps, "budget_mib": 1100.0, "step_tokens": 2048,
+             "modeled_positions": 1}
+    _remodel(saved)  # combining saved runs models JustFit's clock-stopped rows too
+    assert saved["modeled_positions"] == row["modeled_positions"]
+    lone = {"system": "justfit-lossless", "positions": 2080}
+    model_row(lone, {"setup": {"baseline_rss": base}, "steps": steps[:1]}, 1100 * 2**20, 2048, 2048)
+    assert "modeled" not in lone  # one step fits no model: the lower bound stands alone
+    checked = check_justfit(run, 400 * 2**20, 3)
+    assert checked["measured"] == 2080 and checked["fitted_up_to"] == 6240
+    assert checked["modeled"] == (400 * 2**20 - base - 140 * 2**20) // page

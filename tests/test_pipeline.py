@@ -66,7 +66,8 @@ def _engine(model: str, ranks: int, budget: str | None = None) -> dict:
 @pytest.mark.parametrize("model", ["smollm2", "tiny_gemma3_dir"])
 def test_engines_on_two_ranks_reply_as_one_and_each_holds_half(model, request):
     """Each rank an Engine over its layers (KVExec pages, PhaseSwap, its own planner):
-    two requests' greedy tokens equal one process's; each rank's planner counts the KV
+    three requests' greedy tokens equal one process's, a next turn extending the state
+    every rank kept; each rank's planner counts the KV
     of its own layers only, and each holds only its layers' weights."""
     if model == "smollm2":
         request.getfixturevalue("smollm2_gguf")
@@ -74,6 +75,9 @@ def test_engines_on_two_ranks_reply_as_one_and_each_holds_half(model, request):
         model = str(request.getfixturevalue(model))
     alone, split = _engine(model, 1), _engine(model, 2)
     assert split["tokens"] == alone["tokens"] and split["again"] == alone["again"]
+    # the next turn extends the state every rank kept (the prompt and 7 of 8 replies)
+    assert split["next_turn"] == alone["next_turn"] and split["cached"] == alone["cached"] > 8
+    assert split["again_cached"] == 0  # not an extension: every rank started afresh
     whole, (first, second) = alone["ranks"][0], split["ranks"]
     assert first["layers"] + second["layers"] == whole["layers"] and min(first["layers"], second["layers"]) > 0
     assert first["kv_4096"] + second["kv_4096"] <= whole["kv_4096"] * 1.01
