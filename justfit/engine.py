@@ -255,8 +255,11 @@ class Engine:
 
         if self.pipeline is None or self.pipeline.rank == 0:
             raise RuntimeError("follow() is for ranks > 0 of a pipeline")
+        from justfit.pipeline_state import follower_op
+
         follow(self.model, self.pipeline.group, self.new_cache, self.model.args.hidden_size,
-               mx.float32 if self.policy.fp32 else mx.float16, limit, phase=self.swap.phase)
+               mx.float32 if self.policy.fp32 else mx.float16, limit, phase=self.swap.phase,
+               on_state=lambda op, payload, cache: follower_op(self, op, payload, cache))
 
     def close_pipeline(self) -> None:
         """On rank 0: let the other ranks' `follow` return."""

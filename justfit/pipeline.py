@@ -222,10 +222,14 @@ def resume(group, live, tokens: list[int]):
 
 
 def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, limit: int = 0,
-           phase=None) -> None:
+           phase=None, on_state=None) -> None:
     """Rank r > 0: run this rank's share for each header from rank 0 (the previous rank
     forwards rank 0's header on) until STOP (or, for tests, `limit` forwards); `phase`
-    (PhaseSwap.phase) wraps each forward, "prefill" for several positions."""
+    (PhaseSwap.phase) wraps each forward, "prefill" for several positions; `on_state(op,
+    payload, cache)` carries out a state operation (justfit.pipeline_state) and returns
+    the cache to go on with."""
+    from justfit.pipeline_state import STATE_OPS, receive
+
     rank, size = group.rank(), group.size()
     cache = new_cache()
     header_like = mx.zeros((2,), dtype=mx.int32)
@@ -238,6 +242,9 @@ def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, li
             return
         if op == RESET:
             cache = new_cache()
+            continue
+        if op in STATE_OPS:
+            cache = on_state(op, receive(group, n), cache)
             continue
         with phase("prefill" if n > 1 else "decode") if phase else contextlib.nullcontext():
             out = model.model(None, cache=cache, input_embeddings=mx.zeros((1, n, hidden), dtype=dtype))

@@ -59,8 +59,16 @@ def state_identity(engine, cache_dir: Path | None = None) -> dict:
 
 
 def export_state(engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
-    """Save the latest conversation's state (or `session`'s) as a snapshot at `path`."""
+    """Save the latest conversation's state (or `session`'s) as a snapshot at `path`
+    (a pipeline's: one part per rank, justfit.pipeline_state)."""
     states = engine.states
+    if engine.pipeline is not None:
+        _one_process(session)
+        from justfit.pipeline_state import save
+
+        start = time.perf_counter()
+        written, held = save(engine, path, {**states.identity, "extra": extra or {}})
+        return StateIO(str(path), len(engine.pipeline_live[0]), held, written, time.perf_counter() - start)
     if session is not None and session not in states.sessions:
         raise KeyError(f"no session {session!r}")
     entry = states.entries[states.sessions[session]] if session is not None else states.last
@@ -76,12 +84,25 @@ def export_state(engine, path: str, extra: dict | None = None, session: str | No
 
 def import_state(engine, path: str, session: str | None = None) -> StateIO:
     """Store the snapshot's state as the latest conversation (or `session`'s); on any
-    error nothing changes."""
+    error nothing changes (a pipeline's: on every rank or on none)."""
     start = time.perf_counter()
+    if engine.pipeline is not None:
+        _one_process(session)
+        from justfit.pipeline_state import load
+
+        manifest, held = load(engine, path, engine.states.identity)
+        return StateIO(str(path), manifest["positions"], held, snapshot_bytes(Path(path).expanduser() / "rank0"),
+                       time.perf_counter() - start, manifest.get("extra") or {})
     cache, manifest, held = engine.states.read(path)
     engine.states.put([int(t) for t in manifest["tokens"]], cache, session, manifest.get("sampler"))
     return StateIO(str(path), len(manifest["tokens"]), held, snapshot_bytes(path),
                    time.perf_counter() - start, manifest.get("extra") or {})
+
+
+def _one_process(session: str | None) -> None:
+    if session is not None:
+        raise ValueError("named sessions are kept by one process; a pipeline saves and loads its conversation "
+                         "(save_state / load_state without a session)")
 
 
 def save_session(engine, name: str, extra: dict | None = None) -> StateIO:

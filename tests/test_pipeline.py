@@ -161,3 +161,26 @@ def test_the_capacity_bench_runs_a_pipeline_with_every_rank_held_to_the_budget(t
     row = result["systems"][0]
     assert row["system"] == "justfit-lossless@2" and row["positions"] == 272 and row["ended_by"] == "position limit"
     assert all(s["peak_rss"] >= s["rank0_peak_rss"] > 0 for s in row["steps"])
+
+
+def test_a_pipelines_conversation_saves_and_restores_on_every_rank_or_none(tiny_gemma3_dir, tmp_path):
+    """One part per rank under rank 0's manifest: restored after an unrelated request,
+    the next turn is the one process's, prefilling only what is new; a damaged part is
+    refused and every rank keeps the state it had."""
+    child = str(Path(__file__).with_name("pipeline_state_child.py"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    got = {}
+    for ranks in (1, 2):
+        cmd = [sys.executable, child, str(tiny_gemma3_dir), str(tmp_path / str(ranks))]
+        if ranks > 1:
+            cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", *cmd]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        got[ranks] = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
+    alone, split = got[1], got[2]
+    assert split["parts"] == ["rank0", "rank1"]  # the second save's generation only
+    assert len(split["parts_files"]) == 4 and split["parts_files"].count("manifest.json") == 2
+    for key in ("first", "second", "cached", "saved_tokens", "loaded_tokens", "third", "third_cached"):
+        assert split[key] == alone[key], key
+    assert split["cached"] == split["loaded_tokens"] > 0  # the restored state, extended
+    assert "rank(s) [1]" in split["damaged"] and "corrupted" in alone["damaged"]
+    assert split["third_cached"] > split["cached"]  # the state every rank kept, not a reset

@@ -106,6 +106,9 @@ class Server:
     def submit(self, tokens: list[int], opts: Options, route: str = "", request=None) -> tuple[Job, int]:
         """Queue a planned request (`route`: the API it came through, for the status
         page); the ticket a retry brings in the TICKET_HEADER of `request` keeps its place."""
+        if opts.session and getattr(self.engine, "pipeline", None) is not None:
+            raise BadRequest("named sessions are kept by one process, not by a layer pipeline; send the request "
+                             "without a session", "session", 400, "invalid_request_error", "session_unsupported")
         job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route)
         ticket = request.headers.get(TICKET_HEADER) if request is not None else None
         try:
