@@ -57,9 +57,12 @@ def prompt_tokens(tokenizer, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def run_worker(module: str, args: list[str], timeout: float) -> dict:
-    """Run `python -m module --worker ...` in a fresh process; its last stdout line is JSON."""
+def run_worker(module: str, args: list[str], timeout: float, ranks: int = 1) -> dict:
+    """Run `python -m module --worker ...` in a fresh process (`ranks` > 1: one per rank
+    under mlx.launch, as a layer pipeline); its last stdout line is JSON."""
     cmd = [sys.executable, "-m", module, "--worker", *args]
+    if ranks > 1:
+        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks), "--backend", "ring", "--", *cmd]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

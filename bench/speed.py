@@ -7,7 +7,8 @@ process on the same prompt tokens.
     python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp-q8_0 and -q4_0
 
 Systems: `justfit-default` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS;
-`justfit@POLICY` for another PhaseSwap policy); stock `generate_step` on the same
+`justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
+two local ranks under mlx.launch); stock `generate_step` on the same
 quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
 own BLAS (bench/stock.py): `mlx-lm` (defaults), `mlx-lm-tuned` (prefill step 512, 8-bit
 KV), `mlx-lm-kv4`; `mlx-lm-dense` (not a baseline: JustFit's prefill weight form, dense
@@ -38,12 +39,16 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
 
     from justfit.blas import active_blas
 
-    if system.startswith("justfit"):  # "justfit-default" or "justfit@POLICY"
+    if system.startswith("justfit"):  # "justfit-default", "justfit@POLICY" or "justfit-default@RANKS"
         from justfit import Engine, SamplingParams
         from justfit.config import EngineConfig
 
-        policy = system.partition("@")[2] or "auto"
-        engine = Engine(model, config=EngineConfig(policy=policy))
+        policy, ranks = _policy_ranks(system)
+        group = mx.distributed.init() if ranks > 1 else None
+        engine = Engine(model, config=EngineConfig(policy=policy), group=group)
+        if group is not None and group.rank() > 0:
+            engine.follow()  # until rank 0 is done; only rank 0 prints
+            os._exit(0)
         tokens = _prompt(engine.tokenizer, context)
         sp = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
         start = time.perf_counter()
@@ -52,10 +57,12 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
             if first is None:
                 first = time.perf_counter() - start
         st = engine.last_stats
+        engine.close_pipeline()
         from bench.floor import justfit_read_bytes
 
         return {"prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "ttft_s": first,
-                "read_bytes": justfit_read_bytes(engine, context + decode),
+                # a pipeline's decode reads on every rank: no one process's floor
+                "read_bytes": justfit_read_bytes(engine, context + decode) if group is None else None,
                 "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20,
                 "blas": active_blas(), "weights_dtype": f"{engine.policy.name}: {engine.swap.registry.resident_form}",
                 "kv_dtype": f"{engine.config.kv.format} pages" if engine.config.kv else "mlx-lm cache",
@@ -99,6 +106,13 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
             "kv_bits": setup.kv_bits, "prefill_step": setup.prefill_step, **({"note": note} if note else {})}
 
 
+def _policy_ranks(system: str) -> tuple[str, int]:
+    """"justfit@cpu" -> ("cpu", 1); "justfit-default@2" -> ("auto", 2): a layer
+    pipeline over two ranks (justfit.pipeline)."""
+    tail = system.partition("@")[2]
+    return ("auto", int(tail)) if tail.isdigit() else (tail or "auto", 1)
+
+
 def _prompt(tokenizer, n):
     from bench.common import prompt_tokens
 
@@ -139,8 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
             runs = []
             for _ in range(args.repeat):
                 bar.set_postfix_str(f"{system} @ {context:,}")
+                ranks = _policy_ranks(system)[1] if system.startswith("justfit") else 1
                 runs.append(run_worker("bench.speed", [system, args.model, str(context), str(args.decode)],
-                                       args.timeout))
+                                       args.timeout, ranks))
                 bar.update()
             ok = [r for r in runs if "error" not in r]
             row = {"system": system, "model": args.model, "context": context, "decode_tokens": args.decode,
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
                     vals = sorted(r[key] for r in ok)
                     row[key] = vals[len(vals) // 2]  # median; the best run beside it
                     row[f"{key}_best"] = vals[0] if key in ("ttft_s", "peak_mib", "rss_peak_mib") else vals[-1]
-                row["read_bytes"] = ok[0]["read_bytes"]
+                row["read_bytes"] = ok[0].get("read_bytes")
                 for key in ("blas", "weights_dtype", "kv_dtype", "kv_bits", "prefill_step", "note"):
                     if key in ok[0]:
                         row[key] = ok[0][key]  # of the worker process, not this one

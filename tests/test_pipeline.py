@@ -184,3 +184,19 @@ def test_a_pipelines_conversation_saves_and_restores_on_every_rank_or_none(tiny_
     assert split["cached"] == split["loaded_tokens"] > 0  # the restored state, extended
     assert "rank(s) [1]" in split["damaged"] and "corrupted" in alone["damaged"]
     assert split["third_cached"] > split["cached"]  # the state every rank kept, not a reset
+
+
+def test_the_speed_bench_runs_a_pipeline_under_mlx_launch(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """`justfit-default@2`: both ranks launched as a user would, rank 0 timing the request;
+    no one process's memory floor is claimed for it."""
+    import bench.common
+    from bench.speed import _policy_ranks, main as speed
+
+    assert _policy_ranks("justfit@cpu") == ("cpu", 1) and _policy_ranks("justfit-default@2") == ("auto", 2)
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    speed(["--model", str(tiny_llama_dir), "--contexts", "64", "--decode", "4", "--systems",
+           "justfit-default,justfit-default@2", "--json"])
+    rows = {r["system"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["systems"]}
+    alone, split = rows["justfit-default"], rows["justfit-default@2"]
+    assert split["runs"] == 1 and split["prefill_tps"] > 0 and split["decode_tps"] > 0
+    assert split["read_bytes"] is None and "floor_tps" not in split and alone["floor_tps"] > 0
