@@ -37,12 +37,15 @@ from cli import common
 @click.option("--chat-template", "chat_template", default=None, metavar="FILE",
               help="A Jinja chat template for the chat routes, instead of the model's own; a model "
                    "with none (a base model) answers chat requests 400 without it.")
+@click.option("--rank-timeout", type=click.FloatRange(min=1), default=300, show_default=True, metavar="SECONDS",
+              help="Under mlx.launch: a request whose pipeline sends nothing for this long (a prefill chunk, a "
+                   "token) fails with 503, and the group is reported degraded until every rank is restarted.")
 @common.whole_process_option
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
-          chat_template, whole_process, gguf_bits, kv_format, policy) -> None:
+          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy) -> None:
     """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
 
     Stored conversation states are reused across requests; a request that cannot
@@ -57,7 +60,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     config = ServerConfig(host=host, port=port, api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
                           max_batch=max_batch, preempt=preempt,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
-                          model_name=served_name)
+                          model_name=served_name, rank_timeout_s=rank_timeout)
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)

@@ -57,9 +57,11 @@ class Job:
     generated: int = 0  # tokens generated so far
     route: str = ""  # the API it came through, for the status page
     phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
+    last_event: float = field(default_factory=time.monotonic)  # for justfit.stall
 
     def emit(self, kind: str, payload: Any = None) -> None:
         """Send an event to the job's loop; cancel the job when that loop is gone."""
+        self.last_event = time.monotonic()
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the server's loop is gone: nobody is listening
@@ -85,7 +87,7 @@ class Scheduler:
     """The engine's worker thread and the bounded queue of jobs waiting for it."""
 
     def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None,
-                 max_batch: int = 1, preempt: bool = True):
+                 max_batch: int = 1, preempt: bool = True, stall_s: float | None = None):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.engine, self.max_queue, self.on_done, self.max_batch = engine, max_queue, on_done, max_batch
@@ -99,6 +101,12 @@ class Scheduler:
         work = self._work if max_batch == 1 else self._work_batched
         self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
         self._thread.start()
+        self.watch = None  # a layer pipeline's bounded wait (justfit.stall), with `stall_s`
+        if stall_s is not None:
+            from justfit.stall import StallWatch
+
+            self.watch = StallWatch(self, stall_s)
+            self.watch.start()
 
     @property
     def running(self) -> Job | None:
@@ -155,6 +163,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Cancel the running jobs and stop the worker thread once what is queued is done."""
+        if self.watch is not None:
+            self.watch.stopped.set()
         for job in list(self.active):
             job.cancel.set()
         self._queue.put(None)
@@ -168,6 +178,7 @@ class Scheduler:
                 job.emit("done", None)
                 continue
             self.active, job.started = [job], time.monotonic()
+            job.last_event = job.started  # its wait in the queue is no stall
             try:
                 self._run(job)
             finally:

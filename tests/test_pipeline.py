@@ -200,3 +200,52 @@ def test_the_speed_bench_runs_a_pipeline_under_mlx_launch(tiny_llama_dir, tmp_pa
     alone, split = rows["justfit-default"], rows["justfit-default@2"]
     assert split["runs"] == 1 and split["prefill_tps"] > 0 and split["decode_tps"] > 0
     assert split["read_bytes"] is None and "floor_tps" not in split and alone["floor_tps"] > 0
+
+
+def test_a_rank_that_stops_answering_fails_the_request_within_the_stall_limit(tiny_llama_dir, tmp_path):
+    """Alive but silent (SIGSTOP): MLX's transfer cannot time out, so the server's
+    watchdog bounds it: the request gets PipelineLost within the limit and the group is
+    marked lost (later requests are refused at once)."""
+    child = str(Path(__file__).with_name("pipeline_stall_child.py"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, child, str(tiny_llama_dir),
+                          str(tmp_path / "rank1.pid")], capture_output=True, text=True, timeout=120, env=env)
+    got = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
+    assert got["error"] == "PipelineLost" and got["events"][-1] == "done"
+    assert got["seconds"] < 30 and "no answer from the layer pipeline for 2 s" in got["lost"]
+
+
+class _SilentPipeline:
+    """An engine on a pipeline whose other rank never answers: generation blocks."""
+
+    def __init__(self, engine):
+        import threading
+        from types import SimpleNamespace
+
+        self._engine, self.pipeline, self.pipeline_lost = engine, SimpleNamespace(size=2, rank=0), ""
+        self.never = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, *args, **kwargs):
+        self.never.wait(60)
+        yield from ()
+
+
+def test_the_server_answers_503_and_reports_degraded_when_the_pipeline_stalls(tiny_gemma3_dir):
+    from justfit import Engine
+    from tests.server_harness import CHAT, LiveServer, request
+
+    engine = _SilentPipeline(Engine(str(tiny_gemma3_dir)))
+    live = LiveServer(engine, rank_timeout_s=1.0)
+    try:
+        status, _, text = request(live, "POST", "/v1/chat/completions", CHAT)
+        assert status == 503 and json.loads(text)["error"]["code"] == "pipeline_degraded"
+        health = json.loads(request(live, "GET", "/health")[2])
+        assert health["status"] == "degraded" and "no answer" in health["pipeline"]["lost"]
+        again = request(live, "POST", "/v1/chat/completions", CHAT)  # refused at once, not queued
+        assert again[0] == 503 and "restart all ranks" in json.loads(again[2])["error"]["message"]
+    finally:
+        engine.never.set()
+        live.close()

@@ -17,7 +17,7 @@ from aiohttp import web
 
 import justfit
 from justfit import runtime
-from justfit.errors import BudgetExceeded, ContextTooLong
+from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost
 from justfit.scheduler import Job, QueueFull, Scheduler
 from justfit.tickets import TICKET_HEADER
 from justfit.server import status_page
@@ -43,6 +43,7 @@ class ServerConfig:
     default_max_tokens: int = 1024
     model_name: str | None = None  # the id clients use; default: the engine's model name
     keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
+    rank_timeout_s: float = 300.0  # a layer pipeline silent this long mid-request is lost (justfit.stall)
 
 
 class Server:
@@ -53,8 +54,10 @@ class Server:
         self.engine, self.config = engine, config or ServerConfig()
         self.tokenizing = TokenizerThread()
         self.metrics = Metrics()
+        piped = getattr(engine, "pipeline", None) is not None
         self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record,
-                                   max_batch=self.config.max_batch, preempt=self.config.preempt)
+                                   max_batch=self.config.max_batch, preempt=self.config.preempt,
+                                   stall_s=self.config.rank_timeout_s if piped else None)
         self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
 
@@ -106,6 +109,9 @@ class Server:
     def submit(self, tokens: list[int], opts: Options, route: str = "", request=None) -> tuple[Job, int]:
         """Queue a planned request (`route`: the API it came through, for the status
         page); the ticket a retry brings in the TICKET_HEADER of `request` keeps its place."""
+        if getattr(self.engine, "pipeline_lost", ""):  # nothing can run until every rank is restarted
+            raise BadRequest(str(PipelineLost(self.engine.pipeline_lost)), None, 503, "server_error",
+                             "pipeline_degraded")
         if opts.session and getattr(self.engine, "pipeline", None) is not None:
             raise BadRequest("named sessions are kept by one process, not by a layer pipeline; send the request "
                              "without a session", "session", 400, "invalid_request_error", "session_unsupported")

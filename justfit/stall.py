@@ -1,0 +1,35 @@
+"""Bounded waits for a layer pipeline (issue 21). A rank that stops answering (alive but
+stuck, or cut off without its connection closing) leaves the engine thread blocked in a
+transfer MLX cannot time out. This watchdog bounds the wait: past `stall_s` without an
+event from the running job (a prefill chunk done, a token), the group is marked lost
+(/health degraded, later requests 503) and the running and waiting jobs get
+PipelineLost. The blocked thread stays behind: only restarting every rank mends it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from justfit.errors import PipelineLost
+
+
+class StallWatch(threading.Thread):
+    """Watches `scheduler`'s running job (see the module's docstring)."""
+
+    def __init__(self, scheduler, stall_s: float, every: float = 0.25):
+        super().__init__(name="justfit-stall-watch", daemon=True)
+        self.scheduler, self.stall_s, self.every = scheduler, stall_s, every
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every):
+            job, engine = self.scheduler.running, self.scheduler.engine
+            if job is None or engine.pipeline_lost or time.monotonic() - job.last_event < self.stall_s:
+                continue
+            engine.pipeline_lost = f"no answer from the layer pipeline for {self.stall_s:g} s"
+            error = PipelineLost(engine.pipeline_lost)
+            for waiting in [job, *self.scheduler.queued()]:
+                waiting.cancel.set()  # should the thread ever come back, it drops them
+                waiting.emit("error", error)
+                waiting.emit("done", None)
+            return
