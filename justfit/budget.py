@@ -73,6 +73,11 @@ def check_fits(engine: Engine, prompt_tokens: int, max_tokens: int) -> tuple[tup
     if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
         raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
     positions = prompt_tokens + max_tokens
+    others = [(n, r) for r, n in enumerate(getattr(engine, "rank_limits", []) or []) if r and 0 <= n < positions]
+    if others:  # a pipeline rank's own budget holds fewer (rank 0's is checked below, with its plan)
+        n, r = min(others)
+        raise ContextTooLong(prompt_tokens, max_tokens, n, f"positions rank {r} of the layer pipeline holds in its "
+                             f"budget (per rank: {engine.rank_limits})")
     offloaded, fp = plan(engine, positions)
     budget = engine.config.budget_bytes
     if budget is not None and fp.total > budget:

@@ -94,6 +94,12 @@ class Engine:
                                  c.state_disk)
         self.last_stats: GenerationStats | None = None
         self.live_cache: list | None = None  # the running request's state, for the status page
+        self.rank_limits: list[int] = []  # on a pipeline: the positions each rank's own plan holds (-1: no budget)
+        if self.pipeline is not None:
+            from justfit.pipeline import gather_limits
+
+            own = self.footprint(1).max_positions(budget) if budget is not None else -1
+            self.rank_limits = gather_limits(self.pipeline.group, own)
 
     # -- prompts ---------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

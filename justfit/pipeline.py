@@ -31,7 +31,7 @@ from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, mak
 
 __all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
            "keep_share", "make_cache", "split_layers", "head_bytes", "layer_facts",
-           "plan_split", "rank_footprint", "resume"]
+           "plan_split", "rank_footprint", "resume", "gather_limits"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,13 @@ class Pipeline:
     def size(self) -> int:
         """How many ranks."""
         return self.group.size()
+
+
+def gather_limits(group, positions: int) -> list[int]:
+    """Every rank's `positions` (the most its own plan holds; -1: no budget), so rank 0
+    refuses what any rank cannot hold before any work."""
+    got = mx.distributed.all_gather(mx.array([positions], dtype=mx.int64), group=group)
+    return [int(v) for v in got.tolist()]
 
 
 def head_bytes(model: nn.Module) -> int:
