@@ -22,6 +22,7 @@ class StallWatch(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        """Until stopped, or until it has marked the group lost."""
         while not self.stopped.wait(self.every):
             job, engine = self.scheduler.running, self.scheduler.engine
             if job is None or engine.pipeline_lost or time.monotonic() - job.last_event < self.stall_s:

@@ -101,13 +101,15 @@ def import_state(engine, path: str, session: str | None = None) -> StateIO:
 
 def _one_process(session: str | None) -> None:
     if session is not None:
-        raise ValueError("named sessions are kept by one process; a pipeline saves and loads its conversation "
-                         "(save_state / load_state without a session)")
+        raise ValueError("named sessions are kept by one process; a layer pipeline saves its conversation to a "
+                         "folder (chat: /save ./FOLDER; Engine.save_state(path) without a session)")
 
 
 def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
     """Name the latest conversation `name`: a session, written through to the state
     directory now and at every later turn of it; `extra` (JSON) is kept beside it."""
+    if engine.pipeline is not None:
+        _one_process(name)
     states = engine.states
     entry = states.session_entry(name) if states.last is None else states.last
     if entry is None or not entry.tokens:
@@ -125,6 +127,8 @@ def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
 def resume_session(engine, name: str) -> StateIO | None:
     """Session `name` from the state directory (the next request naming it prefills
     only what is new), with what was kept beside it; None if there is none."""
+    if engine.pipeline is not None:
+        _one_process(name)
     start = time.perf_counter()
     entry = engine.states.session_entry(name)
     if entry is None:
