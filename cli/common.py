@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -109,6 +110,34 @@ policy_option = click.option(
 )
 
 
+def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
+    """--ranks N > 1, not yet under mlx.launch: run this same command line under it, as N
+    local ranks of a layer pipeline, and leave with its status."""
+    if ranks <= 1 or "MLX_RANK" in os.environ or ctx.resilient_parsing:
+        return
+    import subprocess
+
+    args, skip = [], False
+    for a in sys.argv[1:]:  # the same command, less --ranks
+        if skip or a.startswith("--ranks="):
+            skip = False
+            continue
+        if a == "--ranks":
+            skip = True
+            continue
+        args.append(a)
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    sys.exit(subprocess.call([str(launcher), "-n", str(ranks), "--backend", "ring", "--", sys.argv[0], *args]))
+
+
+ranks_option = click.option(
+    "--ranks", type=click.IntRange(min=1), default=1, show_default=True, expose_value=False, is_eager=True,
+    callback=_relaunch,
+    help="Run as a layer pipeline over N local ranks (mlx.launch -n N --backend ring); for several "
+         "machines start the command with mlx.launch --hostfile instead.",
+)
+
+
 def options(*decorators: Callable) -> Callable:
     """Several click options as one decorator, in the order given."""
     def apply(f: Callable) -> Callable:
@@ -128,7 +157,8 @@ sampling_options = options(
                  help="Nucleus sampling: keep the smallest token set with this much probability."),
     click.option("--seed", type=int, default=None, help="Random seed, for repeatable sampling."),
 )
-engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option)
+engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option,
+                         ranks_option)
 
 
 def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",

@@ -44,6 +44,7 @@ from cli import common
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
+@common.ranks_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
           chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy) -> None:
     """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).

@@ -85,8 +85,9 @@ def test_engines_on_two_ranks_reply_as_one_and_each_holds_half(model, request):
 
 
 def test_justfit_generate_under_mlx_launch_prints_what_one_process_prints(smollm2_gguf):
-    """A user's command line: `mlx.launch -n 2 --backend ring -- justfit generate ...`;
-    rank 0 prints the continuation, rank 1 computes its layers and leaves."""
+    """A user's command line: `mlx.launch -n 2 --backend ring -- justfit generate ...`, or
+    `justfit generate --ranks 2 ...` that runs it; rank 0 prints the continuation, rank 1
+    computes its layers and leaves."""
     exe = str(Path(sys.executable).with_name("justfit"))
     args = [exe, "generate", "--model", "smollm2", "--prompt", "The capital of France is", "-t", "0",
             "--max-tokens", "8"]
@@ -95,6 +96,8 @@ def test_justfit_generate_under_mlx_launch_prints_what_one_process_prints(smollm
                               timeout=300)
     assert alone.strip() and launched.stdout.strip() == alone.strip()
     assert "rank 1: layers" in launched.stderr
+    local = subprocess.run([*args, "--ranks", "2"], capture_output=True, text=True, timeout=300)  # the convenience
+    assert local.stdout.strip() == alone.strip() and "rank 1: layers" in local.stderr
 
 
 def test_fit_plans_a_pipeline_per_rank_before_launching(smollm2_gguf):
