@@ -225,3 +225,20 @@ def test_bench_batch_decode_runs_both_ways_side_by_side(tiny_llama_dir, tmp_path
         assert len(r["alone_tps"]) == len(r["batched_tps"]) == 2 and min(r["alone_tps"] + r["batched_tps"]) > 0
         assert r["greedy_identical"] and r["repeats_differing"] == 0 and r["ratio_median"] > 0
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+
+
+def test_capacity_runs_from_machines_of_one_kind_combine_and_others_do_not(tmp_path):
+    import json
+
+    from bench.report import combine_capacity
+
+    machine = {"cpu": "x86_64", "cores": 2, "memory_gib": 23.6, "mlx": "0.3"}
+    run = {"settings": {"model": "m", "budget": "1GiB", "step": 8, "out": 1}, "systems": [
+        {"system": "mlx-lm", "budget_mib": 1024.0, "positions": 10, "ended_by": "budget"}]}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps({**run, "machine": machine}))
+    paths[1].write_text(json.dumps({**run, "machine": {**machine, "memory_gib": 23.5}}))  # a fresh VM, same kind
+    assert set(combine_capacity(paths)["settings"]["machines"]) == {"a.json", "b.json"}
+    paths[1].write_text(json.dumps({**run, "machine": {**machine, "memory_gib": 16.0}}))
+    with pytest.raises(ValueError, match="memory_gib"):
+        combine_capacity(paths)
