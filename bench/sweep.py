@@ -25,11 +25,13 @@ def parse_budgets(spec: str, model: str) -> list[str]:
 
 def held(row: dict) -> tuple[int | None, str]:
     """A row's positions and how they are known: measured, at least (a limited run),
-    or modeled (a stock run that could not reach the budget in its time)."""
+    or modeled (a run that could not reach the budget in its time); over repeated
+    runs, the fewest."""
     if row.get("modeled_positions") is not None:
         return row["modeled_positions"], "modeled"
-    if "positions" in row:
-        return row["positions"], "at least" if row.get("limited") else "measured"
+    if "positions" in row:  # over repeated runs, the fewest: a ratio holds in every run
+        n = row["min_positions"] if row.get("min_positions") is not None else row["positions"]
+        return n, "at least" if row.get("limited") else "measured"
     return None, ""
 
 

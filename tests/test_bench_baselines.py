@@ -222,3 +222,10 @@ def test_a_justfit_run_stopped_by_its_clock_is_modeled_from_the_planners_page_by
     checked = check_justfit(run, 400 * 2**20, 3)
     assert checked["measured"] == 2080 and checked["fitted_up_to"] == 6240
     assert checked["modeled"] == (400 * 2**20 - base - 140 * 2**20) // page
+
+
+def test_a_row_run_several_times_counts_its_fewest_positions_in_ratios():
+    from bench.sweep import held, ratio
+
+    jf = {"system": "justfit-lossless", "positions": 7680, "min_positions": 6816, "max_positions": 7680}
+    assert held(jf) == (6816, "measured") and ratio(jf, {"positions": 3408}) == "2.00x"
