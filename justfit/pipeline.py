@@ -241,19 +241,28 @@ def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, li
     cache = new_cache()
     header_like = mx.zeros((2,), dtype=mx.int32)
     forwards = 0
-    while not limit or forwards < limit:
-        op, n = (int(v) for v in mx.distributed.recv_like(header_like, rank - 1, group=group).tolist())
-        if rank < size - 1:  # pass the header down the chain
-            mx.eval(mx.distributed.send(mx.array([op, n], dtype=mx.int32), rank + 1, group=group))
-        if op == STOP:
-            return
-        if op == RESET:
-            cache = new_cache()
-            continue
-        if op in STATE_OPS:
-            cache = on_state(op, receive(group, n), cache)
-            continue
-        with phase("prefill" if n > 1 else "decode") if phase else contextlib.nullcontext():
+    with contextlib.ExitStack() as phases:
+        # A phase lasts while the forwards stay of its kind, as on rank 0 (a request's
+        # prefill chunks, then its decode steps): entering one per forward would set up
+        # its weight forms every token.
+        kind = None
+        while not limit or forwards < limit:
+            op, n = (int(v) for v in mx.distributed.recv_like(header_like, rank - 1, group=group).tolist())
+            if rank < size - 1:  # pass the header down the chain
+                mx.eval(mx.distributed.send(mx.array([op, n], dtype=mx.int32), rank + 1, group=group))
+            if op == STOP:
+                return
+            if op == RESET:
+                cache = new_cache()
+                continue
+            if op in STATE_OPS:
+                cache = on_state(op, receive(group, n), cache)
+                continue
+            wanted = "prefill" if n > 1 else "decode"
+            if phase and wanted != kind:
+                phases.close()
+                phases.enter_context(phase(wanted))
+                kind = wanted
             out = model.model(None, cache=cache, input_embeddings=mx.zeros((1, n, hidden), dtype=dtype))
             mx.eval(out, [c.state for c in cache])
-        forwards += 1
+            forwards += 1
