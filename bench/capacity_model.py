@@ -51,6 +51,8 @@ def justfit_model(run: dict, steps: int = 0):
     if len(same) < 2:
         raise ValueError("a JustFit memory model needs two steps at one prefill chunk")
     kv = (same[-1]["planned"] - same[0]["planned"]) / (same[-1]["positions"] - same[0]["positions"])
+    if kv <= 0:  # e.g. retention: what it holds does not grow with the positions fed
+        raise ValueError("the planned peak does not grow with the positions: no capacity to model")
     setup = run["setup"]
     return fit([(s["positions"], s["peak_rss"]) for s in same], setup["baseline_rss"],
                setup.get("weights_bytes", 0), kv, (0.0, 0.0))

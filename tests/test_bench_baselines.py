@@ -219,6 +219,10 @@ def test_a_justfit_run_stopped_by_its_clock_is_modeled_from_the_planners_page_by
     lone = {"system": "justfit-lossless", "positions": 2080}
     model_row(lone, {"setup": {"baseline_rss": base}, "steps": steps[:1]}, 1100 * 2**20, 2048, 2048)
     assert "modeled" not in lone  # one step fits no model: the lower bound stands alone
+    flat = {"system": "justfit-retention", "positions": 8320}  # evicting: its plan does not grow
+    model_row(flat, {"setup": {"baseline_rss": base}, "steps": [{**s, "planned": 1} for s in steps]},
+              1100 * 2**20, 2048, 2048)
+    assert "modeled" not in flat
     checked = check_justfit(run, 400 * 2**20, 3)
     assert checked["measured"] == 2080 and checked["fitted_up_to"] == 6240
     assert checked["modeled"] == (400 * 2**20 - base - 140 * 2**20) // page
