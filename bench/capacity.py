@@ -39,7 +39,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
            "justfit-default", "justfit-compact", "justfit-retention")
@@ -60,7 +59,9 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
            "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
     ranks = int(system.partition("@")[2] or 1)
     if ranks > 1:  # a layer pipeline: every rank a worker, each held to the budget
-        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks), "--backend", "ring", "--", *cmd]
+        from justfit.runtime import launched
+
+        cmd = launched(ranks, cmd)
     run = {"setup": {}, "steps": [], "end": {"end": "crashed"}}
     others = 0  # the largest peak any other rank reported
     bar = progress_bar(args.max_positions, f"{system} @ {budget / MIB:.0f} MiB" + (" (finer)" if fine_step else ""),

@@ -62,7 +62,9 @@ def run_worker(module: str, args: list[str], timeout: float, ranks: int = 1) -> 
     under mlx.launch, as a layer pipeline); its last stdout line is JSON."""
     cmd = [sys.executable, "-m", module, "--worker", *args]
     if ranks > 1:
-        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks), "--backend", "ring", "--", *cmd]
+        from justfit.runtime import launched
+
+        cmd = launched(ranks, cmd)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

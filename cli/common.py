@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Callable
 
 import click
@@ -126,8 +125,9 @@ def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
             skip = True
             continue
         args.append(a)
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    sys.exit(subprocess.call([str(launcher), "-n", str(ranks), "--backend", "ring", "--", sys.argv[0], *args]))
+    from justfit.runtime import launched
+
+    sys.exit(subprocess.call(launched(ranks, [sys.argv[0], *args])))
 
 
 ranks_option = click.option(

@@ -96,10 +96,10 @@ class Engine:
         self.live_cache: list | None = None  # the running request's state, for the status page
         self.rank_limits: list[int] = []  # on a pipeline: the positions each rank's own plan holds (-1: no budget)
         if self.pipeline is not None:
-            from justfit.pipeline import gather_limits
+            from justfit.pipeline import gather
 
             own = self.footprint(1).max_positions(budget) if budget is not None else -1
-            self.rank_limits = gather_limits(self.pipeline.group, own)
+            self.rank_limits = gather(self.pipeline.group, own)
 
     # -- prompts ---------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

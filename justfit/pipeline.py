@@ -31,7 +31,7 @@ from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, mak
 
 __all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
            "keep_share", "make_cache", "split_layers", "head_bytes", "layer_facts",
-           "plan_split", "rank_footprint", "resume", "gather_limits"]
+           "plan_split", "rank_footprint", "resume", "gather"]
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,10 @@ class Pipeline:
         return self.group.size()
 
 
-def gather_limits(group, positions: int) -> list[int]:
-    """Every rank's `positions` (the most its own plan holds; -1: no budget), so rank 0
-    refuses what any rank cannot hold before any work."""
-    got = mx.distributed.all_gather(mx.array([positions], dtype=mx.int64), group=group)
+def gather(group, value: int) -> list[int]:
+    """Every rank's `value`, in rank order (each rank calls it with its own): budgets,
+    or the positions each rank's plan holds, so rank 0 refuses before any work."""
+    got = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=group)
     return [int(v) for v in got.tolist()]
 
 
@@ -172,8 +172,7 @@ def attach(model: nn.Module, group, budget: int | None, hidden: int, base=None) 
     does not hold replaced by stand-ins, and, on ranks > 0, the
     embedding by a one-row stub (only rank 0 embeds and runs the head). Its
     `make_cache` then gives shadows for the stand-ins."""
-    mine = mx.array([budget if budget is not None else -1], dtype=mx.int64)
-    budgets = [int(b) for b in mx.distributed.all_gather(mine, group=group).tolist()]
+    budgets = gather(group, budget if budget is not None else -1)
     if min(budgets) < 0:  # a rank without a budget: an even split
         split = split_layers(len(model.model.layers), [1] * len(budgets))
     elif base is None:

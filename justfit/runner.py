@@ -17,6 +17,7 @@ from justfit.stats import Chunk, GenerationStats
 from justfit.stops import ReplyText
 import kvexec
 from justfit.pipeline import resume
+from justfit.state_io import refuse_pipeline_session
 from statetrans import holds
 
 if TYPE_CHECKING:
@@ -27,9 +28,7 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
                 session: str | None = None) -> Iterator[Chunk]:
     """Stream the reply to `tokens` (see Engine.generate): closing the iterator early
     cancels cleanly, and the state stored then holds exactly the tokens computed."""
-    if engine.pipeline is not None and session:
-        raise ValueError("named sessions are kept by one process, not by a layer pipeline; send the request "
-                         "without a session (the pipeline keeps its latest conversation on every rank)")
+    refuse_pipeline_session(engine, session)
     offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
     high_water = peak_rss_bytes()
     engine.swap.offload(offloaded)

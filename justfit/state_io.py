@@ -62,8 +62,8 @@ def export_state(engine, path: str, extra: dict | None = None, session: str | No
     """Save the latest conversation's state (or `session`'s) as a snapshot at `path`
     (a pipeline's: one part per rank, justfit.pipeline_state)."""
     states = engine.states
+    refuse_pipeline_session(engine, session)
     if engine.pipeline is not None:
-        _one_process(session)
         from justfit.pipeline_state import save
 
         start = time.perf_counter()
@@ -86,8 +86,8 @@ def import_state(engine, path: str, session: str | None = None) -> StateIO:
     """Store the snapshot's state as the latest conversation (or `session`'s); on any
     error nothing changes (a pipeline's: on every rank or on none)."""
     start = time.perf_counter()
+    refuse_pipeline_session(engine, session)
     if engine.pipeline is not None:
-        _one_process(session)
         from justfit.pipeline_state import load
 
         manifest, held = load(engine, path, engine.states.identity)
@@ -99,17 +99,18 @@ def import_state(engine, path: str, session: str | None = None) -> StateIO:
                    time.perf_counter() - start, manifest.get("extra") or {})
 
 
-def _one_process(session: str | None) -> None:
-    if session is not None:
-        raise ValueError("named sessions are kept by one process; a layer pipeline saves its conversation to a "
-                         "folder (chat: /save ./FOLDER; Engine.save_state(path) without a session)")
+def refuse_pipeline_session(engine, session: str | None) -> None:
+    """Named sessions are one process's state tiers: on a layer pipeline, ValueError."""
+    if session and getattr(engine, "pipeline", None) is not None:
+        raise ValueError("named sessions are kept by one process, not by a layer pipeline; send the request "
+                         "without a session (every rank keeps the latest conversation) or save it to a folder "
+                         "(chat: /save ./FOLDER; Engine.save_state(path))")
 
 
 def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
     """Name the latest conversation `name`: a session, written through to the state
     directory now and at every later turn of it; `extra` (JSON) is kept beside it."""
-    if engine.pipeline is not None:
-        _one_process(name)
+    refuse_pipeline_session(engine, name)
     states = engine.states
     entry = states.session_entry(name) if states.last is None else states.last
     if entry is None or not entry.tokens:
@@ -127,8 +128,7 @@ def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
 def resume_session(engine, name: str) -> StateIO | None:
     """Session `name` from the state directory (the next request naming it prefills
     only what is new), with what was kept beside it; None if there is none."""
-    if engine.pipeline is not None:
-        _one_process(name)
+    refuse_pipeline_session(engine, name)
     start = time.perf_counter()
     entry = engine.states.session_entry(name)
     if entry is None:

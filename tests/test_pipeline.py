@@ -243,6 +243,8 @@ def test_the_server_answers_503_and_reports_degraded_when_the_pipeline_stalls(ti
     engine = _SilentPipeline(Engine(str(tiny_gemma3_dir)))
     live = LiveServer(engine, rank_timeout_s=1.0)
     try:
+        named = request(live, "POST", "/v1/chat/completions", {**CHAT, "session": "s1"})  # one process's
+        assert named[0] == 400 and json.loads(named[2])["error"]["code"] == "session_unsupported"
         status, _, text = request(live, "POST", "/v1/chat/completions", CHAT)
         assert status == 503 and json.loads(text)["error"]["code"] == "pipeline_degraded"
         health = json.loads(request(live, "GET", "/health")[2])

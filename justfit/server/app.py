@@ -19,6 +19,7 @@ import justfit
 from justfit import runtime
 from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost
 from justfit.scheduler import Job, QueueFull, Scheduler
+from justfit.state_io import refuse_pipeline_session
 from justfit.tickets import TICKET_HEADER
 from justfit.server import status_page
 from justfit.server.metrics import Metrics, memory, prometheus
@@ -112,9 +113,10 @@ class Server:
         if getattr(self.engine, "pipeline_lost", ""):  # nothing can run until every rank is restarted
             raise BadRequest(str(PipelineLost(self.engine.pipeline_lost)), None, 503, "server_error",
                              "pipeline_degraded")
-        if opts.session and getattr(self.engine, "pipeline", None) is not None:
-            raise BadRequest("named sessions are kept by one process, not by a layer pipeline; send the request "
-                             "without a session", "session", 400, "invalid_request_error", "session_unsupported")
+        try:
+            refuse_pipeline_session(self.engine, opts.session)
+        except ValueError as e:
+            raise BadRequest(str(e), "session", 400, "invalid_request_error", "session_unsupported") from None
         job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route)
         ticket = request.headers.get(TICKET_HEADER) if request is not None else None
         try:
