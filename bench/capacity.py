@@ -59,7 +59,7 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
            "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
     ranks = int(system.partition("@")[2] or 1)
     if ranks > 1:  # a layer pipeline: every rank a worker, each held to the budget
-        from justfit.runtime import launched
+        from justfit.launch import launched
 
         cmd = launched(ranks, cmd)
     run = {"setup": {}, "steps": [], "end": {"end": "crashed"}}

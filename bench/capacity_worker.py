@@ -85,7 +85,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
 
     # The budget is the whole process's: the engine takes off what the interpreter,
     # libraries and tokenizer hold beside it, measured at load. "SYSTEM@N": a layer
-    # pipeline over N ranks (mlx.launch), each rank with this budget.
+    # pipeline over N local ranks (justfit.launch), each rank with this budget.
     system, _, ranks = system.partition("@")
     group = None
     if ranks:

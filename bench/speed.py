@@ -8,7 +8,7 @@ process on the same prompt tokens.
 
 Systems: `justfit-default` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS;
 `justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
-two local ranks under mlx.launch); stock `generate_step` on the same
+two local ranks, justfit.launch); stock `generate_step` on the same
 quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
 own BLAS (bench/stock.py): `mlx-lm` (defaults), `mlx-lm-tuned` (prefill step 512, 8-bit
 KV), `mlx-lm-kv4`; `mlx-lm-dense` (not a baseline: JustFit's prefill weight form, dense

@@ -26,15 +26,27 @@ def one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _parse_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+def _parse_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> int | tuple[int, ...] | None:
+    """One size, or a comma-separated size per rank of a layer pipeline (a tuple)."""
     if value is None:
         return None
     from justfit.memory import parse_size  # here: importing the CLI must not load mlx.core (see cli/main.py)
 
     try:
-        return parse_size(value)
+        sizes = tuple(parse_size(part) for part in value.split(","))
     except ValueError as e:
         raise click.BadParameter(str(e), ctx=ctx, param=param) from e
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
+def rank_budget(budget: int | tuple[int, ...] | None, rank: int, ranks: int) -> int | None:
+    """This rank's budget: the one given, or its entry of a per-rank list (which must
+    name every rank)."""
+    if not isinstance(budget, tuple):
+        return budget
+    if len(budget) != ranks:
+        raise UserError(f"--budget gives {len(budget)} sizes, one per rank, for {ranks} rank(s)")
+    return budget[rank]
 
 
 model_option = click.option(
@@ -43,7 +55,8 @@ model_option = click.option(
 )
 budget_option = click.option(
     "--budget", default=None, metavar="SIZE", callback=_parse_budget,
-    help="Memory budget, e.g. 2GiB; requests that would not fit are refused.",
+    help="Memory budget, e.g. 2GiB; requests that would not fit are refused. On a layer pipeline, "
+         "one for every rank or one per rank (800MiB,1.5GiB).",
 )
 whole_process_option = click.option(
     "--whole-process", is_flag=True,
@@ -110,8 +123,8 @@ policy_option = click.option(
 
 
 def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
-    """--ranks N > 1, not yet under mlx.launch: run this same command line under it, as N
-    local ranks of a layer pipeline, and leave with its status."""
+    """--ranks N > 1, not yet a rank: run this same command line as N local ranks of a
+    layer pipeline (justfit.launch), and leave with its status."""
     if ranks <= 1 or "MLX_RANK" in os.environ or ctx.resilient_parsing:
         return
     import subprocess
@@ -125,7 +138,7 @@ def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
             skip = True
             continue
         args.append(a)
-    from justfit.runtime import launched
+    from justfit.launch import launched
 
     sys.exit(subprocess.call(launched(ranks, [sys.argv[0], *args])))
 
@@ -133,7 +146,7 @@ def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
 ranks_option = click.option(
     "--ranks", type=click.IntRange(min=1), default=1, show_default=True, expose_value=False, is_eager=True,
     callback=_relaunch,
-    help="Run as a layer pipeline over N local ranks (mlx.launch -n N --backend ring); for several "
+    help="Run as a layer pipeline over N local ranks (ring backend on loopback); for several "
          "machines start the command with mlx.launch --hostfile instead.",
 )
 
@@ -161,7 +174,7 @@ engine_options = options(budget_option, whole_process_option, gguf_bits_option, 
                          ranks_option)
 
 
-def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "native",
+def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bits: int | str = "native",
                 kv_format: str = "q8c", policy: str = "auto", whole_process: bool = False):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
@@ -170,6 +183,7 @@ def load_engine(model: str | None, budget: int | None, gguf_bits: int | str = "n
 
     kv = None if kv_format == "none" else KVConfig(format=kv_format)
     group = launch_group()
+    budget = rank_budget(budget, group.rank() if group else 0, group.size() if group else 1)
     engine = Engine(model=model, budget=budget, group=group,
                     config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy, budget_covers_process=whole_process))
     if engine.pipeline is not None:

@@ -70,11 +70,3 @@ def current() -> Runtime | None:
     """What `setup()` did, or None when it has not run in this process."""
     return _runtime
 
-
-def launched(ranks: int, cmd: list[str]) -> list[str]:
-    """`cmd` run as `ranks` local ranks by MLX's launcher (ring backend): a layer
-    pipeline on this machine."""
-    import sys
-    from pathlib import Path
-
-    return [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks), "--backend", "ring", "--", *cmd]

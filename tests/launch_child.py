@@ -1,0 +1,30 @@
+"""One rank under justfit.launch (tests/test_launch.py): rank 0 sleeps, then sends; rank 1
+waits on its Link and prints how long it waited and the CPU time that took. With
+`fail` as argument, rank 1 exits 3 at once while rank 0 would sleep a minute."""
+
+import json
+import sys
+import time
+
+import mlx.core as mx
+
+from justfit.link import connect
+
+group = mx.distributed.init()
+if sys.argv[1:] == ["fail"]:
+    if group.rank() == 1:
+        sys.exit(3)
+    time.sleep(60)
+    sys.exit(0)
+link = connect(group)
+x = mx.arange(1024, dtype=mx.float32)
+if group.rank() == 0:
+    time.sleep(2.0)
+    link.send(x * 2, 1)
+    print(json.dumps({"back": link.recv_like(x, 1).sum().item()}), flush=True)
+else:
+    wall, cpu = time.monotonic(), time.process_time()
+    got = link.recv_like(x, 0)
+    print(json.dumps({"waited_s": time.monotonic() - wall, "cpu_s": time.process_time() - cpu,
+                      "doorbells": link.out is not None}), flush=True)
+    link.send(got + 1, 0)
