@@ -23,7 +23,7 @@ from cli import common
 @click.option("--compute", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True,
               help="With --config: activation width (fp16 on Apple GPUs, fp32 on MLX's CPU backend).")
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Plan a layer pipeline over this many ranks (mlx.launch), each with --budget.")
+              help="Plan a layer pipeline over this many ranks, each with --budget (or one size per rank).")
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
@@ -34,7 +34,9 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
     with --config, from a model's config.json alone."""
     from justfit.fit import fit_report, format_fit
 
-    budget = budget or psutil.virtual_memory().available
+    budgets = budget if isinstance(budget, tuple) else (budget or psutil.virtual_memory().available,) * ranks
+    common.rank_budget(budgets, 0, ranks)  # one size per rank, if a list
+    budget = budgets[0]
     if config_path is not None:
         from justfit.fit_config import config_fit_report, format_config_fit, load_config
         from kvexec import KVConfig
@@ -54,7 +56,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
         from justfit.fit_ranks import format_ranks, ranks_report
 
         try:
-            report = ranks_report(engine, [budget] * ranks)
+            report = ranks_report(engine, list(budgets))
         except ValueError as e:
             raise common.UserError(str(e)) from None
         click.echo(json.dumps(report, indent=2) if as_json else format_ranks(report))

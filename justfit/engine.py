@@ -247,8 +247,8 @@ class Engine:
             raise PipelineLost(self.pipeline_lost)
         try:
             yield from run_request(self, tokens, sampling or SamplingParams(), progress, session)
-        except RuntimeError as e:  # MLX's ring backend: a peer closed its connection
-            if self.pipeline is None or "[ring]" not in str(e):
+        except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
+            if self.pipeline is None or not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
                 raise
             self.pipeline_lost = str(e)
             raise PipelineLost(self.pipeline_lost) from e
@@ -263,7 +263,7 @@ class Engine:
             raise RuntimeError("follow() is for ranks > 0 of a pipeline")
         from justfit.pipeline_state import follower_op
 
-        follow(self.model, self.pipeline.group, self.new_cache, self.model.args.hidden_size,
+        follow(self.model, self.pipeline.link, self.new_cache, self.model.args.hidden_size,
                mx.float32 if self.policy.fp32 else mx.float16, limit, phase=self.swap.phase,
                on_state=lambda op, payload, cache: follower_op(self, op, payload, cache))
 
@@ -272,7 +272,7 @@ class Engine:
         from justfit.pipeline import STOP, control
 
         if self.pipeline is not None and self.pipeline.rank == 0:
-            control(self.pipeline.group, STOP)
+            control(self.pipeline.link, STOP)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
         """The whole reply as one string."""

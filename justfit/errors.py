@@ -39,4 +39,4 @@ class PipelineLost(JustFitError):
 
     def __init__(self, reason: str):
         self.reason = reason
-        super().__init__(f"a rank of the layer pipeline is gone ({reason}); restart all ranks with mlx.launch")
+        super().__init__(f"a rank of the layer pipeline is gone ({reason}); restart all ranks")

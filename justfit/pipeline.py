@@ -27,9 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from justfit.link import connect
 from justfit.stand_ins import FORWARD, RESET, STOP, held_layers, keep_share, make_cache
 
-__all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "control", "follow", "held_layers",
+__all__ = ["FORWARD", "RESET", "STOP", "Pipeline", "Split", "attach", "connect", "control", "follow", "held_layers",
            "keep_share", "make_cache", "split_layers", "head_bytes", "layer_facts",
            "plan_split", "rank_footprint", "resume", "gather"]
 
@@ -125,6 +126,7 @@ class Pipeline:
 
     group: object  # mx.distributed.Group
     split: Split
+    link: object  # justfit.link.Link: the transfers to and from this rank's neighbours
 
     @property
     def rank(self) -> int:
@@ -180,14 +182,15 @@ def attach(model: nn.Module, group, budget: int | None, hidden: int, base=None) 
     else:
         split = plan_split(base, *layer_facts(model), head_bytes(model), budgets)
     full = _cache_maker(model)
-    keep_share(model, split.layers(group.rank()), group)
+    link = connect(group)
+    keep_share(model, split.layers(group.rank()), link)
     if group.rank() > 0:
         body = model.model
         dtype = _float_dtype(body.embed_tokens)
         body.embed_tokens = nn.Embedding(1, hidden)
         body.embed_tokens.weight = body.embed_tokens.weight.astype(dtype)
     model.make_cache = lambda: make_cache(model, full())  # read by mlx-lm's make_prompt_cache
-    return Pipeline(group, split)
+    return Pipeline(group, split, link)
 
 
 def _cache_maker(model: nn.Module):
@@ -206,13 +209,13 @@ def _float_dtype(module: nn.Module):
     return mx.float32
 
 
-def control(group, op: int) -> None:
+def control(link, op: int) -> None:
     """Rank 0: tell the other ranks (down the chain) to reset their caches (RESET) or to
     leave (STOP)."""
-    mx.eval(mx.distributed.send(mx.array([op, 0], dtype=mx.int32), 1, group=group))
+    link.send(mx.array([op, 0], dtype=mx.int32), 1)
 
 
-def resume(group, live, tokens: list[int]):
+def resume(link, live, tokens: list[int]):
     """Rank 0, a request starting: the state every rank still holds from the last request
     (`live`: its tokens, rank 0's cache and sampler state) where those tokens begin this
     request's and leave one to compute (each rank extends its own share as it is); else
@@ -223,11 +226,11 @@ def resume(group, live, tokens: list[int]):
         held, cache, sampler = live
         if len(held) < len(tokens) and tokens[:len(held)] == held:
             return Reuse(cache, list(held), dict(sampler), "memory")
-    control(group, RESET)
+    control(link, RESET)
     return Reuse(None, [], {}, "")
 
 
-def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, limit: int = 0,
+def follow(model: nn.Module, link, new_cache, hidden: int, dtype=mx.float32, limit: int = 0,
            phase=None, on_state=None) -> None:
     """Rank r > 0: run this rank's share for each header from rank 0 (the previous rank
     forwards rank 0's header on) until STOP (or, for tests, `limit` forwards); `phase`
@@ -236,7 +239,7 @@ def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, li
     the cache to go on with."""
     from justfit.pipeline_state import STATE_OPS, receive
 
-    rank, size = group.rank(), group.size()
+    rank, size = link.rank(), link.size()
     cache = new_cache()
     header_like = mx.zeros((2,), dtype=mx.int32)
     forwards = 0
@@ -246,16 +249,16 @@ def follow(model: nn.Module, group, new_cache, hidden: int, dtype=mx.float32, li
         # its weight forms every token.
         kind = None
         while not limit or forwards < limit:
-            op, n = (int(v) for v in mx.distributed.recv_like(header_like, rank - 1, group=group).tolist())
+            op, n = (int(v) for v in link.recv_like(header_like, rank - 1).tolist())
             if rank < size - 1:  # pass the header down the chain
-                mx.eval(mx.distributed.send(mx.array([op, n], dtype=mx.int32), rank + 1, group=group))
+                link.send(mx.array([op, n], dtype=mx.int32), rank + 1)
             if op == STOP:
                 return
             if op == RESET:
                 cache = new_cache()
                 continue
             if op in STATE_OPS:
-                cache = on_state(op, receive(group, n), cache)
+                cache = on_state(op, receive(link, n), cache)
                 continue
             wanted = "prefill" if n > 1 else "decode"
             if phase and wanted != kind:

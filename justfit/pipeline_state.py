@@ -38,27 +38,26 @@ def _manifest_digest(folder: Path) -> bytes:
     return hashlib.sha256((folder / "manifest.json").read_bytes()).digest()
 
 
-def announce(group, op: int, payload: dict) -> None:
+def announce(link, op: int, payload: dict) -> None:
     """Rank 0: send `op` and its payload to rank 1 (each rank passes them on)."""
     data = mx.array(list(json.dumps(payload).encode()), dtype=mx.uint8)
-    header = mx.distributed.send(mx.array([op, data.size], dtype=mx.int32), 1, group=group)
-    mx.eval(mx.distributed.send(mx.depends(data, header), 1, group=group))
+    link.send(mx.array([op, data.size], dtype=mx.int32), 1)
+    link.send(data, 1)
 
 
-def receive(group, n: int) -> dict:
+def receive(link, n: int) -> dict:
     """Rank r > 0, after a state op's header (already passed on): its payload, passed
     on down the chain too."""
-    rank = group.rank()
-    data = mx.distributed.recv_like(mx.zeros((n,), dtype=mx.uint8), rank - 1, group=group)
-    mx.eval(data)
-    if rank < group.size() - 1:
-        mx.eval(mx.distributed.send(data, rank + 1, group=group))
+    rank = link.rank()
+    data = link.recv_like(mx.zeros((n,), dtype=mx.uint8), rank - 1)
+    if rank < link.size() - 1:
+        link.send(data, rank + 1)
     return json.loads(bytes(data.tolist()).decode())
 
 
-def _answers(group, ok: bool, digest: bytes = b"\0" * _DIGEST) -> list[tuple[bool, bytes]]:
+def _answers(link, ok: bool, digest: bytes = b"\0" * _DIGEST) -> list[tuple[bool, bytes]]:
     mine = mx.array([int(ok)] + list(digest), dtype=mx.uint8)
-    rows = mx.distributed.all_gather(mine, group=group).reshape(group.size(), -1).tolist()
+    rows = mx.distributed.all_gather(mine, group=link.group).reshape(link.size(), -1).tolist()
     return [(bool(r[0]), bytes(r[1:])) for r in rows]
 
 
@@ -112,30 +111,30 @@ def save(engine, path: str, meta: dict) -> tuple[int, int]:
     if engine.pipeline_live is None:
         raise ValueError("nothing to save: the conversation holds no state yet")
     held, cache, sampler = engine.pipeline_live
-    group, starts = engine.pipeline.group, list(engine.pipeline.split.starts)
+    link, starts = engine.pipeline.link, list(engine.pipeline.split.starts)
     gen = os.urandom(6).hex()
     common = {**meta, "positions": len(held), "pipeline": {"starts": starts, "generation": gen}}
-    announce(group, SAVE, {"path": str(path), "meta": common})
-    answers = _answers(group, True)
+    announce(link, SAVE, {"path": str(path), "meta": common})
+    answers = _answers(link, True)
     failed = [r for r, (ok, _) in enumerate(answers) if not ok]
     if failed:
-        _commit(group, path, None, gen)
+        _commit(link, path, None, gen)
         raise OSError(f"ranks {failed} could not write their part of {path}; the previous state there is kept")
     parts = {str(r): d.hex() for r, (_, d) in enumerate(answers) if r}
     try:  # the commit point
         nbytes = _write_part(_part(path, 0), cache, {**common, "tokens": list(held), "sampler": sampler,
                                                      "parts": parts, "pipeline": {**common["pipeline"], "rank": 0}})
     except BaseException:
-        _commit(group, path, None, gen)
+        _commit(link, path, None, gen)
         raise
-    _commit(group, path, gen, None)
+    _commit(link, path, gen, None)
     return snapshot_bytes(_part(path, 0)), nbytes
 
 
-def _commit(group, path: str, keep: str | None, drop: str | None) -> None:
+def _commit(link, path: str, keep: str | None, drop: str | None) -> None:
     """Every rank drops its parts of other generations than `keep` (or of `drop`)."""
-    announce(group, COMMIT, {"path": str(path), "keep": keep, "drop": drop})
-    _answers(group, True)
+    announce(link, COMMIT, {"path": str(path), "keep": keep, "drop": drop})
+    _answers(link, True)
 
 
 def load(engine, path: str, identity: dict) -> tuple[dict, int]:
@@ -151,10 +150,10 @@ def load(engine, path: str, identity: dict) -> tuple[dict, int]:
     if {k: manifest.get(k) for k in identity} != identity:
         raise SnapshotError(f"{path}: saved for another model or KV settings")
     cache = rebuild_share(arrays, manifest["share"], engine.new_cache())
-    group = engine.pipeline.group
-    announce(group, LOAD, {"path": str(path), "generation": pipe["generation"], "parts": manifest["parts"],
+    link = engine.pipeline.link
+    announce(link, LOAD, {"path": str(path), "generation": pipe["generation"], "parts": manifest["parts"],
                            "starts": starts, "identity": identity})
-    answers = _answers(group, True)
+    answers = _answers(link, True)
     failed = [r for r, (ok, _) in enumerate(answers) if not ok]
     if failed:
         raise SnapshotError(f"{path}: the part of rank(s) {failed} is missing, damaged or from another "
@@ -165,13 +164,13 @@ def load(engine, path: str, identity: dict) -> tuple[dict, int]:
 
 def follower_op(engine, op: int, payload: dict, cache: list) -> list:
     """Rank r > 0: carry out rank 0's state operation; the cache to go on with."""
-    group, rank = engine.pipeline.group, engine.pipeline.rank
+    link, rank = engine.pipeline.link, engine.pipeline.rank
     path = payload["path"]
     if op == COMMIT:  # drop this rank's other generations (or the failed one)
         for p in Path(path).expanduser().glob(f"rank{rank}-*"):
             if p.name != f"rank{rank}-{payload['keep']}" and (payload["keep"] or p.name.endswith(payload["drop"])):
                 shutil.rmtree(p, ignore_errors=True)
-        _answers(group, True)
+        _answers(link, True)
         return cache
     if op == SAVE:
         meta = payload["meta"]
@@ -181,7 +180,7 @@ def follower_op(engine, op: int, payload: dict, cache: list) -> list:
             digest = _manifest_digest(folder)
         except Exception:  # noqa: BLE001  (any failure: rank 0 waits for this rank's answer)
             digest = None
-        _answers(group, digest is not None, digest or b"\0" * _DIGEST)
+        _answers(link, digest is not None, digest or b"\0" * _DIGEST)
         return cache
     loaded = None
     try:  # LOAD: this rank's part, checked against rank 0's list, the split and the model
@@ -195,6 +194,6 @@ def follower_op(engine, op: int, payload: dict, cache: list) -> list:
         loaded = rebuild_share(arrays, manifest["share"], engine.new_cache())
     except Exception:  # noqa: BLE001  (any failure: every rank keeps its state)
         loaded = None
-    answers = _answers(group, loaded is not None)
+    answers = _answers(link, loaded is not None)
     return loaded if all(ok for ok, _ in answers) else cache
 

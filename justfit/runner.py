@@ -36,7 +36,7 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     if engine.pipeline is None:
         reuse = engine.states.take(tokens, session, engine.state_allowance(request))
     else:  # a pipeline keeps its last state on every rank (stored states are one process's)
-        reuse, engine.pipeline_live = resume(engine.pipeline.group, engine.pipeline_live, tokens), None
+        reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
     budget = engine.config.budget_bytes
     if engine.config.kv is not None and request.shape.full_layers:

@@ -18,7 +18,6 @@ class Position:
 
     def __init__(self):
         self.offset = 0
-        self.exchanged: mx.array | None = None  # rank 0: the last state sent on and back (see Exchange)
 
     def advance(self, n: int) -> None:
         """Move on by `n` positions."""
@@ -40,10 +39,8 @@ class Position:
 
     @property
     def state(self) -> list:
-        """Arrays to evaluate with the cache: the last exchange, on rank 0."""
-        # Evaluating a cache's state (as a prefill chunk does, the body's output unused)
-        # must also run the exchange, or the other ranks would never see that chunk.
-        return [self.exchanged] if self.exchanged is not None else []
+        """Arrays to evaluate with the cache: none (the transfers ran when made)."""
+        return []
 
     nbytes = 0
 
@@ -72,8 +69,8 @@ class WindowPosition(Position):
 
     @property
     def state(self) -> list:
-        """The shadow ring's arrays and the exchange."""
-        return [a for a in (self._ring.keys, self._ring.values) if a is not None] + super().state
+        """The shadow ring's arrays."""
+        return [a for a in (self._ring.keys, self._ring.values) if a is not None]
 
 
 def shadow(cache) -> Position:
@@ -99,22 +96,16 @@ class _StandIn(nn.Module):
 class Exchange(_StandIn):
     """Rank 0: send the header and the hidden state on; receive the normed state back."""
 
-    def __init__(self, group, last: int):
+    def __init__(self, link, last: int):
         super().__init__()
-        self._group, self._last = group, last
-
-    def __call__(self, x: mx.array, mask=None, cache=None, **_) -> mx.array:
-        out = super().__call__(x, mask, cache)
-        if isinstance(cache, Position):
-            cache.exchanged = out  # evaluated with the cache's state (Position.state)
-        return out
+        self._link, self._last = link, last
 
     def move(self, x: mx.array) -> mx.array:
         """Header and state on to rank 1; the final state back from the last rank."""
-        header = mx.distributed.send(mx.array([FORWARD, x.shape[1]], dtype=mx.int32), 1, group=self._group)
-        sent = mx.distributed.send(mx.depends(x, header), 1, group=self._group)
-        back = mx.distributed.recv_like(x, self._last, group=self._group)
-        return mx.depends(back, sent)
+        mx.eval(x)  # this rank's layers first, so the header comes when the state is ready
+        self._link.send(mx.array([FORWARD, x.shape[1]], dtype=mx.int32), 1)
+        self._link.send(x, 1)
+        return self._link.recv_like(x, self._last)
 
 
 class Pass(_StandIn):
@@ -122,42 +113,42 @@ class Pass(_StandIn):
     (`sending` False); on a middle rank, after its last layer, the state sent to rank
     r + 1 (`sending` True)."""
 
-    def __init__(self, group, peer: int, sending: bool):
+    def __init__(self, link, peer: int, sending: bool):
         super().__init__()
-        self._group, self._peer, self._sending = group, peer, sending
+        self._link, self._peer, self._sending = link, peer, sending
 
     def move(self, x: mx.array) -> mx.array:
         """The state sent on, or the state received."""
         if self._sending:
-            return mx.distributed.send(x, self._peer, group=self._group)
-        return mx.distributed.recv_like(x, self._peer, group=self._group)
+            return self._link.send(x, self._peer)
+        return self._link.recv_like(x, self._peer)
 
 
 class SendBack(nn.Module):
     """The last rank's final norm: normalize, then send the result to rank 0."""
 
-    def __init__(self, norm: nn.Module, group):
+    def __init__(self, norm: nn.Module, link):
         super().__init__()
-        self.norm, self._group = norm, group
+        self.norm, self._link = norm, link
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.distributed.send(self.norm(x), 0, group=self._group)
+        return self._link.send(self.norm(x), 0)
 
 
-def keep_share(model: nn.Module, mine: range, group) -> None:
+def keep_share(model: nn.Module, mine: range, link) -> None:
     """Replace, in place, what this rank does not hold by stand-ins (their weights are
-    let go): see the module's docstring."""
-    rank, size = group.rank(), group.size()
+    let go) that transfer over `link` (justfit.link.Link): see the module's docstring."""
+    rank, size = link.rank(), link.size()
     body = model.model
     for i, layer in enumerate(body.layers):
         if i in mine:
             continue
         if rank == 0 and i == mine.stop:
-            stand_in = Exchange(group, size - 1)
+            stand_in = Exchange(link, size - 1)
         elif rank > 0 and i == 0:
-            stand_in = Pass(group, rank - 1, sending=False)
+            stand_in = Pass(link, rank - 1, sending=False)
         elif 0 < rank < size - 1 and i == mine.stop:
-            stand_in = Pass(group, rank + 1, sending=True)
+            stand_in = Pass(link, rank + 1, sending=True)
         else:
             stand_in = _StandIn()
         # the model's loop reads plain facts off each layer (e.g. `use_sliding` for its mask)
@@ -168,7 +159,7 @@ def keep_share(model: nn.Module, mine: range, group) -> None:
     if rank == 0:
         body.norm = nn.Identity()  # the last rank applied the real one
     elif rank == size - 1:
-        body.norm = SendBack(body.norm, group)
+        body.norm = SendBack(body.norm, link)
 
 
 def make_cache(model: nn.Module, full: list) -> list:

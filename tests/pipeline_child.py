@@ -41,7 +41,8 @@ if group is None:
     print(json.dumps({"tokens": greedy(make_prompt_cache(model))}))
     sys.exit()
 split = pipeline.split_layers(len(model.model.layers), [1] * group.size())
-pipeline.keep_share(model, split.layers(group.rank()), group)
+link = pipeline.connect(group)
+pipeline.keep_share(model, split.layers(group.rank()), link)
 
 
 def new_cache():
@@ -51,12 +52,12 @@ def new_cache():
 if group.rank() == 0:
     try:
         tokens = greedy(new_cache())
-        pipeline.control(group, pipeline.STOP)
+        pipeline.control(link, pipeline.STOP)
         print(json.dumps({"tokens": tokens, "held_layers": sum(1 for _ in pipeline.held_layers(model))}))
-    except RuntimeError as e:  # a lost rank: an error, never a hang
+    except (RuntimeError, ConnectionError) as e:  # a lost rank: an error, never a hang
         print(json.dumps({"error": str(e)}))
 elif args.die_after and group.rank() == group.size() - 1:
-    pipeline.follow(model, group, new_cache, loaded.config["hidden_size"], limit=args.die_after)
+    pipeline.follow(model, link, new_cache, loaded.config["hidden_size"], limit=args.die_after)
     os._exit(0)
 else:
-    pipeline.follow(model, group, new_cache, loaded.config["hidden_size"])
+    pipeline.follow(model, link, new_cache, loaded.config["hidden_size"])

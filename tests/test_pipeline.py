@@ -117,6 +117,11 @@ def test_fit_plans_a_pipeline_per_rank_before_launching(smollm2_gguf):
     assert report["max_positions"] >= 1.8 * report["one_process_max_positions"]
     bad = CliRunner().invoke(fit, ["--budget", "600MiB", "--ranks", "31"])
     assert bad.exit_code != 0 and "at least one" in bad.output
+    mixed = json.loads(CliRunner().invoke(fit, ["--budget", "600MiB,900MiB", "--ranks", "2", "--json"]).output)
+    assert [r["budget"] for r in mixed["ranks"]] == [600 * 2**20, 900 * 2**20]
+    assert mixed["ranks"][1]["layers"][1] - mixed["ranks"][1]["layers"][0] > second["layers"][1] - second["layers"][0]
+    wrong = CliRunner().invoke(fit, ["--budget", "600MiB,900MiB", "--ranks", "3"])
+    assert wrong.exit_code != 0 and "one per rank" in wrong.output
 
 
 def test_an_engine_whose_rank_is_lost_refuses_with_a_clear_error_and_does_not_hang(tiny_llama_dir):
@@ -150,7 +155,7 @@ def test_the_split_balances_positions_not_weights(gemma3_gguf):
 
 
 def test_the_capacity_bench_runs_a_pipeline_with_every_rank_held_to_the_budget(tmp_path, monkeypatch):
-    """`--systems justfit-lossless@2`: two ranks under mlx.launch, each held to the
+    """`--systems justfit-lossless@2`: two local ranks (justfit.launch), each held to the
     budget by its own sampler; a step's peak is the largest rank's."""
     import bench.common
     from bench.capacity import main
@@ -189,7 +194,7 @@ def test_a_pipelines_conversation_saves_and_restores_on_every_rank_or_none(tiny_
     assert split["third_cached"] > split["cached"]  # the state every rank kept, not a reset
 
 
-def test_the_speed_bench_runs_a_pipeline_under_mlx_launch(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+def test_the_speed_bench_runs_a_pipeline_over_local_ranks(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     """`justfit-default@2`: both ranks launched as a user would, rank 0 timing the request;
     no one process's memory floor is claimed for it."""
     import bench.common
