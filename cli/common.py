@@ -190,7 +190,10 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
         if engine.pipeline.rank > 0:  # this process computes its layers for rank 0, then leaves
             click.echo(f"rank {engine.pipeline.rank}: layers {list(engine.pipeline.split.layers(engine.pipeline.rank))}"
                        " of the pipeline; rank 0 serves", file=sys.stderr)
-            engine.follow()
+            try:
+                engine.follow()
+            except ConnectionError as e:  # rank 0, or the rank before this one, is gone
+                raise UserError(f"rank {engine.pipeline.rank}: {e}; leaving") from None
             sys.exit(0)
         import atexit
 
