@@ -3,6 +3,8 @@
 #include <nanobind/stl/variant.h>
 
 #include "qmatvec.h"
+#include "rms_norm.h"
+#include "rope.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -12,4 +14,8 @@ NB_MODULE(_ext, m) {
   m.def("quantized_matvec", &justfit::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for MLX's affine-quantized weights (4 or 8 bits), float32.");
+  m.def("rope", &justfit::rope, "x"_a, "inv_freqs"_a, "dims"_a, nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a,
+        "stream"_a = nb::none(), "mx.fast.rope for float32 x on the CPU, as one operation.");
+  m.def("rms_norm", &justfit::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.fast.rms_norm for float32 x and weight on the CPU, as one operation.");
 }

@@ -1,7 +1,9 @@
 // See qmatvec.h. Each output column o reads its weight row once and forms the dot
 // product with every input row (at most kRows at a time, so their partial sums stay in
-// registers): the weights cost the same for 1 row as for 8. Rows of the output are
-// split across threads (OpenMP), which MLX's CPU stream thread runs.
+// registers): the weights cost the same for 1 row as for 8. Columns of the output are
+// split across threads (OpenMP), which MLX's CPU stream thread runs. With AVX2 the
+// quantized values are widened in registers and each group's products summed as
+// vectors; the portable path unpacks each group to floats first.
 #include "qmatvec.h"
 
 #include <cstdint>
@@ -21,29 +23,9 @@ namespace {
 
 constexpr int kRows = 8;
 
+#ifndef __AVX2__
 template <int Bits>
 inline void unpack_group(const uint8_t* src, float* dst, int group_size) {
-#ifdef __AVX2__
-  if constexpr (Bits == 4) {  // 16 bytes -> 32 values in order, 8 floats per conversion
-    const __m128i mask = _mm_set1_epi8(15);
-    for (int k = 0; k < group_size / 2; k += 16) {
-      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-      __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-      __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
-      float* d = dst + 2 * k;
-      _mm256_storeu_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)));
-      _mm256_storeu_ps(d + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))));
-      _mm256_storeu_ps(d + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
-      _mm256_storeu_ps(d + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
-    }
-    return;
-  } else {
-    for (int j = 0; j < group_size; j += 8)
-      _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)))));
-    return;
-  }
-#endif
   if constexpr (Bits == 8) {
     for (int j = 0; j < group_size; ++j) dst[j] = static_cast<float>(src[j]);
   } else {  // 4 bits: value 2k is byte k's low nibble, 2k + 1 its high one
@@ -53,44 +35,141 @@ inline void unpack_group(const uint8_t* src, float* dst, int group_size) {
     }
   }
 }
+#endif
 
-// S: the scales' and biases' type as stored (float16 from GGUF and mlx-lm, or float32).
-template <int Bits, typename S>
-void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
-            int rows, int in, int out, int group_size) {
+// The sum of x over each group of each row: the biases' share of every dot product.
+std::vector<float> group_sums(const float* x, int rows, int in, int group_size) {
   const int groups = in / group_size;
-  const int row_bytes = in * Bits / 8;
-  std::vector<float> sums(static_cast<size_t>(rows) * groups);  // sum of x over each group
+  std::vector<float> sums(static_cast<size_t>(rows) * groups);
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < groups; ++g) {
       float s = 0.f;
       for (int j = 0; j < group_size; ++j) s += x[r * in + g * group_size + j];
       sums[r * groups + g] = s;
     }
-  const float* xsum = sums.data();
-#pragma omp parallel for schedule(static)
-  for (int o = 0; o < out; ++o) {
-    alignas(32) float q[256];
-    const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
-    for (int r0 = 0; r0 < rows; r0 += kRows) {
-      const int nr = rows - r0 < kRows ? rows - r0 : kRows;
-      float acc[kRows] = {0.f};
-      for (int g = 0; g < groups; ++g) {
-        unpack_group<Bits>(wrow + g * group_size * Bits / 8, q, group_size);
-        const float sc = static_cast<float>(scales[static_cast<size_t>(o) * groups + g]);
-        const float bi = static_cast<float>(biases[static_cast<size_t>(o) * groups + g]);
-        for (int r = 0; r < nr; ++r) {
-          const float* xr = x + static_cast<size_t>(r0 + r) * in + g * group_size;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int j = 0; j < group_size; ++j) dot += q[j] * xr[j];
-          acc[r] += sc * dot + bi * xsum[(r0 + r) * groups + g];
-        }
-      }
-      for (int r = 0; r < nr; ++r) y[static_cast<size_t>(r0 + r) * out + o] = acc[r];
-    }
+  return sums;
+}
+
+#ifdef __AVX2__
+// A scale or bias as float: float16 through F16C (MLX's x86 float16_t converts in
+// software, a dozen instructions each), float32 as is.
+inline float widen(const mx::float16_t* p, size_t i) { return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]); }
+inline float widen(const float* p, size_t i) { return p[i]; }
+
+// 32 consecutive quantized values, in order, as four vectors of 8 floats.
+template <int Bits>
+inline void chunk32(const uint8_t* src, __m256 q[4]) {
+  if constexpr (Bits == 4) {  // 16 bytes; value 2k is byte k's low nibble, 2k + 1 its high one
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+  } else {
+    for (int k = 0; k < 4; ++k)
+      q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * k))));
   }
 }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Output column `o` for NR input rows: the group's dot products stay in vector
+// registers (ACC independent chains per row, so one row is not bound by the FMA's
+// latency), scaled once per group and summed across lanes once per column.
+template <int Bits, int NR, typename S>
+inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xsum,
+                   int groups, int group_size, float* y, int out) {
+  constexpr int ACC = NR == 1 ? 4 : (NR == 2 ? 2 : 1);
+  __m256 acc[NR];
+  float bacc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps(), bacc[r] = 0.f;
+  for (int g = 0; g < groups; ++g) {
+    __m256 dot[NR][ACC];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < ACC; ++k) dot[r][k] = _mm256_setzero_ps();
+    const int base = g * group_size;
+    for (int c = 0; c < group_size; c += 32) {
+      __m256 q[4];
+      chunk32<Bits>(wrow + (base + c) * Bits / 8, q);
+      for (int r = 0; r < NR; ++r) {
+        const float* xr = x + static_cast<size_t>(r) * in + base + c;
+        for (int k = 0; k < 4; ++k) dot[r][k % ACC] = _mm256_fmadd_ps(q[k], _mm256_loadu_ps(xr + 8 * k), dot[r][k % ACC]);
+      }
+    }
+    const __m256 scale = _mm256_set1_ps(widen(sc, g));
+    const float bias = widen(bi, g);
+    for (int r = 0; r < NR; ++r) {
+      __m256 d = dot[r][0];
+      for (int k = 1; k < ACC; ++k) d = _mm256_add_ps(d, dot[r][k]);
+      acc[r] = _mm256_fmadd_ps(d, scale, acc[r]);
+      bacc[r] += bias * xsum[r * groups + g];
+    }
+  }
+  for (int r = 0; r < NR; ++r) y[static_cast<size_t>(r) * out] = hsum(acc[r]) + bacc[r];
+}
+
+// Output column `o` for `nr` (<= kRows) input rows: the vector path per row count.
+template <int Bits, typename S>
+inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xs,
+                    int groups, int group_size, float* y, int out, int nr) {
+  switch (nr) {
+    case 1: column<Bits, 1>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 2: column<Bits, 2>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 3: column<Bits, 3>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 4: column<Bits, 4>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 5: column<Bits, 5>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 6: column<Bits, 6>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 7: column<Bits, 7>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    default: column<Bits, 8>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+  }
+}
+#else
+// Portable: each group unpacked to floats, then dotted with every row.
+template <int Bits, typename S>
+inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xs,
+                    int groups, int group_size, float* y, int out, int nr) {
+  alignas(32) float q[256];
+  float acc[kRows] = {0.f};
+  for (int g = 0; g < groups; ++g) {
+    unpack_group<Bits>(wrow + g * group_size * Bits / 8, q, group_size);
+    const float scale = static_cast<float>(sc[g]), bias = static_cast<float>(bi[g]);
+    for (int r = 0; r < nr; ++r) {
+      const float* xr = x + static_cast<size_t>(r) * in + g * group_size;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int j = 0; j < group_size; ++j) dot += q[j] * xr[j];
+      acc[r] += scale * dot + bias * xs[r * groups + g];
+    }
+  }
+  for (int r = 0; r < nr; ++r) y[static_cast<size_t>(r) * out] = acc[r];
+}
+#endif
+
+template <int Bits, typename S>
+void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
+            int rows, int in, int out, int group_size) {
+  const int groups = in / group_size;
+  const int row_bytes = in * Bits / 8;
+  const std::vector<float> sums = group_sums(x, rows, in, group_size);
+#pragma omp parallel for schedule(static)
+  for (int o = 0; o < out; ++o) {
+    const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
+    const S* sc = scales + static_cast<size_t>(o) * groups;
+    const S* bi = biases + static_cast<size_t>(o) * groups;
+    for (int r0 = 0; r0 < rows; r0 += kRows)
+      columns<Bits>(x + static_cast<size_t>(r0) * in, in, wrow, sc, bi, sums.data() + static_cast<size_t>(r0) * groups,
+                    groups, group_size, y + static_cast<size_t>(r0) * out + o, out,
+                    rows - r0 < kRows ? rows - r0 : kRows);
+  }
+}
+
 
 }  // namespace
 
@@ -111,11 +190,40 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
     throw std::invalid_argument("quantized_matvec: shapes do not agree");
   auto shape = x.shape();
   shape.back() = out;
+  // No Contiguous nodes here: four per call were a fifth of a decode step's graph. An
+  // input that is not row-contiguous when computed is copied in eval_cpu instead.
   auto stream = mx::to_stream(s);
-  auto inputs = std::vector<mx::array>{mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
-                                       mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits), inputs);
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits),
+                   {x, w, scales, biases});
 }
+
+// A row-major copy of `a`'s bytes, whatever its strides (element by element).
+std::vector<uint8_t> row_major(const mx::array& a) {
+  const size_t item = a.itemsize(), ndim = a.ndim();
+  std::vector<uint8_t> out(a.size() * item);
+  const uint8_t* base = a.data<uint8_t>();
+  std::vector<int> index(ndim, 0);
+  for (size_t n = 0; n < a.size(); ++n) {
+    int64_t at = 0;
+    for (size_t d = 0; d < ndim; ++d) at += static_cast<int64_t>(index[d]) * a.strides()[d];
+    std::memcpy(out.data() + n * item, base + at * static_cast<int64_t>(item), item);
+    for (int d = static_cast<int>(ndim) - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+  }
+  return out;
+}
+
+// An input's bytes in row-major order: its own where it is row-contiguous, else a copy
+// (made when the product runs, once the input is computed).
+struct RowMajor {
+  mx::array a;
+  std::vector<uint8_t> copy;
+  template <typename T>
+  const T* data() {
+    if (a.flags().row_contiguous) return a.data<T>();
+    if (copy.empty()) copy = row_major(a);
+    return reinterpret_cast<const T*>(copy.data());
+  }
+};
 
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
@@ -131,25 +239,28 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.set_input_array(biases);
   encoder.set_output_array(y);
   int out = w.shape(0), in = x.shape(-1), rows = x.size() / in;
-  const float* xp = x.data<float>();
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
   float* yp = y.data<float>();
   int gs = group_size_, bits = bits_;
-  if (scales.dtype() == mx::float16) {
-    encoder.dispatch([=, sp = scales.data<mx::float16_t>(), bp = biases.data<mx::float16_t>()]() {
+  const bool half = scales.dtype() == mx::float16;
+  encoder.dispatch([=, xs = RowMajor{x}, ws = RowMajor{w}, ss = RowMajor{scales}, bs = RowMajor{biases}]() mutable {
+    const float* xp = xs.data<float>();
+    const uint8_t* wp = ws.data<uint8_t>();
+    if (half) {
+      const auto* sp = ss.data<mx::float16_t>();
+      const auto* bp = bs.data<mx::float16_t>();
       if (bits == 4)
         matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
       else
         matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
-    });
-  } else {
-    encoder.dispatch([=, sp = scales.data<float>(), bp = biases.data<float>()]() {
+    } else {
+      const auto* sp = ss.data<float>();
+      const auto* bp = bs.data<float>();
       if (bits == 4)
         matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
       else
         matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
-    });
-  }
+    }
+  });
 }
 
 void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -12,6 +12,7 @@ quantization, the layers stay in MLX's own forms (see `to_native`)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -104,3 +105,52 @@ def to_native(mod: nn.Module) -> nn.Module | None:
     if not eligible(mod):
         return None
     return _recast(mod, NativeQuantizedEmbedding if isinstance(mod, nn.QuantizedEmbedding) else NativeQuantizedLinear)
+
+
+class NativeRoPE(nn.RoPE):
+    """nn.RoPE whose float32 CPU path is the native kernel: one operation where MLX's
+    CPU fallback for mx.fast.rope makes about twenty (~110 us for one decode position
+    here, sixty times a SmolLM2 token). Same angles: MLX's inverse frequencies, float32."""
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        ext = kernels()
+        if ext is None or x.dtype != mx.float32 or not isinstance(offset, int) or mx.default_device() != mx.cpu:
+            return super().__call__(x, offset)  # e.g. a batch's per-row offsets (an array)
+        if "_inv_freqs" not in self.__dict__:  # not a parameter: kept out of the module's tree
+            half = self.dims // 2
+            self.__dict__["_inv_freqs"] = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(self.base) / half))
+        return ext.rope(x, self.__dict__["_inv_freqs"], self.dims, traditional=self.traditional, scale=self.scale,
+                        offset=offset)
+
+
+class NativeRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose float32 CPU path is the native kernel: one operation where MLX's
+    CPU fallback for mx.fast.rms_norm makes five or six."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        ext, weight = kernels(), self["weight"]
+        if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or mx.default_device() != mx.cpu:
+            return super().__call__(x)
+        return ext.rms_norm(x, weight, self.eps)
+
+
+_NATIVE_OPS = {nn.RoPE: NativeRoPE, nn.RMSNorm: NativeRMSNorm}
+
+
+def install_ops(model: nn.Module) -> int:
+    """Give `model`'s plain rotary embeddings and RMS norms (nn.RoPE and nn.RMSNorm
+    exactly: variants, such as Gemma's 1 + weight norm, keep MLX's) the native kernels;
+    how many were. Nothing where the kernels are not built."""
+    if kernels() is None:
+        return 0
+    count = 0
+    for _, mod in model.named_modules():
+        for name, value in list(mod.items()):  # a Module is a dict of its members
+            held = value if isinstance(value, list) else [value]  # e.g. nn.Sequential's layers
+            for i, c in enumerate(held):
+                if type(c) in _NATIVE_OPS:
+                    held[i] = _recast(c, _NATIVE_OPS[type(c)])
+                    count += 1
+            if not isinstance(value, list) and held[0] is not value:
+                mod[name] = held[0]
+    return count

@@ -47,6 +47,51 @@ def test_the_kernel_takes_leading_dimensions_and_refuses_what_it_cannot_compute(
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
+def test_the_kernel_reads_strided_inputs_and_float16_scales_as_stored(scale_dtype):
+    """No Contiguous node is made for the inputs: a transposed activation or a strided
+    weight is copied when the product runs, with the same result."""
+    w, scales, biases = mx.quantize(mx.random.normal((128, 256)), 32, 4)
+    scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
+    x = mx.random.normal((256, 5)).T  # a view, not row-contiguous
+    ext = native.kernels()
+    want = mx.quantized_matmul(mx.array(x), w, scales.astype(mx.float32), biases.astype(mx.float32),
+                               transpose=True, group_size=32, bits=4)
+    assert mx.allclose(ext.quantized_matvec(x, w, scales, biases, 32, 4), want, rtol=1e-5, atol=1e-3)
+    rows = ext.quantized_matvec(x, w[::2], scales[::2], biases[::2], 32, 4)  # every other output row
+    assert mx.allclose(rows, want[:, ::2], rtol=1e-5, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("traditional", [False, True])
+def test_native_rope_is_mlx_s_rope_as_one_operation(traditional):
+    """Same angles as mx.fast.rope (its inverse frequencies, float32), any strides, partial
+    dims, large offsets; an array of per-row offsets (a batch) goes to MLX's own."""
+    mine, theirs = native.NativeRoPE(32, traditional=traditional, base=100000.0, scale=0.5), nn.RoPE(
+        32, traditional=traditional, base=100000.0, scale=0.5)
+    x = mx.random.normal((2, 7, 9, 64)).transpose(0, 2, 1, 3)  # [B, H, L, D] as attention makes it
+    for offset in (0, 5, 100_000):
+        assert mx.abs(mine(x, offset=offset) - theirs(x, offset=offset)).max().item() < 1e-5
+    rows = mx.array([3, 40])
+    assert mx.array_equal(mine(x, offset=rows), theirs(x, offset=rows))
+    model = nn.Sequential(nn.RoPE(16), nn.Linear(4, 4), nn.RMSNorm(4))
+    assert native.install_ops(model) == 2 and type(model.layers[0]) is native.NativeRoPE
+    assert model.layers[0].dims == 16 and not model.layers[0].parameters()
+    assert type(model.layers[2]) is native.NativeRMSNorm and model.layers[2].weight is not None
+
+
+@needs_kernel
+def test_native_rms_norm_is_mlx_s_and_keeps_its_weight():
+    norm = nn.RMSNorm(96, eps=1e-6)
+    norm.weight = mx.random.normal((96,))
+    x = mx.random.normal((4, 96, 3)).swapaxes(1, 2) * 5  # strided
+    mine = native._recast(norm, native.NativeRMSNorm)
+    assert mx.allclose(mine(x), norm(x), rtol=1e-5, atol=1e-5)
+    assert mx.array_equal(mine(x.astype(mx.float16)), norm(x.astype(mx.float16)))  # MLX's own off float32
+    assert mine.parameters().keys() == norm.parameters().keys()
+
+
+@needs_kernel
 def test_the_native_form_is_the_stored_layer_and_falls_back_off_float32():
     lin = nn.QuantizedLinear(128, 64, bias=True, group_size=32, bits=4)
     lin.apply(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a)
