@@ -23,6 +23,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 _NAME = re.compile(r"k(\d)(c?)(r?)(\d*)v(\d)(r?)(\d*)")
+ROWS_KERNEL_MAX = 32  # query rows (decode, short chunks) the native page product takes
+
+
+def _rows_kernel():
+    """JustFit's native kernels where built and computing on the CPU, else None."""
+    try:
+        from justfit_native import kernels
+    except ImportError:
+        return None
+    ext = kernels()
+    return ext if ext is not None and hasattr(ext, "quantized_matmul_rows") and mx.default_device() == mx.cpu else None
 
 
 def _rotation(x: mx.array) -> mx.array:
@@ -121,16 +132,27 @@ class Codec:
             return q @ enc["x"].astype(q.dtype).swapaxes(-1, -2)
         if self.rotated:
             q = q @ _rotation(q)
-        return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=not self.per_channel,
+        if self.per_channel:  # stored [.., head_dim, tokens]: the untransposed product
+            return self._untransposed(q, enc)
+        return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=True,
                                    group_size=self.group_size, bits=self.bits)
 
     def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
         """p @ V on the stored form (values are stored per token)."""
         if not self.quantized:
             return p @ enc["x"].astype(p.dtype)
-        out = mx.quantized_matmul(p, enc["w"], enc["scales"], enc["biases"], transpose=False,
-                                  group_size=self.group_size, bits=self.bits)
+        out = self._untransposed(p, enc)
         return out @ _rotation(out).swapaxes(-1, -2) if self.rotated else out
+
+    def _untransposed(self, x: mx.array, enc: dict[str, mx.array]) -> mx.array:
+        """x @ dequantize(stored): JustFit's native kernel for a few float32 rows on the
+        CPU (MLX's reads pages at about 1 GB/s there), else MLX's quantized_matmul."""
+        ext = _rows_kernel()
+        if (ext is not None and x.dtype == mx.float32 and x.shape[-2] <= ROWS_KERNEL_MAX and self.bits in (4, 8)
+                and x.ndim == enc["w"].ndim):
+            return ext.quantized_matmul_rows(x, enc["w"], enc["scales"], enc["biases"], self.group_size, self.bits)
+        return mx.quantized_matmul(x, enc["w"], enc["scales"], enc["biases"], transpose=False,
+                                   group_size=self.group_size, bits=self.bits)
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """Storage bytes of one token over `kv_heads` heads, scales and biases included."""

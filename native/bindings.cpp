@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
 
+#include "qmatmul_rows.h"
 #include "qmatvec.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -18,4 +19,7 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(), "mx.fast.rope for float32 x on the CPU, as one operation.");
   m.def("rms_norm", &justfit::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rms_norm for float32 x and weight on the CPU, as one operation.");
+  m.def("quantized_matmul_rows", &justfit::quantized_matmul_rows, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases) (MLX's transpose=False layout) for a few rows, float32.");
 }

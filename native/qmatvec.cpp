@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "stored.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -245,21 +246,9 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.dispatch([=, xs = RowMajor{x}, ws = RowMajor{w}, ss = RowMajor{scales}, bs = RowMajor{biases}]() mutable {
     const float* xp = xs.data<float>();
     const uint8_t* wp = ws.data<uint8_t>();
-    if (half) {
-      const auto* sp = ss.data<mx::float16_t>();
-      const auto* bp = bs.data<mx::float16_t>();
-      if (bits == 4)
-        matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
-      else
-        matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
-    } else {
-      const auto* sp = ss.data<float>();
-      const auto* bp = bs.data<float>();
-      if (bits == 4)
-        matvec<4>(xp, wp, sp, bp, yp, rows, in, out, gs);
-      else
-        matvec<8>(xp, wp, sp, bp, yp, rows, in, out, gs);
-    }
+    with_stored(bits, half, ss.data<uint8_t>(), bs.data<uint8_t>(), [&]<int B>(auto* sp, auto* bp) {
+      matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs);
+    });
   });
 }
 

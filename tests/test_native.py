@@ -92,6 +92,32 @@ def test_native_rms_norm_is_mlx_s_and_keeps_its_weight():
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (8, 64), (4, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 24])
+def test_the_page_product_equals_mlx_s_untransposed_quantized_matmul(bits, group, rows):
+    """Attention over quantized pages at decode: q K for keys stored per channel
+    ([.., head_dim, tokens]) and p V for values per token, both MLX's transpose=False
+    layout; KVExec's codecs use it for few float32 rows and MLX's kernel otherwise."""
+    from kvexec.formats import ROWS_KERNEL_MAX, Codec
+
+    mx.random.seed(bits + rows + group)
+    for k, n in ((64, 1536), (1024, 128)):  # scores over 1,536 tokens; values of 1,024 tokens
+        w, scales, biases = mx.quantize(mx.random.normal((2, 3, k, n)), group, bits)
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+        x = mx.random.normal((2, 3, rows, k))
+        want = mx.quantized_matmul(x, w, scales, biases, transpose=False, group_size=group, bits=bits)
+        got = native.kernels().quantized_matmul_rows(x, w, scales, biases, group, bits)
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
+    codec = Codec(bits, group, per_channel=True)
+    keys = codec.encode(mx.random.normal((1, 3, 256, 64)))
+    q = mx.random.normal((1, 3, rows, 64))
+    ref = mx.quantized_matmul(q, keys["w"], keys["scales"], keys["biases"], transpose=False, group_size=group, bits=bits)
+    assert mx.allclose(codec.scores(q, keys), ref, rtol=1e-4, atol=1e-3)
+    assert rows <= ROWS_KERNEL_MAX
+
+
+@needs_kernel
 def test_the_native_form_is_the_stored_layer_and_falls_back_off_float32():
     lin = nn.QuantizedLinear(128, 64, bias=True, group_size=32, bits=4)
     lin.apply(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a)
