@@ -114,10 +114,7 @@ void QuantizedMatmulRows::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   auto& scales = inputs[2];
   auto& biases = inputs[3];
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(y);
+  auto& encoder = begin_cpu(stream(), inputs, y);
   const int K = x.shape(-1), M = x.shape(-2), N = y.shape(-1), batch = x.size() / (static_cast<size_t>(M) * K);
   const float* xp = x.data<float>();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
@@ -127,15 +124,6 @@ void QuantizedMatmulRows::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   encoder.dispatch([=, sp = scales.data<uint8_t>(), bp = biases.data<uint8_t>()]() {
     with_stored(bits, half, sp, bp, [&]<int B>(auto* s, auto* b) { rows_product<B>(xp, wp, s, b, yp, batch, M, K, N, gs); });
   });
-}
-
-void QuantizedMatmulRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("JustFit's quantized_matmul_rows runs on the CPU only");
-}
-
-bool QuantizedMatmulRows::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const QuantizedMatmulRows&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
 }  // namespace justfit

@@ -6,6 +6,7 @@
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "stored.h"
 
 namespace justfit {
 
@@ -17,19 +18,12 @@ namespace mx = mlx::core;
 mx::array quantized_matmul_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
                                 const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
 
-class QuantizedMatmulRows : public mx::Primitive {
+class QuantizedMatmulRows : public QuantizedPrimitive {
  public:
-  QuantizedMatmulRows(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  using QuantizedPrimitive::QuantizedPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "JustFitQuantizedMatmulRows"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-
- private:
-  int group_size_;
-  int bits_;
 };
 
 }  // namespace justfit

@@ -232,13 +232,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   auto& scales = inputs[2];
   auto& biases = inputs[3];
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
-  encoder.set_output_array(y);
+  auto& encoder = begin_cpu(stream(), inputs, y);
   int out = w.shape(0), in = x.shape(-1), rows = x.size() / in;
   float* yp = y.data<float>();
   int gs = group_size_, bits = bits_;
@@ -250,15 +244,6 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs);
     });
   });
-}
-
-void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("JustFit's quantized_matvec runs on the CPU only (on Metal, MLX's own is used)");
-}
-
-bool QuantizedMatvec::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const QuantizedMatvec&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
 }  // namespace justfit

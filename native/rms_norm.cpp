@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "stored.h"
 
 namespace justfit {
 
@@ -24,11 +25,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   auto& x = inputs[0];
   auto& w = inputs[1];
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_output_array(y);
+  auto& encoder = begin_cpu(stream(), inputs, y);
   encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(), D = x.shape(-1),
                     rows = x.size() / x.shape(-1), eps = eps_]() {
     for (size_t r = 0; r < rows; ++r) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "stored.h"
 
 namespace justfit {
 
@@ -29,11 +30,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   auto& x = inputs[0];
   auto& inv = inputs[1];
   auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(inv);
-  encoder.set_output_array(y);
+  auto& encoder = begin_cpu(stream(), inputs, y);
   encoder.dispatch([x, inv, yp = y.data<float>(), dims = dims_, traditional = traditional_, scale = scale_,
                     offset = offset_]() {
     const int ndim = x.ndim(), D = x.shape(-1), L = x.shape(-2), half = dims / 2;

@@ -2,9 +2,44 @@
 // stored (float16 or float32), the bit width a template parameter.
 #pragma once
 
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
 #include "mlx/types/half_types.h"
 
 namespace justfit {
+
+// A primitive's single float32 output allocated and every array registered with the
+// stream's CPU encoder, which is returned for the kernel's dispatch.
+inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
+                                                 mlx::core::array& out) {
+  out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  return encoder;
+}
+
+// A CPU-only primitive over quantized weights: what two are equivalent by, and the
+// refusal on Metal (there MLX's own quantized kernels run).
+class QuantizedPrimitive : public mlx::core::Primitive {
+ public:
+  QuantizedPrimitive(mlx::core::Stream stream, int group_size, int bits)
+      : mlx::core::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only (on Metal, MLX's own kernels are used)");
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    auto& o = static_cast<const QuantizedPrimitive&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ protected:
+  int group_size_;
+  int bits_;
+};
 
 // f.template operator()<Bits>(scales, biases), the pointers typed as stored.
 template <typename F>
