@@ -19,6 +19,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -66,29 +67,22 @@ class Link:
         if peer != (self.rank() + step) % self.size():
             raise ValueError(f"rank {self.rank()} transfers only with its ring neighbours, not rank {peer}")
 
-    def close(self) -> None:
-        """Close the doorbells."""
-        for s in (self.out, self.inp):
-            if s is not None:
-                s.close()
-        self.out = self.inp = None
-
 
 def ring_addresses(path: str | None) -> list[str] | None:
     """Each rank's IP from a ring hostfile (MLX_HOSTFILE: a JSON list, per rank, of
     "ip:port"), or None where there is none to read."""
     try:
-        hosts = json.loads(open(path, encoding="utf-8").read()) if path else None
+        hosts = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
         return [h[0].rsplit(":", 1)[0] for h in hosts] if hosts else None
     except (OSError, ValueError, TypeError, IndexError, AttributeError):
         return None
 
 
-def connect(group, hostfile: str | None = None) -> Link:
+def connect(group) -> Link:
     """This rank's Link over `group`: the doorbells to the next and from the previous
-    rank (every rank calls it; the listening ports are exchanged over `group`).
-    `hostfile`: the ring's, by default MLX_HOSTFILE's."""
-    ips = ring_addresses(hostfile if hostfile is not None else os.environ.get("MLX_HOSTFILE"))
+    rank, at the ring hostfile's addresses (MLX_HOSTFILE); every rank calls it, and the
+    listening ports are exchanged over `group`."""
+    ips = ring_addresses(os.environ.get("MLX_HOSTFILE"))
     usable = ips is not None and len(ips) == group.size()
     listener = None
     port = -1

@@ -124,9 +124,13 @@ def split_layers(layers: int, budgets: list[int], fixed: int = 0) -> Split:
 class Pipeline:
     """This process's place in a layer pipeline."""
 
-    group: object  # mx.distributed.Group
     split: Split
     link: object  # justfit.link.Link: the transfers to and from this rank's neighbours
+
+    @property
+    def group(self):
+        """The mx.distributed.Group (the link's)."""
+        return self.link.group
 
     @property
     def rank(self) -> int:
@@ -190,7 +194,7 @@ def attach(model: nn.Module, group, budget: int | None, hidden: int, base=None) 
         body.embed_tokens = nn.Embedding(1, hidden)
         body.embed_tokens.weight = body.embed_tokens.weight.astype(dtype)
     model.make_cache = lambda: make_cache(model, full())  # read by mlx-lm's make_prompt_cache
-    return Pipeline(group, split, link)
+    return Pipeline(split, link)
 
 
 def _cache_maker(model: nn.Module):

@@ -140,11 +140,12 @@ def install_ops(model: nn.Module) -> int:
     count = 0
     for _, mod in model.named_modules():
         for name, value in list(mod.items()):  # a Module is a dict of its members
-            held = value if isinstance(value, list) else [value]  # e.g. nn.Sequential's layers
-            for i, c in enumerate(held):
-                if type(c) in _NATIVE_OPS:
-                    held[i] = _recast(c, _NATIVE_OPS[type(c)])
-                    count += 1
-            if not isinstance(value, list) and held[0] is not value:
-                mod[name] = held[0]
+            if isinstance(value, list):  # e.g. nn.Sequential's layers
+                for i, c in enumerate(value):
+                    if type(c) in _NATIVE_OPS:
+                        value[i] = _recast(c, _NATIVE_OPS[type(c)])
+                        count += 1
+            elif type(value) in _NATIVE_OPS:
+                mod[name] = _recast(value, _NATIVE_OPS[type(value)])
+                count += 1
     return count
