@@ -84,16 +84,18 @@ def decode(context: int, formats: list[str], steps: int, policy: str = "auto") -
     from justfit.config import EngineConfig
 
     from justfit.models import load
+    from bench.quality import requested
 
     rows = []
     for name in ["mlx-lm", "justfit-mlx-lm-kv", *formats]:
         if name == "mlx-lm":  # stock: quantized weights, fp16 activations, its own KV cache
             model, dtype = load("smollm2").model, mx.float16
-        else:
-            kv = None if name == "justfit-mlx-lm-kv" else KVConfig(format=name)
-            model, dtype = Engine("smollm2", config=EngineConfig(kv=kv, policy=policy)).model, mx.float32
+        else:  # a format spec as bench.quality takes it ("calibrated" and allocated ones calibrate first)
+            kv = None if name == "justfit-mlx-lm-kv" else requested(name)
+            engine = Engine("smollm2", config=EngineConfig(kv=kv, policy=policy))
+            model, dtype = engine.model, mx.float32
         paged = name not in ("mlx-lm", "justfit-mlx-lm-kv")
-        cache = kvexec.make_cache(model, KVConfig(format=name)) if paged else make_prompt_cache(model)
+        cache = kvexec.make_cache(model, engine.config.kv) if paged else make_prompt_cache(model)
         for c in cache:
             for start in range(0, context, 2048):
                 k = mx.random.normal((1, KV_HEADS, min(2048, context - start), D)).astype(dtype)

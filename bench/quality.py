@@ -6,6 +6,7 @@ chunks), so no logits are stored.
     python -m bench.quality --model smollm2 --tokens 8192 --formats fp16,q8,q4,q3,q2
     python -m bench.quality --skip-teacher-forced --passkey-lengths 1024,2048,4096
     python -m bench.quality --formats q8c,q8c@0.6,q8c@0.45   # pages held to 60%, 45% of q8c's bytes
+    python -m bench.quality --formats calibrated,calibrated/0.05,k5a128v4r64   # calibrated per model
 
 Pass-key retrieval: noise lines, one pass-key line at each depth, then the question;
 a hit is a greedy reply whose first integer is the key.
@@ -33,7 +34,10 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvexec
 from justfit import Engine
 from justfit.config import EngineConfig
+from justfit.loader import kv_calibration
+from justfit.state_io import model_identity, state_root
 from kvexec import KVConfig
+from kvexec.calibrate import calibrated_config, layer_summary
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -54,8 +58,9 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
     if len(ids) < n_tokens:
         raise SystemExit(f"text has only {len(ids)} tokens")
     ref_cache = make_prompt_cache(model) if reference == "fp32" else \
-        _paged_cache(model, reference, n_tokens, engine.kv_shape)
-    caches = {f: _paged_cache(model, f, n_tokens, engine.kv_shape) for f in formats}
+        _paged_cache(model, reference, KVConfig(format=reference), n_tokens, engine.kv_shape)
+    configs = {f: kv_config(engine, model_name, f) for f in formats}
+    caches = {f: _paged_cache(model, f, configs[f], n_tokens, engine.kv_shape) for f in formats}
     stats = {f: {"agree": 0, "kl": 0.0, "nll": 0.0} for f in ["reference", *formats]}
     scored = 0
     for start in range(0, n_tokens - 1, chunk):
@@ -85,27 +90,45 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
         out.append({"system": f"justfit-{f}" if f != "reference" else f"reference-{reference}", "model": model_name,
                     "format": f, "tokens": n_tokens, "top1": s["agree"] / scored, "kl": s["kl"] / scored,
                     "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1,
-                    "bits_per_value": _bits_per_value(reference if f == "reference" else f, engine.kv_shape)})
+                    "bits_per_value": _bits_per_value(KVConfig(format=reference) if f == "reference" else configs[f],
+                                                      engine.kv_shape)})
+        if f != "reference" and configs[f].layer_formats:
+            out[-1]["layer_formats"] = layer_summary(configs[f].layer_formats)
         if "@" in f:  # where the ladder left the pages: positions per format, all layers
             out[-1]["kv_formats"] = kvexec.page_formats(caches[f])
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
 
-def _bits_per_value(spec: str, kv_shape: tuple[int, int, int]) -> float | None:
-    """Page storage bits per K or V value, every scale, bias and norm included (for
-    `FMT@SHARE`, FMT's before any page steps down; the reference's: fp32 or fp16)."""
-    return kvexec.get_format(spec.partition("@")[0]).bits_per_value(kv_shape[1], kv_shape[2])
+def _bits_per_value(kv: KVConfig, kv_shape: tuple[int, int, int]) -> float | None:
+    """Page storage bits per K or V value, every scale, bias and norm included, over the
+    layers (for `FMT@SHARE`, FMT's before any page steps down; the reference's: fp32 or fp16)."""
+    return 8 * kvexec.page_bytes_per_token(kv, kv_shape[1], kv_shape[2]) / (2 * kv_shape[1] * kv_shape[2])
 
 
-def _paged_cache(model, spec: str, n_tokens: int, kv_shape: tuple[int, int, int]) -> list:
-    """Pages in format `spec`, or for `FMT@SHARE` pages in FMT held to SHARE of the bytes
-    FMT would take for `n_tokens`: past that they step down KVConfig.pressure, oldest
-    first, as under a tight budget (the early chunks are scored before any page steps)."""
-    fmt, _, share = spec.partition("@")
-    cache = kvexec.make_cache(model, KVConfig(format=fmt))
+def requested(spec: str) -> KVConfig:
+    """The KVConfig a format spec asks for, before any calibration (see `kv_config`)."""
+    name, _, tolerance = spec.partition("@")[0].partition("/")
+    return KVConfig(format=name, calibration_tolerance=float(tolerance) if tolerance else None)
+
+
+def kv_config(engine, model_name: str, spec: str) -> KVConfig:
+    """The pages `spec` names: FMT, `FMT@SHARE`, "calibrated" or "calibrated/TOLERANCE"
+    (per-layer formats from kvexec.calibrate), or an allocated format `k<mean>a<group>v...`
+    (its per-channel key widths calibrated for this model)."""
+    kv = requested(spec)
+    calibration = kv_calibration(model_name, EngineConfig(kv=kv), lambda: model_identity(engine, state_root()))
+    return kv if calibration is None else calibrated_config(kv, calibration)
+
+
+def _paged_cache(model, spec: str, kv: KVConfig, n_tokens: int, kv_shape: tuple[int, int, int]) -> list:
+    """Pages as `kv` keeps them, or for `FMT@SHARE` held to SHARE of the bytes they would
+    take for `n_tokens`: past that they step down KVConfig.pressure, oldest first, as
+    under a tight budget (the early chunks are scored before any page steps)."""
+    cache = kvexec.make_cache(model, kv)
+    share = spec.partition("@")[2]
     if share:
-        per_layer = float(share) * n_tokens * kvexec.get_format(fmt).bytes_per_token(kv_shape[1], kv_shape[2])
+        per_layer = float(share) * n_tokens * kvexec.page_bytes_per_token(kv, kv_shape[1], kv_shape[2])
         kvexec.limit_pages(cache, int(per_layer))
     return cache
 
@@ -139,7 +162,7 @@ def passkey(model_name: str, lengths: list[int], depths: list[float], formats: l
             rows.append({"system": f"justfit-{f}", "model": model_name, "format": f,
                          "error": "pressure specs (FMT@SHARE) are measured teacher-forced only"})
             continue
-        kv = None if f == "reference" else KVConfig(format=f)
+        kv = None if f == "reference" else requested(f)
         engine = Engine(model_name, config=EngineConfig(kv=kv))
         hits = {n: 0 for n in lengths}
         for n, depth, key in trials:

@@ -100,12 +100,13 @@ class LazyChoice(click.Choice):
 def _kv_formats() -> list[str]:
     from kvexec import FORMATS
 
-    return [*FORMATS, "none"]
+    return ["calibrated", *FORMATS, "none"]
 
 
 kv_format_option = click.option(
-    "--kv-format", type=LazyChoice(_kv_formats), default="q8c", show_default=True,
-    help="KV page format (see docs/KVEXEC.md); none uses mlx-lm's own KV cache.",
+    "--kv-format", type=LazyChoice(_kv_formats), default="calibrated", show_default=True,
+    help="KV page format (see docs/KVEXEC.md); calibrated: per layer, the smallest format that keeps the "
+         "model's attention within tolerance (measured once per model, cached); none uses mlx-lm's own KV cache.",
 )
 
 
@@ -175,7 +176,7 @@ engine_options = options(budget_option, whole_process_option, gguf_bits_option, 
 
 
 def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bits: int | str = "native",
-                kv_format: str = "q8c", policy: str = "auto", whole_process: bool = False):
+                kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig

@@ -43,7 +43,8 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
 
         if model is not None:
             raise common.UserError("give --model or --config, not both")
-        kv = None if kv_format == "none" else KVConfig(format=kv_format)
+        # Calibration needs the weights: from a config alone, plan with its widest candidate.
+        kv = None if kv_format == "none" else KVConfig(format="q8c" if kv_format == "calibrated" else kv_format)
         try:
             report = config_fit_report(load_config(config_path), int(weights_bits), budget, context, kv,
                                        4 if compute == "fp32" else 2)

@@ -18,14 +18,14 @@ from justfit.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
 from justfit.errors import BudgetExceeded, PipelineLost
 from justfit.generate import ProgressFn
-from justfit.loader import install_kv, load_lazily, offload_dir
+from justfit.loader import install_kv, kv_calibration, load_lazily, offload_dir
 from justfit.memory import hold_memory_to, parse_size, trim_heap
 from justfit.models import weight_files
 from justfit.pipeline import Pipeline, attach
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
 from justfit.runner import run_request
-from justfit.state_io import (StateIO, export_state, import_state, resume_session, save_session, state_identity,
-                               state_root)
+from justfit.state_io import (StateIO, export_state, import_state, model_identity, resume_session, save_session,
+                               state_identity, state_root)
 from justfit.stats import Chunk, GenerationStats
 import kvexec
 from kvexec import KVConfig
@@ -60,7 +60,8 @@ class Engine:
             # MLX is the interpreter, libraries and tokenizer; the engine gets the rest.
             self._share = ProcessShare(config.budget_bytes)
             config = replace(config, budget_bytes=self._share.remeasure(), budget_covers_process=False)
-        self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv))
+        calibration = kv_calibration(model, config, lambda: model_identity(self, state_root(config.state_dir)))
+        self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv, calibration))
         self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline)
         self.pipeline_lost = ""  # why the pipeline stopped, once a rank is gone
         self.pipeline_live = None  # rank 0: (tokens, cache, sampler) every rank still holds (pipeline.resume)

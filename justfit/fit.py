@@ -7,6 +7,7 @@ from dataclasses import replace
 from justfit.memory import format_size
 from justfit.planner import MIN_PREFILL_CHUNK
 from kvexec import FORMATS, KVConfig, get_format, ladder
+from kvexec.calibrate import layer_summary
 
 
 def fit_report(engine, budget: int, context: int | None = None) -> dict:
@@ -17,14 +18,15 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
     head_dim = engine.kv_shape[2]
     base = engine.config.kv
     rows = []
-    for name in [*FORMATS, None]:
-        if name is not None and not get_format(name).supports_head_dim(head_dim):
-            continue
-        kv = None if name is None else replace(base or KVConfig(), format=name)
+    choices = [(name, replace(base or KVConfig(), format=name, layer_formats=())) for name in FORMATS
+               if get_format(name).supports_head_dim(head_dim)]
+    if base is not None and base.layer_formats:  # the engine's calibrated per-layer formats
+        choices.append((_kv_label(base), base))
+    for name, kv in [*choices, ("mlx-lm", None)]:
         # Capacities at the smallest prefill chunk the planner would take under pressure.
         probe = engine.footprint(1, kv=kv, chunk=MIN_PREFILL_CHUNK)
         rows.append({
-            "format": name or "mlx-lm",
+            "format": name,
             "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
             "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
@@ -41,7 +43,7 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         "kv_format": base.format if base else "mlx-lm",
         "formats": rows,
     }
-    steps = [f.name for f in ladder(base, head_dim)] if base else []
+    steps = [f.label for f in ladder(base, head_dim)] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
                               "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK,
@@ -58,11 +60,15 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
             "beyond_context": context > engine.context_limit,
             "offloaded": list(offloaded), "footprint": fp.as_dict(),
             "pages": f"stepped down as needed, to {steps[-1]} at most" if fp.shape.page_row < fp.shape.top_row
-            else f"kept in {base.format}" if base else "mlx-lm's cache",
+            else f"kept in {_kv_label(base)}" if base else "mlx-lm's cache",
             "prefill": _forms(swap.prefill_forms), "prefill_chunk": fp.shape.chunk,
             "decode": f"resident {reg.resident_form}",
         }
     return report
+
+
+def _kv_label(kv: KVConfig) -> str:
+    return f"{kv.format}: {layer_summary(kv.layer_formats)}" if kv.layer_formats else kv.format
 
 
 def _forms(forms: dict[str, str]) -> str:
@@ -112,7 +118,7 @@ def format_rows(r: dict, note: str) -> list[str]:
     report has one), `note` under it, and the pressure ladder's line."""
     lines = []
     for row in r["formats"]:
-        mark = " *" if row["format"] == r["kv_format"] else ""
+        mark = " *" if row["format"].partition(":")[0] == r["kv_format"] else ""
         transient = f"{format_size(row['transient_bound']):>11} " if "transient_bound" in row else ""
         lines.append(f"{row['format']:<10} {row['bytes_per_position']:>10.0f} {transient}"
                      f"{row['max_positions']:>14,} {row['max_positions_offloaded']:>17,}{mark}")

@@ -135,7 +135,7 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
     for name in [*FORMATS, None]:
         if name is not None and not get_format(name).supports_head_dim(s.head_dim):
             continue
-        fkv = None if name is None else replace(kv or KVConfig(), format=name)
+        fkv = None if name is None else replace(kv or KVConfig(), format=name, layer_formats=())
         probe = _footprint(s, 1, bits, fkv, act_bytes)
         rows.append({"format": name or "mlx-lm",
                      "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),

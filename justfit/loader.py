@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Callable
 
 import mlx.nn as nn
 
@@ -16,6 +17,8 @@ from justfit.memory import trim_heap
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import attention_shape
 from kvexec import KVConfig
+from kvexec.calibrate import CANDIDATES, TOLERANCE, Calibration, cached_calibration, calibrated_config
+from kvexec.config import CALIBRATED, needs_model
 from phaseswap.policy import ResidencyPolicy
 
 
@@ -26,13 +29,37 @@ def load_lazily(model: str | None, config: EngineConfig) -> LoadedModel:
     return loaded
 
 
-def install_kv(model: nn.Module, model_config: dict, kv: KVConfig | None) -> KVConfig | None:
+def install_kv(model: nn.Module, model_config: dict, kv: KVConfig | None,
+               calibration: Calibration | None = None) -> KVConfig | None:
     """Route `model`'s attention through KVExec (unless `kv` is None: mlx-lm's own
-    cache) and return `kv` adapted to the model's head_dim."""
+    cache) and return `kv` with its calibrated per-layer formats, if any, adapted to
+    the model's head_dim."""
     if kv is None:
         return None
     kvexec.install(model)
+    if calibration is not None:
+        kv = calibrated_config(kv, calibration)
     return kvexec.for_head_dim(kv, attention_shape(model, model_config)[2])
+
+
+def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[], str]) -> Calibration | None:
+    """The per-layer page formats `config.kv` asks the model for ("calibrated", or an
+    allocated format's widths), from the cache or measured on a second, lazily loaded
+    copy of the model that is dropped afterwards (the engine's own copy stays unread);
+    None when the format needs no calibration."""
+    kv = config.kv
+    if kv is None or kv.layer_formats or not needs_model(kv.format):
+        return None
+    candidates = CANDIDATES if kv.format == CALIBRATED else (kv.format,)
+    tolerance = TOLERANCE if kv.calibration_tolerance is None else kv.calibration_tolerance
+    probe = load_lazily(model, config)
+    kvexec.install(probe.model)
+    try:
+        return cached_calibration(probe.model, probe.tokenizer, identity(), cache_root().parent / "calibration",
+                                  candidates, tolerance)
+    finally:
+        del probe
+        trim_heap()
 
 
 def offload_dir(loaded: LoadedModel, policy: ResidencyPolicy) -> Path:

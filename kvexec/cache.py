@@ -160,7 +160,7 @@ class PagedKVCache(_BaseCache):
 
 def for_head_dim(config: KVConfig, head_dim: int) -> KVConfig:
     """`config`, or the same in fp16 where its format (or a layer's) cannot store this head_dim."""
-    if all(get_format(f).supports_head_dim(head_dim) for f in (config.format, *config.layer_formats)):
+    if all(get_format(f).supports_head_dim(head_dim) for f in config.layer_formats or (config.format,)):
         return config
     return replace(config, format="fp16", layer_formats=())
 
@@ -209,12 +209,14 @@ def limit_pages(cache: list, per_layer: int | None) -> None:
 
 
 def page_formats(cache: list) -> dict[str, int]:
-    """Paged positions per format, summed over layers."""
+    """Paged positions per format, summed over layers (allocated formats by their label:
+    each layer's per-channel widths differ)."""
     out: dict[str, int] = {}
     for c in cache:
         if isinstance(c, PagedKVCache):
             for name, n in c.store.formats().items():
-                out[name] = out.get(name, 0) + n
+                label = get_format(name).label
+                out[label] = out.get(label, 0) + n
     return out
 
 

@@ -1,12 +1,21 @@
 """Per-model calibration: the smallest page format each attention layer tolerates.
 
 A short teacher-forced pass over a fixed built-in text (kvexec/calibration_text.txt)
-records every layer's queries, keys and values (kvexec/layer_error.py); each candidate
-format replays them with every position but the sinks in pages, and per layer the
-smallest candidate whose attention output stays within `tolerance` (relative RMS
-against float32 pages) is chosen, the widest candidate where none does. The result,
-per-layer format names, is deterministic (a fixed text, a fixed layout, a CPU pass) and
-cached per model identity, candidates and tolerance, so only a model's first load pays.
+records every layer's queries, keys and values and the output distribution with
+float32 pages (kvexec/layer_error.py). An allocated candidate (`k<mean>a<group>v...`,
+kvexec/allocated.py) gets its per-channel key widths from that layer's record. Each
+candidate replays each layer's record with every position but the sinks in pages (the
+harshest layout a long context has): the layer's relative attention error. One more
+forward pass, every layer in the smallest candidate, measures the output's KL divergence
+from the reference; over the summed squared attention errors that gives the model's
+gain (for small errors KL grows with the squared errors, layer by layer: Gemma 3's gain
+is several times SmolLM2's). A model-wide KL budget (`tolerance`, nats per token in this
+layout) split evenly over the layers then allows each layer an attention error of
+sqrt(tolerance / (gain x layers)), and per layer the smallest candidate within it is
+chosen, the widest where none is. The result is deterministic (a fixed text, a fixed
+layout, a CPU pass); the measurement is cached per model identity and candidates (any
+tolerance chooses from it), so only a model's first load pays (about 40 s for SmolLM2
+on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -14,19 +23,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from kvexec.allocated import allocate_widths, channel_weights, widths_text
 from kvexec.config import KVConfig
 from kvexec.formats import get_format
-from kvexec.layer_error import layer_errors, record
+from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
 
-VERSION = 1  # bump when the procedure changes: cached results of older ones are ignored
+VERSION = 3  # bump when the procedure changes: cached results of older ones are ignored
 # Smallest first is not required: candidates are ordered by bytes per position.
-CANDIDATES = ("k4cr128v4r64", "k4cr128v5r64", "k5cr128v5r64", "k6cr128v6r64", "q8c")
-TOLERANCE = 0.03
+CANDIDATES = ("k4a128v4r64", "k5a128v4r64", "k5a128v5r64", "k6a128v5r64", "k6a128v6r64", "k8c128v6r64", "q8c")
+TOLERANCE = 1e-3  # output KL (nats per token) all layers' pages together may add, in LAYOUT
+_TEMPLATE = re.compile(r"k(\d)a(\d+)v[^~]*")  # an allocated candidate before its widths
 # Every position but the sinks in pages: the harshest layout a long context has.
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4)
 TEXT = Path(__file__).with_name("calibration_text.txt")
@@ -42,62 +56,120 @@ class Calibration:
     tolerance: float
     candidates: tuple[str, ...]
     tokens: int
+    gain: float = 0.0  # output KL per summed squared attention error (see module doc)
 
     def bits_per_value(self, kv_heads: int, head_dim: int) -> float:
         """Mean storage bits per K or V value over the layers, metadata included."""
         return sum(get_format(f).bits_per_value(kv_heads, head_dim) for f in self.formats) / len(self.formats)
 
     def summary(self) -> str:
-        """e.g. "k4cr128v4r64 x20, q8c x10" in first-layer order."""
-        counts: dict[str, int] = {}
-        for f in self.formats:
-            counts[f] = counts.get(f, 0) + 1
-        return ", ".join(f"{f} x{n}" for f, n in counts.items())
+        """e.g. "k5a128v4r64 x20, q8c x10" in first-layer order (allocated widths left out)."""
+        return layer_summary(self.formats)
 
 
-def _ordered(candidates, head_dim: int) -> list[str]:
-    usable = [c for c in candidates if get_format(c).supports_head_dim(head_dim)]
-    if not usable:
-        raise ValueError(f"no calibration candidate stores head_dim {head_dim}")
-    return sorted(usable, key=lambda c: get_format(c).bytes_per_token(1, head_dim))
+def layer_summary(formats) -> str:
+    """Per-layer formats as "k5a128v4r64 x20, q8c x10", in first-layer order."""
+    counts: dict[str, int] = {}
+    for f in formats:
+        counts[get_format(f).label] = counts.get(get_format(f).label, 0) + 1
+    return ", ".join(f"{f} x{n}" for f, n in counts.items())
+
+
+def resolve(candidate: str, rec: LayerRecord) -> str:
+    """The format a candidate names for this layer: an allocated one with the widths its
+    record's queries and keys call for, any other as it is."""
+    m = _TEMPLATE.fullmatch(candidate)
+    if m is None:
+        return candidate
+    queries = np.array(mx.concatenate(rec.queries, axis=-2)[0])
+    keys = np.array(mx.concatenate(rec.keys, axis=-2)[0])
+    widths = allocate_widths(channel_weights(queries, keys, int(m.group(2))), int(m.group(1)))
+    return f"{candidate}~{widths_text(widths)}"
+
+
+def _ordered(candidates, records: list[LayerRecord]) -> list[list[str]]:
+    """Per layer, the usable candidates resolved for it, smallest first."""
+    head_dim = records[0].keys[0].shape[-1]
+    usable = []
+    for c in candidates:
+        fmt = get_format(resolve(c, records[0]))
+        if fmt.supports_head_dim(head_dim):
+            usable.append((fmt.bytes_per_token(1, head_dim), c))
+    if not usable:  # as kvexec.for_head_dim does for a single format
+        usable = [(0.0, "fp16")]
+    order = [c for _, c in sorted(usable)]
+    return [[resolve(c, rec) for c in order] for rec in records]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What calibration measures, whatever the tolerance: per layer, every candidate's
+    format (allocated widths resolved for that layer) and relative attention error."""
+
+    model: str
+    candidates: tuple[str, ...]  # labels, smallest first
+    formats: tuple[tuple[str, ...], ...]  # per layer, the candidates resolved, in that order
+    errors: tuple[dict[str, float], ...]  # per layer, candidate label -> relative attention error
+    tokens: int
+    gain: float  # output KL per summed squared attention error
+
+    def allowed_error(self, tolerance: float) -> float:
+        """The attention error each layer may take within a model-wide KL budget."""
+        return (tolerance / (max(self.gain, 1e-12) * len(self.formats))) ** 0.5
+
+    def choose(self, tolerance: float) -> Calibration:
+        """Per layer, the smallest candidate within `allowed_error`, else the widest."""
+        allowed = self.allowed_error(tolerance)
+        chosen = tuple(next((f for c, f in zip(self.candidates, names) if e[c] <= allowed), names[-1])
+                       for names, e in zip(self.formats, self.errors))
+        return Calibration(self.model, chosen, self.errors, tolerance, self.candidates, self.tokens, self.gain)
+
+
+def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, max_tokens: int = 512) -> Measurement:
+    """Every candidate's attention error on every layer, and the model's gain (see module doc)."""
+    ids = list(tokenizer.encode(TEXT.read_text(encoding="utf-8")))[:max_tokens]
+    records, ref = record(model, ids, LAYOUT)
+    per_layer = _ordered(candidates, records)
+    errors = layer_errors(records, per_layer, LAYOUT)
+    probe = tuple(names[0] for names in per_layer)  # the smallest: the clearest signal, still small errors
+    kl = output_kl(model, ids, replace(LAYOUT, layer_formats=probe), ref)
+    gain = kl / max(sum(e[f] ** 2 for e, f in zip(errors, probe)), 1e-30)
+    labels = tuple(get_format(c).label for c in per_layer[0])
+    rounded = tuple({get_format(c).label: round(e[c], 6) for c in names} for names, e in zip(per_layer, errors))
+    return Measurement(identity, labels, tuple(tuple(n) for n in per_layer), rounded, len(ids), float(f"{gain:.6g}"))
 
 
 def calibrate(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, tolerance: float = TOLERANCE,
-              max_tokens: int = 1024) -> Calibration:
+              max_tokens: int = 512) -> Calibration:
     """Measure every candidate on every attention layer and choose per layer (see module doc)."""
-    ids = list(tokenizer.encode(TEXT.read_text(encoding="utf-8")))[:max_tokens]
-    records = record(model, ids)
-    head_dim = records[0].keys[0].shape[-1]
-    ordered = _ordered(candidates, head_dim)
-    errors = layer_errors(records, ordered, LAYOUT)
-    chosen = tuple(next((c for c in ordered if e[c] <= tolerance), ordered[-1]) for e in errors)
-    rounded = tuple({c: round(e[c], 6) for c in ordered} for e in errors)
-    return Calibration(identity, chosen, rounded, tolerance, tuple(ordered), len(ids))
+    return measure(model, tokenizer, identity, candidates, max_tokens).choose(tolerance)
 
 
-def cache_key(identity: str, candidates, tolerance: float) -> str:
-    """What a cached calibration is valid for: the model, the procedure and the text."""
+def cache_key(identity: str, candidates) -> str:
+    """What a cached measurement is valid for: the model, the procedure and the text."""
     text = hashlib.sha256(TEXT.read_bytes()).hexdigest()
-    blob = json.dumps([VERSION, identity, list(candidates), tolerance, text, asdict(LAYOUT)])
+    blob = json.dumps([VERSION, identity, list(candidates), text, asdict(LAYOUT)])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def cached_calibration(model: nn.Module, tokenizer, identity: str, cache_dir: Path, candidates=CANDIDATES,
                        tolerance: float = TOLERANCE) -> Calibration:
-    """`calibrate`, read from `cache_dir` when this model was calibrated the same way before."""
-    path = Path(cache_dir) / f"kv-calibration-{cache_key(identity, candidates, tolerance)}.json"
+    """`calibrate`, its measurement read from `cache_dir` when this model was measured with
+    these candidates before (any tolerance chooses from the same measurement)."""
+    path = Path(cache_dir) / f"kv-calibration-{cache_key(identity, candidates)}.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return Calibration(data["model"], tuple(data["formats"]), tuple(data["errors"]), data["tolerance"],
-                           tuple(data["candidates"]), data["tokens"])
+        found = Measurement(data["model"], tuple(data["candidates"]), tuple(tuple(f) for f in data["formats"]),
+                            tuple(data["errors"]), data["tokens"], float(data["gain"]))
+        return found.choose(tolerance)
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: measure again
-    result = calibrate(model, tokenizer, identity, candidates, tolerance)
+    found = measure(model, tokenizer, identity, candidates)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(result), indent=1), encoding="utf-8")
+    tmp.write_text(json.dumps(asdict(found), indent=1), encoding="utf-8")
     os.replace(tmp, path)  # readers see the old file or the whole new one
-    return result
+    return found.choose(tolerance)
 
 
 def calibrated_config(config: KVConfig, calibration: Calibration) -> KVConfig:

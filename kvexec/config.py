@@ -3,9 +3,21 @@ attention blocks, retention, page selection, the pressure ladder and its fidelit
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvexec.formats import get_format
+
+# A format resolved per model at load: each layer's pages in the smallest candidate of
+# kvexec.calibrate.CANDIDATES within `calibration_tolerance` (kvexec/calibrate.py).
+CALIBRATED = "calibrated"
+ALLOCATED_TEMPLATE = re.compile(r"k(\d)a(\d+)v\d+r?\d*")  # allocated keys whose widths calibration chooses
+
+
+def needs_model(name: str) -> bool:
+    """Whether format `name` is only known once a model is calibrated: "calibrated", or an
+    allocated format (`k<mean>a<group>v...`) before its per-channel widths."""
+    return name == CALIBRATED or ALLOCATED_TEMPLATE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,9 @@ class KVConfig:
     # Per attention layer, its page format (a calibrated configuration, kvexec.calibrate);
     # empty: every layer in `format`.
     layer_formats: tuple[str, ...] = ()
+    # With format "calibrated": the largest relative attention error a layer may take
+    # (None: kvexec.calibrate.TOLERANCE).
+    calibration_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pressure", tuple(self.pressure))  # JSON gives lists back
@@ -50,7 +65,8 @@ class KVConfig:
         if self.past_floor not in ("refuse", "retain"):
             raise ValueError(f"past_floor must be refuse or retain, not {self.past_floor!r}")
         for name in (self.format, *self.pressure, *self.layer_formats):
-            get_format(name)
+            if not (name == self.format and needs_model(name)):
+                get_format(name)
         if self.policy not in ("score", "random"):
             raise ValueError(f"retention policy must be score or random, not {self.policy!r}")
         if self.max_positions is not None and self.max_positions < self.sink_tokens + self.hot_window + self.page_size:

@@ -12,7 +12,8 @@ spread over every coordinate, so per-token groups lose less. Scores rotate q onc
 block, p V is rotated back once; the rotation costs no storage.
 
 Names: the fixed ones in FORMATS, or `k<bits>[c][r][<group>]v<bits>[r][<group>]` (c:
-key groups per channel, r: rotated, group default 32), e.g. `k6cr64v4r`.
+key groups per channel, r: rotated, group default 32), e.g. `k6cr64v4r`; keys with a
+calibrated width per channel are `k<mean>a<group>v...~<widths>` (kvexec/allocated.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _NAME = re.compile(r"k(\d)(c?)(r?)(\d*)v(\d)(r?)(\d*)")
 ROWS_KERNEL_MAX = 32  # query rows (decode, short chunks) the native page product takes
 
 
-def _rows_kernel():
+def rows_kernel():
     """JustFit's native kernels where built and computing on the CPU, else None."""
     try:
         from justfit_native import kernels
@@ -147,9 +148,9 @@ class Codec:
     def _untransposed(self, x: mx.array, enc: dict[str, mx.array]) -> mx.array:
         """x @ dequantize(stored): JustFit's native kernel for a few float32 rows on the
         CPU (MLX's reads pages at about 1 GB/s there), else MLX's quantized_matmul."""
-        ext = _rows_kernel()
-        if (ext is not None and x.dtype == mx.float32 and x.shape[-2] <= ROWS_KERNEL_MAX and self.bits in (4, 8)
-                and x.ndim == enc["w"].ndim):
+        ext = rows_kernel()
+        if (ext is not None and x.dtype == mx.float32 and x.shape[-2] <= ROWS_KERNEL_MAX
+                and self.bits in getattr(ext, "ROWS_BITS", (4, 8)) and x.ndim == enc["w"].ndim):
             return ext.quantized_matmul_rows(x, enc["w"], enc["scales"], enc["biases"], self.group_size, self.bits)
         return mx.quantized_matmul(x, enc["w"], enc["scales"], enc["biases"], transpose=False,
                                    group_size=self.group_size, bits=self.bits)
@@ -175,6 +176,11 @@ class KVFormat:
         return self.keys.quantized or self.values.quantized
 
     @property
+    def label(self) -> str:
+        """The name to show: an allocated format's without its per-channel widths."""
+        return self.name.partition("~")[0]
+
+    @property
     def token_multiple(self) -> int:
         """Pages must hold a multiple of this many tokens."""
         return self.keys.group_size if self.keys.tokens_last else 1
@@ -184,6 +190,8 @@ class KVFormat:
         for c in (self.keys, self.values):
             if not c.quantized:
                 continue
+            if hasattr(c, "supports_head_dim") and not c.supports_head_dim(head_dim):
+                return False
             if getattr(c, "rotated", False) and head_dim & (head_dim - 1):
                 return False
             if not c.tokens_last and head_dim % getattr(c, "group_size", 32):
@@ -224,6 +232,11 @@ FORMATS = {
 
 def parse_format(name: str) -> KVFormat | None:
     """The format a `k<bits>[c][r][<group>]v<bits>[r][<group>]` name describes, else None."""
+    if "~" in name:
+        from kvexec.allocated import parse_allocated
+
+        codecs = parse_allocated(name)
+        return None if codecs is None else KVFormat(name, *codecs)
     m = _NAME.fullmatch(name)
     if m is None:
         return None
@@ -241,7 +254,10 @@ def get_format(name: str | KVFormat) -> KVFormat:
     if isinstance(name, KVFormat):
         return name
     fmt = FORMATS.get(name) or parse_format(name)
+    if fmt is None and (name == "calibrated" or re.fullmatch(r"k\da\d+v.*", name)):
+        raise ValueError(f"KV format {name!r} is chosen per model: calibrate it first (justfit.Engine does, "
+                         "or kvexec.calibrate.calibrated_config)")
     if fmt is None:
-        raise ValueError(f"unknown KV format {name!r} (known: {', '.join(FORMATS)}, "
+        raise ValueError(f"unknown KV format {name[:60]!r} (known: {', '.join(FORMATS)}, "
                          "or k<bits>[c][r][<group>]v<bits>[r][<group>])")
     return fmt

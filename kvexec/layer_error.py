@@ -1,11 +1,19 @@
-"""Per-layer attention error of a page format, on a model's own queries, keys and values.
+"""What a page format costs a model: per layer at its attention output, and at the output.
 
 One teacher-forced pass through float32 pages records, per attention layer, every
-chunk's queries and the keys and values appended (`record`). Replaying a layer's
-record into a page store of another format and comparing its attention outputs with
-the float32 pages' gives that layer's error alone (`layer_errors`): relative RMS over
-every query, nothing propagated from the layers before it. Calibration picks formats
-with it (kvexec/calibrate.py); it is also the quick proxy for a format's fidelity.
+chunk's queries and the keys and values appended (`record`), and per position the output
+distribution's most likely tokens (`Reference`). Replaying a layer's record into a page
+store of another format and comparing its attention outputs with the float32 pages'
+gives that layer's error alone (`layer_errors`: relative RMS over every query, nothing
+propagated from the layers before it): cheap, one layer at a time. `output_kl` runs the
+model with pages in a given configuration and measures what reaches the next-token
+distribution: one forward pass, used to learn how much a model amplifies attention
+errors (kvexec/calibrate.py).
+
+The KL is binned: the reference's `TOP` most likely tokens each, and the rest of the
+vocabulary as one bin. That is a lower bound of the full KL and close to it when the
+reference puts its mass on few tokens, and keeps a position's reference at TOP + 1
+numbers instead of the vocabulary (262,144 for Gemma 3).
 """
 
 from __future__ import annotations
@@ -14,11 +22,14 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from kvexec.attention import blockwise_attention
 from kvexec.cache import PagedKVCache, make_cache
 from kvexec.config import KVConfig
 from kvexec.store import PageStore
+
+TOP = 64
 
 
 @dataclass
@@ -31,6 +42,16 @@ class LayerRecord:
     values: list[mx.array] = field(default_factory=list)
     scale: float = 1.0
     sinks: mx.array | None = None
+
+
+@dataclass
+class Reference:
+    """Per position: the reference's TOP most likely tokens and their log-probabilities,
+    and the log of the probability left to the rest of the vocabulary."""
+
+    tokens: list[np.ndarray] = field(default_factory=list)  # per chunk, [positions, TOP]
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    rest: list[np.ndarray] = field(default_factory=list)  # per chunk, [positions]
 
 
 class _RecordingCache(PagedKVCache):
@@ -51,15 +72,47 @@ class _RecordingCache(PagedKVCache):
         return super().attend(queries, scale, sinks)
 
 
-def record(model: nn.Module, ids: list[int], chunk: int = 256) -> list[LayerRecord]:
-    """Run `ids` through `model` on float32 pages in chunks; each attention layer's record."""
+def _log_softmax(logits: mx.array) -> np.ndarray:
+    # numpy's vectorized exp: MLX's CPU exp is scalar, and rows are vocabulary-wide
+    x = np.array(logits[0].astype(mx.float32))
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _log_rest(top_logprobs: np.ndarray) -> np.ndarray:
+    return np.log(np.clip(1.0 - np.exp(top_logprobs).sum(axis=-1), 1e-12, None))
+
+
+def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256) -> tuple[list[LayerRecord], Reference]:
+    """Run `ids` through `model` on float32 pages in `layout`, in chunks: each attention
+    layer's record, and the output reference."""
     caches = []
-    for c in make_cache(model, KVConfig(format="fp32")):
+    for c in make_cache(model, layout):
         caches.append(_RecordingCache(c.store.config, c.store.window) if isinstance(c, PagedKVCache) else c)
+    ref = Reference()
     for start in range(0, len(ids), chunk):
-        model(mx.array(ids[start : start + chunk])[None], cache=caches)
+        lp = _log_softmax(model(mx.array(ids[start : start + chunk])[None], cache=caches))
+        top = np.argpartition(-lp, TOP, axis=-1)[:, :TOP]
+        ref.tokens.append(top)
+        ref.logprobs.append(np.take_along_axis(lp, top, axis=-1))
+        ref.rest.append(_log_rest(ref.logprobs[-1]))
         mx.eval([c.state for c in caches])
-    return [c.record for c in caches if isinstance(c, _RecordingCache)]
+    return [c.record for c in caches if isinstance(c, _RecordingCache)], ref
+
+
+def output_kl(model: nn.Module, ids: list[int], config: KVConfig, ref: Reference, chunk: int = 256) -> float:
+    """Mean binned KL(reference || output) per position with pages as `config` keeps them."""
+    caches = make_cache(model, config)
+    total, n = 0.0, 0
+    for i, start in enumerate(range(0, len(ids), chunk)):
+        lp = _log_softmax(model(mx.array(ids[start : start + chunk])[None], cache=caches))
+        mx.eval([c.state for c in caches])
+        got = np.take_along_axis(lp, ref.tokens[i], axis=-1)
+        p = np.exp(ref.logprobs[i])
+        total += float((p * (ref.logprobs[i] - got)).sum())
+        total += float((np.exp(ref.rest[i]) * (ref.rest[i] - _log_rest(got))).sum())
+        n += lp.shape[0]
+    return max(total / n, 0.0)
 
 
 def _outputs(rec: LayerRecord, config: KVConfig) -> list[mx.array]:
@@ -73,20 +126,17 @@ def _outputs(rec: LayerRecord, config: KVConfig) -> list[mx.array]:
     return out
 
 
-def relative_error(rec: LayerRecord, config: KVConfig, reference: list[mx.array] | None = None) -> float:
-    """Relative RMS error of the layer's attention outputs with pages in `config`'s
-    format against `reference` (default: float32 pages with the same layout)."""
-    ref = reference if reference is not None else _outputs(rec, replace(config, format="fp32"))
-    got = _outputs(rec, config)
-    err = sum(float(((a - b) ** 2).sum()) for a, b in zip(got, ref))
-    norm = sum(float((b**2).sum()) for b in ref)
-    return (err / max(norm, 1e-30)) ** 0.5
-
-
-def layer_errors(records: list[LayerRecord], formats: list[str], config: KVConfig) -> list[dict[str, float]]:
-    """Per layer, format -> relative attention-output error (see `relative_error`)."""
+def layer_errors(records: list[LayerRecord], formats: list[list[str]], config: KVConfig) -> list[dict[str, float]]:
+    """Per layer, format -> relative RMS error of the layer's attention outputs with pages in
+    that format against float32 pages in the same layout, for that layer's formats
+    (`formats[i]` for layer i: allocated ones differ per layer)."""
     out = []
-    for rec in records:
+    for rec, names in zip(records, formats, strict=True):
         ref = _outputs(rec, replace(config, format="fp32"))
-        out.append({f: relative_error(rec, replace(config, format=f), ref) for f in formats})
+        norm = sum(float((b**2).sum()) for b in ref)
+        errors = {}
+        for f in names:
+            got = _outputs(rec, replace(config, format=f))
+            errors[f] = (sum(float(((a - b) ** 2).sum()) for a, b in zip(got, ref)) / max(norm, 1e-30)) ** 0.5
+        out.append(errors)
     return out

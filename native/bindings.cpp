@@ -1,6 +1,7 @@
 // Python bindings of JustFit's native kernels (module justfit_native._ext).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "qmatmul_rows.h"
 #include "qmatvec.h"
@@ -22,4 +23,8 @@ NB_MODULE(_ext, m) {
   m.def("quantized_matmul_rows", &justfit::quantized_matmul_rows, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases) (MLX's transpose=False layout) for a few rows, float32.");
+  m.def("quantized_matmul_rows_split", &justfit::quantized_matmul_rows_split, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "columns"_a, "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "sum over parts of x[..., columns[i][head]] @ dequantize(part i) (MLX's transpose=False layout), float32.");
+  m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
 }

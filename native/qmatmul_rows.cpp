@@ -6,13 +6,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "stored.h"
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -29,49 +30,111 @@ inline float widen(const mx::float16_t* p, size_t i) {
 }
 inline float widen(const float* p, size_t i) { return p[i]; }
 
+// Values [n0, n1) of a row as floats (n0 and n1 multiples of 8). MLX packs every width
+// as one little-endian bit stream, so 8 values of `Bits` bits fill exactly `Bits` bytes;
+// they are read as one 8-byte word (the fields ignore the bytes past them) except within
+// 8 bytes of the storage's `end`.
 template <int Bits>
-inline float value(const uint8_t* row, int j) {
-  if constexpr (Bits == 8) return static_cast<float>(row[j]);
-  return static_cast<float>((row[j >> 1] >> ((j & 1) * 4)) & 15);
+inline void widen_row(const uint8_t* row, int n0, int n1, float* out, const uint8_t* end) {
+  if constexpr (Bits == 8) {
+    for (int n = n0; n < n1; ++n) out[n - n0] = static_cast<float>(row[n]);
+  } else if constexpr (Bits == 4) {
+    for (int n = n0; n < n1; n += 2) {
+      out[n - n0] = static_cast<float>(row[n >> 1] & 15);
+      out[n - n0 + 1] = static_cast<float>(row[n >> 1] >> 4);
+    }
+  } else {
+    constexpr uint64_t mask = (uint64_t{1} << Bits) - 1;
+#ifdef __AVX2__
+    // 8 values per step: the 8 fields shifted out of one 64-bit word in two 4-lane
+    // vectors, interleaved into 32-bit lanes, reordered and converted.
+    const __m256i lo_shift = _mm256_setr_epi64x(0, Bits, 2 * Bits, 3 * Bits);
+    const __m256i hi_shift = _mm256_setr_epi64x(4 * Bits, 5 * Bits, 6 * Bits, 7 * Bits);
+    const __m256i mask64 = _mm256_set1_epi64x(static_cast<long long>(mask));
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int n = n0; n < n1; n += 8) {
+      const uint8_t* at = row + n / 8 * Bits;
+      uint64_t v = 0;
+      std::memcpy(&v, at, at + 8 <= end ? 8 : Bits);  // little-endian hosts (x86_64)
+      const __m256i word = _mm256_set1_epi64x(static_cast<long long>(v));
+      const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(word, lo_shift), mask64);
+      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(word, hi_shift), mask64);
+      const __m256i both = _mm256_permutevar8x32_epi32(_mm256_or_si256(lo, _mm256_slli_epi64(hi, 32)), order);
+      _mm256_storeu_ps(out + (n - n0), _mm256_cvtepi32_ps(both));
+    }
+#else
+    (void)end;
+    for (int n = n0; n < n1; n += 8) {
+      uint64_t v = 0;
+      std::memcpy(&v, row + n / 8 * Bits, Bits);  // little-endian hosts (x86_64, arm64)
+      for (int j = 0; j < 8; ++j) out[n - n0 + j] = static_cast<float>((v >> (j * Bits)) & mask);
+    }
+#endif
+  }
 }
 
 constexpr int kSlice = 512;  // output columns per task: a multiple of every group size used
 
+// One task's share: rows k of W (K of them, each N values) times x's column
+// `columns[k]` (k itself when columns is null) added into acc [M, n1 - n0] and, per
+// group, x times the biases into bias [M, groups in the slice].
 template <int Bits, typename S>
-void rows_product(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int batch, int M,
-                  int K, int N, int group_size) {
-  const int groups = N / group_size;
-  const int row_bytes = N * Bits / 8;
+void accumulate(const float* xb, int D, const int32_t* columns, const uint8_t* wb, const S* sb, const S* bb,
+                int M, int K, int N, int group_size, int n0, int n1, const uint8_t* w_end, float* acc, float* bias,
+                float* widened) {
+  const int groups = N / group_size, row_bytes = N * Bits / 8, g0 = n0 / group_size, g1 = n1 / group_size;
+  for (int k = 0; k < K; ++k) {
+    widen_row<Bits>(wb + static_cast<size_t>(k) * row_bytes, n0, n1, widened, w_end);
+    const int column = columns ? columns[k] : k;
+    for (int m = 0; m < M; ++m) {
+      const float xm = xb[static_cast<size_t>(m) * D + column];
+      if (xm == 0.f) continue;  // masked probabilities, padding
+      float* am = acc + static_cast<size_t>(m) * (n1 - n0);
+      for (int g = g0; g < g1; ++g) {
+        const float a = xm * widen(sb, static_cast<size_t>(k) * groups + g);
+        const float* q = widened + (g - g0) * group_size;
+        float* out = am + (g - g0) * group_size;
+#pragma omp simd
+        for (int j = 0; j < group_size; ++j) out[j] += a * q[j];
+        bias[static_cast<size_t>(m) * (g1 - g0) + (g - g0)] += xm * widen(bb, static_cast<size_t>(k) * groups + g);
+      }
+    }
+  }
+}
+
+// A stored part of W: packed rows, their scales and biases, the width, and the columns of x
+// its rows meet ([heads, rows] int32, or null: the rows in order).
+struct Part {
+  const uint8_t* w;
+  const uint8_t* scales;
+  const uint8_t* biases;
+  int bits, rows;
+  const int32_t* columns;
+};
+
+// y = sum over parts of x[.., columns] @ dequantize(part), per leading index and slice of
+// the N columns (tasks spread with OpenMP); x [batch, M, D], y [batch, M, N].
+void product(const float* x, const std::vector<Part>& parts, bool half, float* y, int batch, int heads, int M, int D,
+             int N, int group_size) {
   const int slice = std::max(group_size, kSlice / group_size * group_size);
-  const int slices = (N + slice - 1) / slice;
+  const int slices = (N + slice - 1) / slice, groups = N / group_size;
 #pragma omp parallel for schedule(static) collapse(2)
   for (int b = 0; b < batch; ++b) {
     for (int sl = 0; sl < slices; ++sl) {
       const int n0 = sl * slice, n1 = std::min(N, n0 + slice), g0 = n0 / group_size, g1 = n1 / group_size;
-      const float* xb = x + static_cast<size_t>(b) * M * K;
-      const uint8_t* wb = w + static_cast<size_t>(b) * K * row_bytes;
-      const S* sb = scales + static_cast<size_t>(b) * K * groups;
-      const S* bb = biases + static_cast<size_t>(b) * K * groups;
-      float* yb = y + static_cast<size_t>(b) * M * N;
       std::vector<float> acc(static_cast<size_t>(M) * (n1 - n0), 0.f), bias(static_cast<size_t>(M) * (g1 - g0), 0.f);
       std::vector<float> widened(n1 - n0);
-      for (int k = 0; k < K; ++k) {
-        const uint8_t* wrow = wb + static_cast<size_t>(k) * row_bytes;
-        for (int n = n0; n < n1; ++n) widened[n - n0] = value<Bits>(wrow, n);
-        for (int m = 0; m < M; ++m) {
-          const float xm = xb[static_cast<size_t>(m) * K + k];
-          if (xm == 0.f) continue;  // masked probabilities, padding
-          float* am = acc.data() + static_cast<size_t>(m) * (n1 - n0);
-          for (int g = g0; g < g1; ++g) {
-            const float a = xm * widen(sb, static_cast<size_t>(k) * groups + g);
-            const float* q = widened.data() + (g - g0) * group_size;
-            float* out = am + (g - g0) * group_size;
-#pragma omp simd
-            for (int j = 0; j < group_size; ++j) out[j] += a * q[j];
-            bias[static_cast<size_t>(m) * (g1 - g0) + (g - g0)] += xm * widen(bb, static_cast<size_t>(k) * groups + g);
-          }
-        }
+      for (const Part& part : parts) {
+        const size_t row_bytes = static_cast<size_t>(N) * part.bits / 8, lead = static_cast<size_t>(b) * part.rows;
+        const uint8_t* w_end = part.w + batch * part.rows * row_bytes;
+        const int32_t* columns = part.columns ? part.columns + static_cast<size_t>(b % heads) * part.rows : nullptr;
+        with_stored<2, 3, 4, 5, 6, 8>(part.bits, half, part.scales, part.biases, [&]<int B>(auto* s, auto* bs) {
+          accumulate<B>(x + static_cast<size_t>(b) * M * D, D, columns, part.w + lead * row_bytes, s + lead * groups,
+                        bs + lead * groups, M, part.rows, N, group_size, n0, n1, w_end, acc.data(), bias.data(),
+                        widened.data());
+        });
       }
+      float* yb = y + static_cast<size_t>(b) * M * N;
       for (int m = 0; m < M; ++m)
         for (int n = n0; n < n1; ++n)
           yb[static_cast<size_t>(m) * N + n] =
@@ -80,49 +143,82 @@ void rows_product(const float* x, const uint8_t* w, const S* scales, const S* bi
   }
 }
 
-}  // namespace
-
-mx::array quantized_matmul_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matmul_rows: bits must be 4 or 8");
-  if (group_size % 8 != 0 || group_size <= 0)
-    throw std::invalid_argument("quantized_matmul_rows: group_size must be a positive multiple of 8");
-  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32)
-    throw std::invalid_argument("quantized_matmul_rows: x must be float32 and w uint32");
+void check_part(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                int group_size, int bits, int rows, int N) {
+  if (bits < 2 || bits > 8 || bits == 7)
+    throw std::invalid_argument("quantized_matmul_rows: bits must be 2, 3, 4, 5, 6 or 8");
+  if (w.dtype() != mx::uint32)
+    throw std::invalid_argument("quantized_matmul_rows: w must be uint32");
   if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16) || biases.dtype() != scales.dtype())
     throw std::invalid_argument("quantized_matmul_rows: scales and biases must both be float16 or both float32");
   const int nd = x.ndim();
-  if (nd < 2 || w.ndim() != nd || scales.ndim() != nd || biases.shape() != scales.shape())
+  if (w.ndim() != nd || scales.ndim() != nd || biases.shape() != scales.shape())
     throw std::invalid_argument("quantized_matmul_rows: x, w, scales and biases need the same number of dimensions");
-  const int K = x.shape(-1), N = w.shape(-1) * 32 / bits;
-  if (w.shape(-2) != K || scales.shape(-2) != K || scales.shape(-1) != N / group_size || N % group_size != 0)
+  if (w.shape(-2) != rows || scales.shape(-2) != rows || w.shape(-1) * 32 / bits != N ||
+      scales.shape(-1) != N / group_size || N % group_size != 0)
     throw std::invalid_argument("quantized_matmul_rows: shapes do not agree");
   for (int d = 0; d < nd - 2; ++d)
     if (w.shape(d) != x.shape(d) || scales.shape(d) != x.shape(d))
       throw std::invalid_argument("quantized_matmul_rows: leading dimensions must be equal");
+}
+
+}  // namespace
+
+mx::array quantized_matmul_rows(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  return quantized_matmul_rows_split(x, {w}, {scales}, {biases}, {}, group_size, {bits}, s);
+}
+
+mx::array quantized_matmul_rows_split(const mx::array& x, const std::vector<mx::array>& w,
+                                      const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                      const std::vector<mx::array>& columns, int group_size,
+                                      const std::vector<int>& bits, mx::StreamOrDevice s) {
+  if (group_size % 8 != 0 || group_size <= 0)
+    throw std::invalid_argument("quantized_matmul_rows: group_size must be a positive multiple of 8");
+  if (x.dtype() != mx::float32 || x.ndim() < 2)
+    throw std::invalid_argument("quantized_matmul_rows: x must be float32 with 2 or more dimensions");
+  const size_t parts = w.size();
+  if (parts == 0 || scales.size() != parts || biases.size() != parts || bits.size() != parts ||
+      (!columns.empty() && columns.size() != parts))
+    throw std::invalid_argument("quantized_matmul_rows: one w, scales, biases and bits (and columns) per part");
+  const int N = w[0].shape(-1) * 32 / bits[0], heads = x.ndim() >= 3 ? x.shape(-3) : 1;
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs{mx::contiguous(x, false, stream)};
+  for (size_t i = 0; i < parts; ++i) {
+    const int rows = columns.empty() ? x.shape(-1) : columns[i].shape(-1);
+    if (!columns.empty() && (columns[i].dtype() != mx::int32 || columns[i].ndim() != 2 || columns[i].shape(0) != heads))
+      throw std::invalid_argument("quantized_matmul_rows: columns must be int32 [heads, rows]");
+    check_part(x, w[i], scales[i], biases[i], group_size, bits[i], rows, N);
+    if (scales[i].dtype() != scales[0].dtype())
+      throw std::invalid_argument("quantized_matmul_rows: every part's scales must share a dtype");
+    inputs.push_back(mx::contiguous(w[i], false, stream));
+    inputs.push_back(mx::contiguous(scales[i], false, stream));
+    inputs.push_back(mx::contiguous(biases[i], false, stream));
+    if (!columns.empty()) inputs.push_back(mx::contiguous(columns[i], false, stream));
+  }
   auto shape = x.shape();
   shape.back() = N;
-  auto stream = mx::to_stream(s);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmulRows>(stream, group_size, bits),
-                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
-                    mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)});
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantizedMatmulRows>(stream, group_size, bits, !columns.empty()), inputs);
 }
 
 void QuantizedMatmulRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
-  auto& w = inputs[1];
-  auto& scales = inputs[2];
-  auto& biases = inputs[3];
   auto& y = outputs[0];
   auto& encoder = begin_cpu(stream(), inputs, y);
-  const int K = x.shape(-1), M = x.shape(-2), N = y.shape(-1), batch = x.size() / (static_cast<size_t>(M) * K);
-  const float* xp = x.data<float>();
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
-  float* yp = y.data<float>();
-  const int gs = group_size_, bits = bits_;
-  const bool half = scales.dtype() == mx::float16;
-  encoder.dispatch([=, sp = scales.data<uint8_t>(), bp = biases.data<uint8_t>()]() {
-    with_stored(bits, half, sp, bp, [&]<int B>(auto* s, auto* b) { rows_product<B>(xp, wp, s, b, yp, batch, M, K, N, gs); });
+  const int D = x.shape(-1), M = x.shape(-2), N = y.shape(-1), batch = x.size() / (static_cast<size_t>(M) * D);
+  const int heads = x.ndim() >= 3 ? x.shape(-3) : 1;
+  const int per = split_ ? 4 : 3;
+  std::vector<Part> parts;
+  for (size_t i = 0; i < widths_.size(); ++i) {
+    const auto& w = inputs[1 + per * i];
+    parts.push_back({reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), inputs[2 + per * i].data<uint8_t>(),
+                     inputs[3 + per * i].data<uint8_t>(), widths_[i], w.shape(-2),
+                     split_ ? inputs[4 + per * i].data<int32_t>() : nullptr});
+  }
+  const bool half = inputs[2].dtype() == mx::float16;
+  encoder.dispatch([=, xp = x.data<float>(), yp = y.data<float>(), gs = group_size_]() {
+    product(xp, parts, half, yp, batch, heads, M, D, N, gs);
   });
 }
 

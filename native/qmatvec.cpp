@@ -240,7 +240,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.dispatch([=, xs = RowMajor{x}, ws = RowMajor{w}, ss = RowMajor{scales}, bs = RowMajor{biases}]() mutable {
     const float* xp = xs.data<float>();
     const uint8_t* wp = ws.data<uint8_t>();
-    with_stored(bits, half, ss.data<uint8_t>(), bs.data<uint8_t>(), [&]<int B>(auto* sp, auto* bp) {
+    with_stored<4, 8>(bits, half, ss.data<uint8_t>(), bs.data<uint8_t>(), [&]<int B>(auto* sp, auto* bp) {
       matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs);
     });
   });

@@ -41,14 +41,13 @@ class QuantizedPrimitive : public mlx::core::Primitive {
   int bits_;
 };
 
-// f.template operator()<Bits>(scales, biases), the pointers typed as stored.
-template <typename F>
+// f.template operator()<Bits>(scales, biases) for `bits` among Widths, the pointers
+// typed as stored.
+template <int... Widths, typename F>
 inline void with_stored(int bits, bool half, const void* scales, const void* biases, F&& f) {
   auto go = [&](auto* s, auto* b) {
-    if (bits == 4)
-      f.template operator()<4>(s, b);
-    else
-      f.template operator()<8>(s, b);
+    bool done = ((bits == Widths ? (f.template operator()<Widths>(s, b), true) : false) || ...);
+    if (!done) throw std::invalid_argument("unsupported bit width");
   };
   if (half)
     go(static_cast<const mlx::core::float16_t*>(scales), static_cast<const mlx::core::float16_t*>(biases));

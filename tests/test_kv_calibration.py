@@ -41,11 +41,12 @@ def test_calibration_picks_the_smallest_format_within_tolerance_and_is_determini
     assert a == b and len(a.formats) == 3 and a.tokens == 600
     sizes = [get_format(c).bytes_per_token(1, 64) for c in a.candidates]
     assert sizes == sorted(sizes)  # candidates are tried smallest first
-    for chosen, errors in zip(a.formats, a.errors):
-        fitting = [c for c in a.candidates if errors[c] <= 0.05]
+    for chosen, errors in zip(a.formats, a.errors):  # the budget is split evenly over the layers
+        fitting = [c for c in a.candidates if errors[c] is not None and errors[c] <= 0.05 / 3]
         assert chosen == (fitting[0] if fitting else a.candidates[-1])
-    # the errors order the formats as their widths do: 8-bit pages lose least
-    assert all(e["q8c"] < e["k4crv3r"] for e in a.errors)
+        assert errors["q8c"] is None  # the widest candidate is the fallback, not measured
+    # the errors order the formats as their widths do: wider pages lose less
+    assert all(e["k6cv4r"] < e["k4crv3r"] for e in a.errors)
     tight = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=1e-9, max_tokens=600)
     assert tight.formats == ("q8c",) * 3  # nothing fits: the widest candidate
 
@@ -53,13 +54,16 @@ def test_calibration_picks_the_smallest_format_within_tolerance_and_is_determini
 def test_calibration_is_cached_per_model_identity(tiny_model, tmp_path, monkeypatch):
     first = cached_calibration(tiny_model, ByteTokenizer(), "tiny-a", tmp_path, CANDIDATES, 0.05)
     files = list(tmp_path.glob("kv-calibration-*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["formats"] == list(first.formats)
+    assert len(files) == 1 and json.loads(files[0].read_text())["errors"] == [dict(e) for e in first.errors]
 
     def measured_again(*args, **kwargs):
         raise AssertionError("a cached calibration was measured again")
 
-    monkeypatch.setattr(calibrate_mod, "calibrate", measured_again)
+    monkeypatch.setattr(calibrate_mod, "measure", measured_again)
     assert cached_calibration(tiny_model, ByteTokenizer(), "tiny-a", tmp_path, CANDIDATES, 0.05) == first
+    # another tolerance chooses from the same measurement
+    assert cached_calibration(tiny_model, ByteTokenizer(), "tiny-a", tmp_path, CANDIDATES, 1e-9).formats == \
+        ("q8c",) * 3
     monkeypatch.undo()
     other = cached_calibration(tiny_model, ByteTokenizer(), "tiny-b", tmp_path, CANDIDATES, 0.05)
     assert other.model == "tiny-b" and len(list(tmp_path.glob("kv-calibration-*.json"))) == 2
@@ -80,3 +84,43 @@ def test_calibrated_config_sets_each_layers_format_and_the_planner_counts_it(tin
     with pytest.raises(ValueError, match="layer"):
         kvexec.make_cache(tiny_model, calibrated_config(KVConfig(), Calibration("tiny", ("q8c",), ({},), 0.05,
                                                                                  CANDIDATES, 600)))
+
+
+def test_allocated_candidates_get_their_widths_per_layer(tiny_model):
+    cal = calibrate(tiny_model, ByteTokenizer(), "tiny", ("k5a128v4r", "k6a128v4r", "q8c"), tolerance=1.0,
+                    max_tokens=600)
+    assert cal.candidates == ("k5a128v4r", "k6a128v4r", "q8c")
+    assert all(get_format(f).label == "k5a128v4r" for f in cal.formats)  # everything fits tolerance 1
+    assert len(set(cal.formats)) == 3  # each layer's widths come from its own queries and keys
+    assert cal.summary() == "k5a128v4r x3"
+    cache = kvexec.make_cache(tiny_model, calibrated_config(KVConfig(page_size=128), cal))
+    tiny_model(mx.array(list(range(250)) * 2)[None], cache=cache)
+    assert [c.store.formats() for c in cache] == [{f: 128} for f in cal.formats]
+    assert kvexec.page_formats(cache) == {"k5a128v4r": 3 * 128}  # summed by label
+
+
+def test_a_head_dim_no_candidate_stores_is_calibrated_to_fp16(tiny_model):
+    odd = calibrate(tiny_model, ByteTokenizer(), "tiny", ("k4crv4r128",), max_tokens=300)
+    assert odd.formats == ("fp16",) * 3
+
+
+def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path, monkeypatch):
+    from justfit import Engine, SamplingParams
+    from justfit.config import EngineConfig
+
+    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
+    config = EngineConfig(kv=KVConfig(format="k5a128v4r", page_size=128, hot_window=0))
+    engine = Engine(str(tiny_gemma3_dir), config=config)
+    formats = engine.config.kv.layer_formats
+    assert len(formats) == 6 and {get_format(f).label for f in formats} == {"k5a128v4r"}
+    assert len(list((tmp_path / "calibration").glob("kv-calibration-*.json"))) == 1
+    chunks = list(engine.generate(list(range(3, 300)), SamplingParams(temperature=0, max_tokens=4)))
+    assert sum(c.token is not None for c in chunks) == 4
+    assert set(engine.last_stats.kv_formats) == {"k5a128v4r"}  # pages written as calibrated
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("a cached calibration was measured again")
+
+    monkeypatch.setattr(calibrate_mod, "measure", measured_again)
+    again = Engine(str(tiny_gemma3_dir), config=config)
+    assert again.config.kv.layer_formats == formats

@@ -162,7 +162,7 @@ def test_justfit_fit_reports_the_ladder(tiny_gemma3_dir):
     from cli.main import main
 
     res = CliRunner().invoke(main, ["fit", "--model", str(tiny_gemma3_dir), "--budget", "64MiB", "--context", "300",
-                                    "--json"])
+                                    "--kv-format", "q8c", "--json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.output)
     rows = {row["format"]: row for row in r["formats"]}

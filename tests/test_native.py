@@ -92,12 +92,13 @@ def test_native_rms_norm_is_mlx_s_and_keeps_its_weight():
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (8, 64), (4, 128)])
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (8, 64), (4, 128), (2, 32), (3, 64), (5, 128), (6, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 24])
 def test_the_page_product_equals_mlx_s_untransposed_quantized_matmul(bits, group, rows):
     """Attention over quantized pages at decode: q K for keys stored per channel
     ([.., head_dim, tokens]) and p V for values per token, both MLX's transpose=False
-    layout; KVExec's codecs use it for few float32 rows and MLX's kernel otherwise."""
+    layout; KVExec's codecs use it for few float32 rows and MLX's kernel otherwise.
+    Every width MLX stores (2-6 and 8 bits: one little-endian bit stream)."""
     from kvexec.formats import ROWS_KERNEL_MAX, Codec
 
     mx.random.seed(bits + rows + group)

@@ -130,7 +130,7 @@ class LiveStatus:
             for name in [*FORMATS, None]:
                 if name is not None and not get_format(name).supports_head_dim(head_dim):
                     continue
-                kv = None if name is None else replace(base or KVConfig(), format=name)
+                kv = None if name is None else replace(base or KVConfig(), format=name, layer_formats=())
                 fp = engine.footprint(1, tuple(engine.swap.offloaded), kv=kv, chunk=MIN_PREFILL_CHUNK)
                 rows.append({"format": name or "mlx-lm", "max_positions": fp.max_positions(budget),
                              "in_use": name == (base.format if base else None)})
