@@ -41,12 +41,13 @@ def test_calibration_picks_the_smallest_format_within_tolerance_and_is_determini
     assert a == b and len(a.formats) == 3 and a.tokens == 600
     sizes = [get_format(c).bytes_per_token(1, 64) for c in a.candidates]
     assert sizes == sorted(sizes)  # candidates are tried smallest first
-    for chosen, errors in zip(a.formats, a.errors):  # the budget is split evenly over the layers
-        fitting = [c for c in a.candidates if errors[c] is not None and errors[c] <= 0.05 / 3]
+    assert a.gain > 0  # the output moved when every layer's pages were quantized
+    allowed = (0.05 / (a.gain * 3)) ** 0.5  # the KL budget split evenly over 3 layers
+    for chosen, errors in zip(a.formats, a.errors):
+        fitting = [c for c in a.candidates if errors[c] <= allowed]
         assert chosen == (fitting[0] if fitting else a.candidates[-1])
-        assert errors["q8c"] is None  # the widest candidate is the fallback, not measured
-    # the errors order the formats as their widths do: wider pages lose less
-    assert all(e["k6cv4r"] < e["k4crv3r"] for e in a.errors)
+    # the errors order the formats as their widths do: 8-bit pages lose least
+    assert all(e["q8c"] < e["k4crv3r"] for e in a.errors)
     tight = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=1e-9, max_tokens=600)
     assert tight.formats == ("q8c",) * 3  # nothing fits: the widest candidate
 
