@@ -161,3 +161,27 @@ def test_without_the_kernel_the_native_form_is_mlx_s_own(q4_dir, monkeypatch):
     a = [c.token for c in Engine(str(q4_dir), config=EngineConfig(policy="cpu-native")).generate("x y z", sp)]
     b = [c.token for c in Engine(str(q4_dir), config=EngineConfig(policy="cpu-compact")).generate("x y z", sp)]
     assert [c for c in a if c is not None] == [c for c in b if c is not None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 9])
+def test_the_split_product_sums_each_widths_channels_in_one_operation(rows):
+    """Keys stored per channel at several widths (kvexec/allocated.py): one operation is
+    the sum of each width's product on the query's matching channels."""
+    import numpy as np
+
+    heads, dim, tokens = 3, 64, 384
+    x = mx.random.normal((2, heads, rows, dim), key=mx.random.key(rows))
+    order = np.stack([np.random.default_rng(h).permutation(dim) for h in range(heads)]).astype(np.int32)
+    parts = [(8, order[:, :9]), (6, order[:, 9:30]), (5, order[:, 30:41]), (3, order[:, 41:60]), (2, order[:, 60:])]
+    ws, scales, biases, columns, want = [], [], [], [], 0
+    for i, (bits, cols) in enumerate(parts):
+        w, s, b = mx.quantize(mx.random.normal((2, heads, cols.shape[1], tokens), key=mx.random.key(i)), 128, bits)
+        s, b = s.astype(mx.float16), b.astype(mx.float16)
+        picked = mx.take_along_axis(x, mx.array(cols)[None, :, None, :], axis=-1)
+        want = want + mx.quantized_matmul(picked, w, s, b, transpose=False, group_size=128, bits=bits)
+        ws.append(w), scales.append(s), biases.append(b), columns.append(mx.array(cols))
+    got = native.kernels().quantized_matmul_rows_split(x, ws, scales, biases, columns, 128, [p[0] for p in parts])
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
+    with pytest.raises(ValueError, match="one w, scales, biases and bits"):
+        native.kernels().quantized_matmul_rows_split(x, ws, scales, biases, columns, 128, [8])
