@@ -178,17 +178,20 @@ def make_cache(model: nn.Module, config: KVConfig | None = None) -> list:
     With `config.layer_formats`, attention layer i keeps its pages in format i."""
     config = config or KVConfig()
     caches = make_prompt_cache(model)
-    attention = [c for c in caches if isinstance(c, (RotatingKVCache, KVCache))]
+    attention = [j for j, c in enumerate(caches) if isinstance(c, (RotatingKVCache, KVCache))]
     per_layer = config.layer_formats
-    if per_layer and len(per_layer) != len(attention):
+    # Formats per attention layer; or per entry of the cache list, where a model holds only
+    # some of its layers (a pipeline rank: the others' entries are stand-ins).
+    by_entry = len(per_layer) == len(caches) != len(attention)
+    if per_layer and not by_entry and len(per_layer) != len(attention):
         raise ValueError(f"{len(per_layer)} layer formats for a model with {len(attention)} attention layers")
-    out, i = [], 0
-    for c in caches:
+    out = []
+    for j, c in enumerate(caches):
         if not isinstance(c, (RotatingKVCache, KVCache)):
             out.append(c)
             continue
-        layer = replace(config, format=per_layer[i], layer_formats=()) if per_layer else config
-        i += 1
+        name = per_layer[j if by_entry else attention.index(j)] if per_layer else None
+        layer = replace(config, format=name, layer_formats=()) if name else config
         out.append(PagedKVCache(layer, window=c.max_size if isinstance(c, RotatingKVCache) else None))
     return out
 

@@ -164,7 +164,9 @@ def test_justfit_fit_reports_formats_and_plan(q8_dir):
     assert res.exit_code == 0, res.output
     r = json.loads(res.output)
     rows = {row["format"]: row for row in r["formats"]}
-    assert set(rows) == {"fp32", "fp16", "mlx-lm"}  # head_dim 16 is too small for the quantized ones
+    # head_dim 16 is too small for the quantized ones: calibration (the default) falls back to fp16
+    assert set(rows) == {"fp32", "fp16", "calibrated: fp16 x4", "mlx-lm"} and r["kv_format"] == "calibrated"
+    assert rows["calibrated: fp16 x4"]["bytes_per_position"] == rows["fp16"]["bytes_per_position"]
     assert rows["fp16"]["bytes_per_position"] * 2 == rows["fp32"]["bytes_per_position"]
     assert rows["fp16"]["max_positions"] > max(rows["fp32"]["max_positions"], rows["mlx-lm"]["max_positions"])
     assert all(row["max_positions_offloaded"] >= row["max_positions"] for row in rows.values())
