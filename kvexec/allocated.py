@@ -126,6 +126,20 @@ class AllocatedCodec:
         return out
 
     @cached_property
+    def _units(self) -> dict[str, int]:
+        """Storage name -> units along the token axis per group of tokens (packed words or one)."""
+        out = {}
+        for b, _, _ in self._classes:
+            out.update({f"b{b}.w": self.group_size * b // 32, f"b{b}.scales": 1, f"b{b}.biases": 1})
+        return out
+
+    @cached_property
+    def _product_args(self) -> tuple[list[tuple[str, str, str]], list[mx.array], list[int]]:
+        """Per width: its storage names, its channel indices, its bits (the native product's arguments)."""
+        names = [(f"b{b}.w", f"b{b}.scales", f"b{b}.biases") for b, _, _ in self._classes]
+        return names, [idx for _, _, idx in self._classes], [b for b, _, _ in self._classes]
+
+    @cached_property
     def _inverse(self) -> mx.array:
         """[kv_heads, head_dim]: where each channel sits in the classes' concatenation."""
         order = np.concatenate([np.array(idx) for _, _, idx in self._classes], axis=1)
@@ -177,11 +191,10 @@ class AllocatedCodec:
             codec.write(self._part(storage, b), self._part(enc, b), start, n)
 
     def view(self, storage: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
-        """The stored form of tokens [start, end)."""
-        out = {}
-        for b, codec, _ in self._classes:
-            out.update({f"b{b}.{k}": v for k, v in codec.view(self._part(storage, b), start, end).items()})
-        return out
+        """The stored form of tokens [start, end) (group boundaries). One pass: decode visits
+        every block's view each step."""
+        a, b = start // self.group_size, end // self.group_size
+        return {name: arr[..., a * self._units[name] : b * self._units[name]] for name, arr in storage.items()}
 
     def scores(self, q: mx.array, enc: dict[str, mx.array]) -> mx.array:
         """q [B, kv_heads, rows, head_dim] @ K^T: JustFit's native product over every width
@@ -189,10 +202,9 @@ class AllocatedCodec:
         ext = rows_kernel()
         if (ext is not None and hasattr(ext, "quantized_matmul_rows_split") and q.dtype == mx.float32
                 and q.shape[-2] <= ROWS_KERNEL_MAX):
-            parts = [self._part(enc, b) for b, _, _ in self._classes]
-            return ext.quantized_matmul_rows_split(q, [p["w"] for p in parts], [p["scales"] for p in parts],
-                                                   [p["biases"] for p in parts], [i for _, _, i in self._classes],
-                                                   self.group_size, [b for b, _, _ in self._classes])
+            names, columns, bits = self._product_args
+            return ext.quantized_matmul_rows_split(q, [enc[w] for w, _, _ in names], [enc[s] for _, s, _ in names],
+                                                   [enc[b] for _, _, b in names], columns, self.group_size, bits)
         out = None
         for b, codec, idx in self._classes:
             s = codec._untransposed(self._pick(q, idx), self._part(enc, b))
