@@ -24,8 +24,9 @@ def needs_model(name: str) -> bool:
 class KVConfig:
     """How KVExec keeps each attention layer's KV; see the fields."""
 
-    # q8c: the most compact format with no measurable loss on the models tested, and
-    # the fastest to decode on CPU (measured by bench/quality.py and bench/kv.py).
+    # q8c: a fixed format with no measurable loss on the models tested, and the fastest
+    # to decode on CPU (bench/quality.py, bench/kv.py). "calibrated" (the CLI's default)
+    # is smaller at the same fidelity but needs the model to resolve (justfit.Engine does).
     format: str = "q8c"
     page_size: int = 256
     hot_window: int = 256  # most recent tokens kept in full precision
