@@ -30,10 +30,28 @@ inline float widen(const mx::float16_t* p, size_t i) {
 }
 inline float widen(const float* p, size_t i) { return p[i]; }
 
+// For 8 values of `Bits` bits: which two source bytes each 32-bit output lane takes (the
+// 128-bit halves shuffle separately, so lanes 4-7 index the same bytes again) and by how
+// many bits it then shifts right.
+template <int Bits>
+struct Lanes {
+  alignas(32) int8_t picks[32] = {};
+  alignas(32) int32_t offsets[8] = {};
+  constexpr Lanes() {
+    for (int j = 0; j < 8; ++j) {
+      const int bit = j * Bits, at = (j % 4) * 4 + (j / 4) * 16;
+      picks[at] = static_cast<int8_t>(bit >> 3);
+      picks[at + 1] = static_cast<int8_t>((bit >> 3) + 1);
+      picks[at + 2] = picks[at + 3] = static_cast<int8_t>(-128);  // a zero byte
+      offsets[j] = bit & 7;
+    }
+  }
+};
+template <int Bits>
+constexpr Lanes<Bits> kLanes{};
+
 // Values [n0, n1) of a row as floats (n0 and n1 multiples of 8). MLX packs every width
-// as one little-endian bit stream, so 8 values of `Bits` bits fill exactly `Bits` bytes;
-// they are read as one 8-byte word (the fields ignore the bytes past them) except within
-// 8 bytes of the storage's `end`.
+// as one little-endian bit stream, so 8 values of `Bits` bits fill exactly `Bits` bytes.
 template <int Bits>
 inline void widen_row(const uint8_t* row, int n0, int n1, float* out, const uint8_t* end) {
   if constexpr (Bits == 8) {
@@ -46,21 +64,25 @@ inline void widen_row(const uint8_t* row, int n0, int n1, float* out, const uint
   } else {
     constexpr uint64_t mask = (uint64_t{1} << Bits) - 1;
 #ifdef __AVX2__
-    // 8 values per step: the 8 fields shifted out of one 64-bit word in two 4-lane
-    // vectors, interleaved into 32-bit lanes, reordered and converted.
-    const __m256i lo_shift = _mm256_setr_epi64x(0, Bits, 2 * Bits, 3 * Bits);
-    const __m256i hi_shift = _mm256_setr_epi64x(4 * Bits, 5 * Bits, 6 * Bits, 7 * Bits);
-    const __m256i mask64 = _mm256_set1_epi64x(static_cast<long long>(mask));
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    // 8 values per step: the bytes of output lane j (bit j * Bits on) are shuffled into
+    // that 32-bit lane, shifted by their offset within the byte and masked. The Bits source
+    // bytes are read as 16 (ignored past them) except within 16 bytes of the storage's end.
+    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.picks));
+    const __m256i offset = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.offsets));
+    const __m256i mask32 = _mm256_set1_epi32(static_cast<int>(mask));
     for (int n = n0; n < n1; n += 8) {
       const uint8_t* at = row + n / 8 * Bits;
-      uint64_t v = 0;
-      std::memcpy(&v, at, at + 8 <= end ? 8 : Bits);  // little-endian hosts (x86_64)
-      const __m256i word = _mm256_set1_epi64x(static_cast<long long>(v));
-      const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(word, lo_shift), mask64);
-      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(word, hi_shift), mask64);
-      const __m256i both = _mm256_permutevar8x32_epi32(_mm256_or_si256(lo, _mm256_slli_epi64(hi, 32)), order);
-      _mm256_storeu_ps(out + (n - n0), _mm256_cvtepi32_ps(both));
+      __m128i bytes;
+      if (at + 16 <= end) {
+        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+      } else {
+        alignas(16) uint8_t tail[16] = {};
+        std::memcpy(tail, at, Bits);
+        bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      }
+      const __m256i lanes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), pick);
+      const __m256i values = _mm256_and_si256(_mm256_srlv_epi32(lanes, offset), mask32);
+      _mm256_storeu_ps(out + (n - n0), _mm256_cvtepi32_ps(values));
     }
 #else
     (void)end;
