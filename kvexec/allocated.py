@@ -32,6 +32,7 @@ from kvexec.formats import ROWS_KERNEL_MAX, Codec, rows_kernel
 
 WIDTHS = (2, 3, 4, 5, 6, 8)  # what mx.quantize stores
 NAME = re.compile(r"k(\d)a(\d+)v(\d)(r?)(\d*)~([2-8.]+)")
+TEMPLATE = re.compile(r"k(\d)a(\d+)v\d+r?\d*")  # an allocated name before calibration chose its widths
 
 
 def channel_weights(queries: np.ndarray, keys: np.ndarray, group_size: int) -> np.ndarray:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvexec.allocated import allocate_widths, channel_weights, widths_text
+from kvexec.allocated import TEMPLATE, allocate_widths, channel_weights, widths_text
 from kvexec.config import KVConfig
 from kvexec.formats import get_format
 from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
@@ -40,7 +39,6 @@ VERSION = 3  # bump when the procedure changes: cached results of older ones are
 # Smallest first is not required: candidates are ordered by bytes per position.
 CANDIDATES = ("k4a128v4r64", "k5a128v4r64", "k5a128v5r64", "k6a128v5r64", "k6a128v6r64", "k8c128v6r64", "q8c")
 TOLERANCE = 1e-3  # output KL (nats per token) all layers' pages together may add, in LAYOUT
-_TEMPLATE = re.compile(r"k(\d)a(\d+)v[^~]*")  # an allocated candidate before its widths
 # Every position but the sinks in pages: the harshest layout a long context has.
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4)
 TEXT = Path(__file__).with_name("calibration_text.txt")
@@ -78,7 +76,7 @@ def layer_summary(formats) -> str:
 def resolve(candidate: str, rec: LayerRecord) -> str:
     """The format a candidate names for this layer: an allocated one with the widths its
     record's queries and keys call for, any other as it is."""
-    m = _TEMPLATE.fullmatch(candidate)
+    m = TEMPLATE.fullmatch(candidate)
     if m is None:
         return candidate
     queries = np.array(mx.concatenate(rec.queries, axis=-2)[0])

@@ -3,21 +3,20 @@ attention blocks, retention, page selection, the pressure ladder and its fidelit
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from kvexec.allocated import TEMPLATE
 from kvexec.formats import get_format
 
 # A format resolved per model at load: each layer's pages in the smallest candidate of
 # kvexec.calibrate.CANDIDATES within `calibration_tolerance` (kvexec/calibrate.py).
 CALIBRATED = "calibrated"
-ALLOCATED_TEMPLATE = re.compile(r"k(\d)a(\d+)v\d+r?\d*")  # allocated keys whose widths calibration chooses
 
 
 def needs_model(name: str) -> bool:
     """Whether format `name` is only known once a model is calibrated: "calibrated", or an
     allocated format (`k<mean>a<group>v...`) before its per-channel widths."""
-    return name == CALIBRATED or ALLOCATED_TEMPLATE.fullmatch(name) is not None
+    return name == CALIBRATED or TEMPLATE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)

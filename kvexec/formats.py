@@ -254,7 +254,9 @@ def get_format(name: str | KVFormat) -> KVFormat:
     if isinstance(name, KVFormat):
         return name
     fmt = FORMATS.get(name) or parse_format(name)
-    if fmt is None and (name == "calibrated" or re.fullmatch(r"k\da\d+v.*", name)):
+    from kvexec.config import needs_model  # the config module imports this one
+
+    if fmt is None and needs_model(name):
         raise ValueError(f"KV format {name!r} is chosen per model: calibrate it first (justfit.Engine does, "
                          "or kvexec.calibrate.calibrated_config)")
     if fmt is None:
