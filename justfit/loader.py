@@ -17,7 +17,8 @@ from justfit.memory import trim_heap
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import attention_shape
 from kvexec import KVConfig
-from kvexec.calibrate import CANDIDATES, TOLERANCE, Calibration, cached_calibration, calibrated_config
+from kvexec.calibrate import (CANDIDATES, TOLERANCE, Calibration, cached_calibration, cached_measurement,
+                              calibrated_config)
 from kvexec.config import CALIBRATED, needs_model
 from phaseswap.policy import ResidencyPolicy
 
@@ -52,11 +53,14 @@ def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[
         return None
     candidates = CANDIDATES if kv.format == CALIBRATED else (kv.format,)
     tolerance = TOLERANCE if kv.calibration_tolerance is None else kv.calibration_tolerance
+    name, cache_dir = identity(), cache_root().parent / "calibration"
+    found = cached_measurement(name, cache_dir, candidates)
+    if found is not None:  # the usual load: no second copy of the model
+        return found.choose(tolerance)
     probe = load_lazily(model, config)
     kvexec.install(probe.model)
     try:
-        return cached_calibration(probe.model, probe.tokenizer, identity(), cache_root().parent / "calibration",
-                                  candidates, tolerance)
+        return cached_calibration(probe.model, probe.tokenizer, name, cache_dir, candidates, tolerance)
     finally:
         del probe
         trim_heap()

@@ -150,23 +150,33 @@ def cache_key(identity: str, candidates) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def _cache_path(identity: str, cache_dir: Path, candidates) -> Path:
+    return Path(cache_dir) / f"kv-calibration-{cache_key(identity, candidates)}.json"
+
+
+def cached_measurement(identity: str, cache_dir: Path, candidates=CANDIDATES) -> Measurement | None:
+    """The measurement cached for this model and these candidates, None if absent or
+    unreadable (then it is measured again): what a load checks before it needs the model."""
+    try:
+        data = json.loads(_cache_path(identity, cache_dir, candidates).read_text(encoding="utf-8"))
+        return Measurement(data["model"], tuple(data["candidates"]), tuple(tuple(f) for f in data["formats"]),
+                           tuple(data["errors"]), data["tokens"], float(data["gain"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def cached_calibration(model: nn.Module, tokenizer, identity: str, cache_dir: Path, candidates=CANDIDATES,
                        tolerance: float = TOLERANCE) -> Calibration:
     """`calibrate`, its measurement read from `cache_dir` when this model was measured with
     these candidates before (any tolerance chooses from the same measurement)."""
-    path = Path(cache_dir) / f"kv-calibration-{cache_key(identity, candidates)}.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        found = Measurement(data["model"], tuple(data["candidates"]), tuple(tuple(f) for f in data["formats"]),
-                            tuple(data["errors"]), data["tokens"], float(data["gain"]))
-        return found.choose(tolerance)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: measure again
-    found = measure(model, tokenizer, identity, candidates)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(found), indent=1), encoding="utf-8")
-    os.replace(tmp, path)  # readers see the old file or the whole new one
+    found = cached_measurement(identity, cache_dir, candidates)
+    if found is None:
+        found = measure(model, tokenizer, identity, candidates)
+        path = _cache_path(identity, cache_dir, candidates)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(found), indent=1), encoding="utf-8")
+        os.replace(tmp, path)  # readers see the old file or the whole new one
     return found.choose(tolerance)
 
 

@@ -123,5 +123,8 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
         raise AssertionError("a cached calibration was measured again")
 
     monkeypatch.setattr(calibrate_mod, "measure", measured_again)
+    import justfit.loader
+
+    monkeypatch.setattr(justfit.loader, "load_lazily", measured_again)  # a cached load needs no second copy
     again = Engine(str(tiny_gemma3_dir), config=config)
     assert again.config.kv.layer_formats == formats
