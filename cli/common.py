@@ -106,7 +106,7 @@ def _kv_formats() -> list[str]:
 kv_format_option = click.option(
     "--kv-format", type=LazyChoice(_kv_formats), default="calibrated", show_default=True,
     help="KV page format (see docs/KVEXEC.md); calibrated: per layer, the smallest format that keeps the "
-         "model's attention within tolerance (measured once per model, cached); none uses mlx-lm's own KV cache.",
+         "model's output within a KL budget (measured once per model, cached); none uses mlx-lm's own KV cache.",
 )
 
 

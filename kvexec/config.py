@@ -51,8 +51,8 @@ class KVConfig:
     # Per attention layer, its page format (a calibrated configuration, kvexec.calibrate);
     # empty: every layer in `format`.
     layer_formats: tuple[str, ...] = ()
-    # With format "calibrated": the largest relative attention error a layer may take
-    # (None: kvexec.calibrate.TOLERANCE).
+    # With format "calibrated": the output KL (nats per token) all layers' pages together
+    # may add in calibration's layout (None: kvexec.calibrate.TOLERANCE).
     calibration_tolerance: float | None = None
 
     def __post_init__(self) -> None:
