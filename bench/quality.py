@@ -39,6 +39,11 @@ from justfit.state_io import model_identity, state_root
 from kvexec import KVConfig
 from kvexec.calibrate import calibrated_config, layer_summary
 
+# Formats are compared with float32 activations (the native kernel where built): int8
+# ones (cpu-int8) round each block, which turns a format's last-bit differences into
+# rounding flips and measures the rounding as much as the pages.
+POLICY = "cpu-native"
+
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=-1, keepdims=True)
@@ -52,7 +57,7 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
     float16 (the float16-KV reference a stock float16 run keeps)."""
     from bench.common import long_text
 
-    engine = Engine(model_name, config=EngineConfig(kv=KVConfig()))
+    engine = Engine(model_name, config=EngineConfig(kv=KVConfig(), policy=POLICY))
     model, tok = engine.model, engine.tokenizer
     ids = list(tok.encode(long_text()))[:n_tokens]
     if len(ids) < n_tokens:
@@ -163,7 +168,7 @@ def passkey(model_name: str, lengths: list[int], depths: list[float], formats: l
                          "error": "pressure specs (FMT@SHARE) are measured teacher-forced only"})
             continue
         kv = None if f == "reference" else requested(f)
-        engine = Engine(model_name, config=EngineConfig(kv=kv))
+        engine = Engine(model_name, config=EngineConfig(kv=kv, policy=POLICY))
         hits = {n: 0 for n in lengths}
         for n, depth, key in trials:
             engine.reset()

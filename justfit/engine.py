@@ -32,6 +32,7 @@ from kvexec import KVConfig
 from phaseswap import PhaseSwap
 from phaseswap.registry import predict_working_bytes
 from phaseswap.native import install_ops
+from phaseswap.registry import NATIVE_FORMS
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 
@@ -85,7 +86,7 @@ class Engine:
             weight_limit = budget - need.total
             if weight_limit <= 0:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
-        if self.policy.resident == "native":
+        if self.policy.resident in NATIVE_FORMS:
             install_ops(self.model)  # native RoPE and RMS norm too: MLX's CPU ones are many operations each
         self.swap = PhaseSwap(self.model, self.policy, offload_dir(loaded, self.policy), weight_limit)
         self.swap.registry.strict = budget is not None  # give freed memory back at once

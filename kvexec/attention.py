@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kvexec.formats import KVFormat, get_format
+from kvexec.formats import KVFormat, get_format, rows_kernel
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
@@ -148,6 +148,15 @@ def _softmax_step_numpy(s: mx.array, m: mx.array):
     return s, mx.array(corr), mx.array(m_new), mx.array(m_safe)
 
 
+def _softmax(s: mx.array) -> mx.array:
+    """Softmax over the last axis in float32: the native kernel on the CPU (MLX's CPU
+    softmax takes its exponentials one at a time: at 8K decode most of attention)."""
+    ext = rows_kernel()
+    if ext is not None and hasattr(ext, "softmax") and s.dtype == mx.float32:
+        return ext.softmax(s)
+    return mx.softmax(s, axis=-1, precise=True)
+
+
 def _fold(l: mx.array, acc: mx.array, corr: mx.array, p: mx.array, pv: mx.array):
     return l * corr + p.sum(axis=-1, keepdims=True), acc * corr + pv
 
@@ -236,7 +245,7 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
         raise ValueError("no key is visible to these queries")
     if sinks is not None:  # a per-head logit that takes probability mass, no value
         scores.append(_sink_logits(sinks, B, kvh, rep, L))
-    p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+    p = _softmax(mx.concatenate(scores, axis=-1))
     out, offset = None, 0
     for block in used:
         pb = p[..., offset:offset + block.length]

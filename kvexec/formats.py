@@ -18,6 +18,7 @@ calibrated width per channel are `k<mean>a<group>v...~<widths>` (kvexec/allocate
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -27,14 +28,21 @@ _NAME = re.compile(r"k(\d)(c?)(r?)(\d*)v(\d)(r?)(\d*)")
 ROWS_KERNEL_MAX = 32  # query rows (decode, short chunks) the native page product takes
 
 
-def rows_kernel():
-    """JustFit's native kernels where built and computing on the CPU, else None."""
+@functools.cache
+def _page_kernels():
+    """The built extension module when it has the page product, else None (looked up once)."""
     try:
         from justfit_native import kernels
     except ImportError:
         return None
     ext = kernels()
-    return ext if ext is not None and hasattr(ext, "quantized_matmul_rows") and mx.default_device() == mx.cpu else None
+    return ext if ext is not None and hasattr(ext, "quantized_matmul_rows") else None
+
+
+def rows_kernel():
+    """JustFit's native kernels where built and computing on the CPU, else None."""
+    ext = _page_kernels()
+    return ext if ext is not None and mx.default_device() == mx.cpu else None
 
 
 def _rotation(x: mx.array) -> mx.array:
@@ -122,9 +130,16 @@ class Codec:
                 storage[name][..., start : start + n, :] = arr
 
     def view(self, storage: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
-        """The stored form of tokens [start, end) in `storage`."""
+        """The stored form of tokens [start, end) in `storage`: the stored arrays themselves
+        when that is all of them (a full segment: no slice, and the native kernels read the
+        evaluated, row-contiguous storage in place)."""
         if self.tokens_last:
-            return {name: a[..., slice(*self._span(name, start, end))] for name, a in storage.items()}
+            spans = {name: self._span(name, start, end) for name in storage}
+            if all(a == 0 and b == storage[name].shape[-1] for name, (a, b) in spans.items()):
+                return dict(storage)
+            return {name: a[..., slice(*spans[name])] for name, a in storage.items()}
+        if start == 0 and all(end == a.shape[-2] for a in storage.values()):
+            return dict(storage)
         return {name: a[..., start:end, :] for name, a in storage.items()}
 
     def scores(self, q: mx.array, enc: dict[str, mx.array]) -> mx.array:

@@ -7,6 +7,7 @@
 #include "qmatvec.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "softmax.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -14,8 +15,16 @@ using namespace nb::literals;
 NB_MODULE(_ext, m) {
   m.doc() = "JustFit's native kernels for MLX's CPU backend";
   m.def("quantized_matvec", &justfit::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ dequantize(w, scales, biases).T for MLX's affine-quantized weights (4 or 8 bits), float32.");
+        "bits"_a, nb::kw_only(), "int8_activations"_a = false, "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T for MLX's affine-quantized weights (4 or 8 bits), float32; "
+        "int8_activations: x's blocks of 32 rounded to int8 and multiplied in integers (AVX2).");
+  m.attr("INT8_ACTIVATIONS") = nb::bool_(
+#ifdef __AVX2__
+      true
+#else
+      false
+#endif
+  );
   m.def("rope", &justfit::rope, "x"_a, "inv_freqs"_a, "dims"_a, nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a,
         "stream"_a = nb::none(), "mx.fast.rope for float32 x on the CPU, as one operation.");
   m.def("rms_norm", &justfit::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
@@ -26,5 +35,7 @@ NB_MODULE(_ext, m) {
   m.def("quantized_matmul_rows_split", &justfit::quantized_matmul_rows_split, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "columns"_a, "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "sum over parts of x[..., columns[i][head]] @ dequantize(part i) (MLX's transpose=False layout), float32.");
+  m.def("softmax", &justfit::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.softmax(x, axis=-1, precise=True) for float32 x on the CPU, with vectorized exponentials.");
   m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
 }

@@ -1,7 +1,8 @@
-// See qmatmul_rows.h. Per leading index and per slice of the N columns: each row k of W
-// is widened group by group and added, times x[m, k] * scale, into the M output rows;
-// the biases' share, x[m, k] * bias summed over k, is added once per group at the end.
-// Work is split over (leading index, column slice) pairs with OpenMP.
+// See qmatmul_rows.h. The scale folds into x (x[m, k] * scale[k, g], once per group) and
+// the biases' share (x[m, k] * bias summed over k) is added once per group at the end.
+// With AVX2 up to 4 rows x 16 columns of the output stay in registers while every row of
+// W goes by, 8 values widened at a time; the portable path widens a slice of each row and
+// adds it into each output row in memory. Work is split with OpenMP.
 #include "qmatmul_rows.h"
 
 #include <algorithm>
@@ -30,6 +31,18 @@ inline float widen(const mx::float16_t* p, size_t i) {
 }
 inline float widen(const float* p, size_t i) { return p[i]; }
 
+
+// A stored part of W: packed rows, their scales and biases, the width, and the columns of x
+// its rows meet ([heads, rows] int32, or null: the rows in order).
+struct Part {
+  const uint8_t* w;
+  const uint8_t* scales;
+  const uint8_t* biases;
+  int bits, rows;
+  const int32_t* columns;
+};
+
+#ifdef __AVX2__
 // For 8 values of `Bits` bits: which two source bytes each 32-bit output lane takes (the
 // 128-bit halves shuffle separately, so lanes 4-7 index the same bytes again) and by how
 // many bits it then shifts right.
@@ -50,10 +63,155 @@ struct Lanes {
 template <int Bits>
 constexpr Lanes<Bits> kLanes{};
 
+// 8 consecutive values (n a multiple of 8) of a row as floats: 8 values fill `Bits` bytes.
+template <int Bits>
+inline __m256 load8(const uint8_t* row, int n, const uint8_t* end) {
+  const uint8_t* at = row + n / 8 * Bits;
+  if constexpr (Bits == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+  } else {
+    __m128i bytes;
+    if (at + 16 <= end) {
+      bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+    } else {
+      alignas(16) uint8_t tail[16] = {};
+      std::memcpy(tail, at, Bits);
+      bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+    }
+    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.picks));
+    const __m256i offset = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.offsets));
+    const __m256i lanes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), pick);
+    const __m256i mask = _mm256_set1_epi32((1 << Bits) - 1);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(lanes, offset), mask));
+  }
+}
+
+constexpr int kTileRows = 4;  // input rows whose output tiles stay in registers together
+
+// One part's rows into the MR x NV*8 output tile at columns [n, n + 8 NV) of group g:
+// acc[m] += sum over k of (x[m, column k] * scale[k, g]) * w[k, n..]; the scaled x comes
+// precomputed, `xs[k * MR + m]`.
+template <int Bits, int MR, int NV>
+inline void tile_part(const float* xs, const uint8_t* w, size_t row_bytes, int K, int n, const uint8_t* end,
+                      __m256 acc[MR][NV]) {
+  for (int k = 0; k < K; ++k) {
+    const uint8_t* row = w + k * row_bytes;
+    __m256 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load8<Bits>(row, n + 8 * j, end);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 a = _mm256_broadcast_ss(xs + static_cast<size_t>(k) * MR + m);
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(a, v[j], acc[m][j]);
+    }
+  }
+}
+
+// Rows m0 .. m0 + MR of y at columns [n0, n1) of one group (a multiple of NV*8 columns)
+// for leading index b: x's columns times each row's scale (and the biases' share) once
+// for the group, then tile by tile over every row of every part.
+template <int MR, int NV, typename S>
+void tiles(const float* xb, int D, const std::vector<Part>& parts, int heads, int b, int m0, int N, int group_size,
+           int n0, int n1, std::vector<float>& xs, int batch, float* yb) {
+  const int g = n0 / group_size, groups = N / group_size;
+  size_t need = 0;
+  for (const Part& part : parts) need += static_cast<size_t>(part.rows) * MR;
+  if (xs.size() < need) xs.resize(need);
+  float bias[MR] = {};
+  float* at = xs.data();
+  for (const Part& part : parts) {
+    const size_t lead = static_cast<size_t>(b) * part.rows;
+    const int32_t* columns = part.columns ? part.columns + static_cast<size_t>(b % heads) * part.rows : nullptr;
+    const S* sc = reinterpret_cast<const S*>(part.scales) + lead * groups;
+    const S* bi = reinterpret_cast<const S*>(part.biases) + lead * groups;
+    for (int k = 0; k < part.rows; ++k, at += MR) {
+      const int column = columns ? columns[k] : k;
+      const float scale = widen(sc, static_cast<size_t>(k) * groups + g), bk = widen(bi, static_cast<size_t>(k) * groups + g);
+      for (int m = 0; m < MR; ++m) {
+        const float xm = xb[static_cast<size_t>(m0 + m) * D + column];
+        at[m] = xm * scale;
+        bias[m] += xm * bk;
+      }
+    }
+  }
+  for (int n = n0; n < n1; n += 8 * NV) {
+    __m256 acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_setzero_ps();
+    const float* part_xs = xs.data();
+    for (const Part& part : parts) {
+      const size_t row_bytes = static_cast<size_t>(N) * part.bits / 8;
+      const uint8_t* w = part.w + static_cast<size_t>(b) * part.rows * row_bytes;
+      const uint8_t* end = part.w + static_cast<size_t>(batch) * part.rows * row_bytes;
+      switch (part.bits) {
+        case 2: tile_part<2, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+        case 3: tile_part<3, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+        case 4: tile_part<4, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+        case 5: tile_part<5, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+        case 6: tile_part<6, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+        default: tile_part<8, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+      }
+      part_xs += static_cast<size_t>(part.rows) * MR;
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j)
+        _mm256_storeu_ps(yb + static_cast<size_t>(m0 + m) * N + n + 8 * j,
+                         _mm256_add_ps(acc[m][j], _mm256_set1_ps(bias[m])));
+  }
+}
+
+template <int NV, typename S>
+void tile_rows(const float* xb, int D, const std::vector<Part>& parts, int heads, int b, int m0, int mr, int N,
+               int group_size, int n0, int n1, std::vector<float>& xs, int batch, float* yb) {
+  switch (mr) {
+    case 1: tiles<1, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
+    case 2: tiles<2, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
+    case 3: tiles<3, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
+    default: tiles<4, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
+  }
+}
+
+// y = sum over parts of x[.., columns] @ dequantize(part). Tasks (OpenMP) are spans of
+// one group's columns for one leading index: a group's whole span where there are
+// enough tasks for the threads, halved until there are; within a task, up to
+// kTileRows x 16 outputs stay in registers over every row of W.
+template <typename S>
+void product(const float* x, const std::vector<Part>& parts, float* y, int batch, int heads, int M, int D, int N,
+             int group_size) {
+  const int width = group_size % 16 == 0 ? 16 : 8;
+  int span = group_size;
+  while (span > width && span % (2 * width) == 0 && static_cast<long>(batch) * (N / span) < 16) span /= 2;
+  const int spans = N / span;
+#pragma omp parallel
+  {
+    std::vector<float> xs;
+#pragma omp for schedule(static) collapse(2)
+    for (int b = 0; b < batch; ++b)
+      for (int t = 0; t < spans; ++t) {
+        const float* xb = x + static_cast<size_t>(b) * M * D;
+        float* yb = y + static_cast<size_t>(b) * M * N;
+        const int n0 = t * span, n1 = n0 + span;
+        for (int m0 = 0; m0 < M; m0 += kTileRows) {
+          const int mr = std::min(kTileRows, M - m0);
+          if (width == 16)
+            tile_rows<2, S>(xb, D, parts, heads, b, m0, mr, N, group_size, n0, n1, xs, batch, yb);
+          else
+            tile_rows<1, S>(xb, D, parts, heads, b, m0, mr, N, group_size, n0, n1, xs, batch, yb);
+        }
+      }
+  }
+}
+
+void product(const float* x, const std::vector<Part>& parts, bool half, float* y, int batch, int heads, int M, int D,
+             int N, int group_size) {
+  if (half)
+    product<mx::float16_t>(x, parts, y, batch, heads, M, D, N, group_size);
+  else
+    product<float>(x, parts, y, batch, heads, M, D, N, group_size);
+}
+#else
 // Values [n0, n1) of a row as floats (n0 and n1 multiples of 8). MLX packs every width
 // as one little-endian bit stream, so 8 values of `Bits` bits fill exactly `Bits` bytes.
 template <int Bits>
-inline void widen_row(const uint8_t* row, int n0, int n1, float* out, const uint8_t* end) {
+inline void widen_row(const uint8_t* row, int n0, int n1, float* out) {
   if constexpr (Bits == 8) {
     for (int n = n0; n < n1; ++n) out[n - n0] = static_cast<float>(row[n]);
   } else if constexpr (Bits == 4) {
@@ -63,35 +221,11 @@ inline void widen_row(const uint8_t* row, int n0, int n1, float* out, const uint
     }
   } else {
     constexpr uint64_t mask = (uint64_t{1} << Bits) - 1;
-#ifdef __AVX2__
-    // 8 values per step: the bytes of output lane j (bit j * Bits on) are shuffled into
-    // that 32-bit lane, shifted by their offset within the byte and masked. The Bits source
-    // bytes are read as 16 (ignored past them) except within 16 bytes of the storage's end.
-    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.picks));
-    const __m256i offset = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.offsets));
-    const __m256i mask32 = _mm256_set1_epi32(static_cast<int>(mask));
-    for (int n = n0; n < n1; n += 8) {
-      const uint8_t* at = row + n / 8 * Bits;
-      __m128i bytes;
-      if (at + 16 <= end) {
-        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-      } else {
-        alignas(16) uint8_t tail[16] = {};
-        std::memcpy(tail, at, Bits);
-        bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
-      }
-      const __m256i lanes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), pick);
-      const __m256i values = _mm256_and_si256(_mm256_srlv_epi32(lanes, offset), mask32);
-      _mm256_storeu_ps(out + (n - n0), _mm256_cvtepi32_ps(values));
-    }
-#else
-    (void)end;
     for (int n = n0; n < n1; n += 8) {
       uint64_t v = 0;
       std::memcpy(&v, row + n / 8 * Bits, Bits);  // little-endian hosts (x86_64, arm64)
       for (int j = 0; j < 8; ++j) out[n - n0 + j] = static_cast<float>((v >> (j * Bits)) & mask);
     }
-#endif
   }
 }
 
@@ -102,11 +236,11 @@ constexpr int kSlice = 512;  // output columns per task: a multiple of every gro
 // group, x times the biases into bias [M, groups in the slice].
 template <int Bits, typename S>
 void accumulate(const float* xb, int D, const int32_t* columns, const uint8_t* wb, const S* sb, const S* bb,
-                int M, int K, int N, int group_size, int n0, int n1, const uint8_t* w_end, float* acc, float* bias,
+                int M, int K, int N, int group_size, int n0, int n1, float* acc, float* bias,
                 float* widened) {
   const int groups = N / group_size, row_bytes = N * Bits / 8, g0 = n0 / group_size, g1 = n1 / group_size;
   for (int k = 0; k < K; ++k) {
-    widen_row<Bits>(wb + static_cast<size_t>(k) * row_bytes, n0, n1, widened, w_end);
+    widen_row<Bits>(wb + static_cast<size_t>(k) * row_bytes, n0, n1, widened);
     const int column = columns ? columns[k] : k;
     for (int m = 0; m < M; ++m) {
       const float xm = xb[static_cast<size_t>(m) * D + column];
@@ -124,16 +258,6 @@ void accumulate(const float* xb, int D, const int32_t* columns, const uint8_t* w
   }
 }
 
-// A stored part of W: packed rows, their scales and biases, the width, and the columns of x
-// its rows meet ([heads, rows] int32, or null: the rows in order).
-struct Part {
-  const uint8_t* w;
-  const uint8_t* scales;
-  const uint8_t* biases;
-  int bits, rows;
-  const int32_t* columns;
-};
-
 // y = sum over parts of x[.., columns] @ dequantize(part), per leading index and slice of
 // the N columns (tasks spread with OpenMP); x [batch, M, D], y [batch, M, N].
 void product(const float* x, const std::vector<Part>& parts, bool half, float* y, int batch, int heads, int M, int D,
@@ -148,11 +272,10 @@ void product(const float* x, const std::vector<Part>& parts, bool half, float* y
       std::vector<float> widened(n1 - n0);
       for (const Part& part : parts) {
         const size_t row_bytes = static_cast<size_t>(N) * part.bits / 8, lead = static_cast<size_t>(b) * part.rows;
-        const uint8_t* w_end = part.w + batch * part.rows * row_bytes;
         const int32_t* columns = part.columns ? part.columns + static_cast<size_t>(b % heads) * part.rows : nullptr;
         with_stored<2, 3, 4, 5, 6, 8>(part.bits, half, part.scales, part.biases, [&]<int B>(auto* s, auto* bs) {
           accumulate<B>(x + static_cast<size_t>(b) * M * D, D, columns, part.w + lead * row_bytes, s + lead * groups,
-                        bs + lead * groups, M, part.rows, N, group_size, n0, n1, w_end, acc.data(), bias.data(),
+                        bs + lead * groups, M, part.rows, N, group_size, n0, n1, acc.data(), bias.data(),
                         widened.data());
         });
       }
@@ -164,6 +287,8 @@ void product(const float* x, const std::vector<Part>& parts, bool half, float* y
     }
   }
 }
+
+#endif
 
 void check_part(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                 int group_size, int bits, int rows, int N) {
@@ -205,7 +330,7 @@ mx::array quantized_matmul_rows_split(const mx::array& x, const std::vector<mx::
     throw std::invalid_argument("quantized_matmul_rows: one w, scales, biases and bits (and columns) per part");
   const int N = w[0].shape(-1) * 32 / bits[0], heads = x.ndim() >= 3 ? x.shape(-3) : 1;
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs{mx::contiguous(x, false, stream)};
+  std::vector<mx::array> inputs{row_major_input(x, stream)};
   for (size_t i = 0; i < parts; ++i) {
     const int rows = columns.empty() ? x.shape(-1) : columns[i].shape(-1);
     if (!columns.empty() && (columns[i].dtype() != mx::int32 || columns[i].ndim() != 2 || columns[i].shape(0) != heads))
@@ -213,10 +338,10 @@ mx::array quantized_matmul_rows_split(const mx::array& x, const std::vector<mx::
     check_part(x, w[i], scales[i], biases[i], group_size, bits[i], rows, N);
     if (scales[i].dtype() != scales[0].dtype())
       throw std::invalid_argument("quantized_matmul_rows: every part's scales must share a dtype");
-    inputs.push_back(mx::contiguous(w[i], false, stream));
-    inputs.push_back(mx::contiguous(scales[i], false, stream));
-    inputs.push_back(mx::contiguous(biases[i], false, stream));
-    if (!columns.empty()) inputs.push_back(mx::contiguous(columns[i], false, stream));
+    inputs.push_back(row_major_input(w[i], stream));
+    inputs.push_back(row_major_input(scales[i], stream));
+    inputs.push_back(row_major_input(biases[i], stream));
+    if (!columns.empty()) inputs.push_back(row_major_input(columns[i], stream));
   }
   auto shape = x.shape();
   shape.back() = N;

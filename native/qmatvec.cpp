@@ -6,6 +6,8 @@
 // vectors; the portable path unpacks each group to floats first.
 #include "qmatvec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -116,6 +118,131 @@ inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, con
   for (int r = 0; r < NR; ++r) y[static_cast<size_t>(r) * out] = hsum(acc[r]) + bacc[r];
 }
 
+// Activations as int8 (as llama.cpp's q8 blocks): each row's blocks of 32 scaled by
+// their largest magnitude / 127 and rounded; for 4-bit weights each block's values are
+// stored evens first, then odds, the order in which a block's nibbles unpack.
+struct Int8Rows {
+  std::vector<int8_t> q;    // [rows, in]
+  std::vector<float> d;     // [rows, in / 32]: a block's scale
+  std::vector<float> sum;   // [rows, groups]: the rounded activations' sum over the group (q x d)
+};
+
+Int8Rows int8_rows(const float* x, int rows, int in, int group_size, int bits) {
+  Int8Rows a{std::vector<int8_t>(static_cast<size_t>(rows) * in), std::vector<float>(static_cast<size_t>(rows) * in / 32),
+             std::vector<float>(static_cast<size_t>(rows) * (in / group_size), 0.f)};
+  const int blocks = in / 32, per_group = group_size / 32;
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < blocks; ++b) {
+      const float* xb = x + static_cast<size_t>(r) * in + b * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = a.q.data() + static_cast<size_t>(r) * in + b * 32;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+        sum += v;
+        qb[bits == 4 ? (j % 2) * 16 + j / 2 : j] = static_cast<int8_t>(v);
+      }
+      a.d[static_cast<size_t>(r) * blocks + b] = d;
+      a.sum[static_cast<size_t>(r) * (in / group_size) + b / per_group] += static_cast<float>(sum) * d;
+    }
+  return a;
+}
+
+// 32 weights as bytes: 4-bit as the unsigned nibbles (evens, then odds), 8-bit as w - 128.
+template <int Bits>
+inline __m256i weights32(const uint8_t* src) {
+  if constexpr (Bits == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+  } else {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), _mm256_set1_epi8(-128));
+  }
+}
+
+// 8 scales or biases as floats (float16 through F16C).
+inline __m256 widen8(const mx::float16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+// Output column `o` for NR rows from int8 activations: each block's integer dot product
+// (maddubs: unsigned x signed bytes, pairs summed to 16 bits; 8-bit weights through
+// |w - 128| and q with w - 128's sign, so no pair overflows) times the block's d and the
+// group's scale, one FMA a block. The biases (and the 8-bit offset) meet the rounded
+// activations' group sums in one vector dot product per column, so the whole is the
+// product with the rounded x: its error is the weights (centred, biases included) times
+// the rounding, where an exact sum there would leave the unsigned values' mean times it.
+// `scaled` is per-thread room for each row's d x scale per block.
+template <int Bits, int NR, typename S>
+inline void column_int8(const int8_t* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, const S* sc,
+                        const S* bi, int groups, int group_size, float* y, int out, std::vector<float>& scaled) {
+  constexpr int ACC = NR == 1 ? 2 : 1;
+  const int blocks = in / 32, per_group = group_size / 32;
+  if (scaled.size() < static_cast<size_t>(NR) * blocks) scaled.resize(static_cast<size_t>(NR) * blocks);
+  for (int r = 0; r < NR; ++r) {
+    float* cs = scaled.data() + static_cast<size_t>(r) * blocks;
+    const float* d = xd + static_cast<size_t>(r) * blocks;
+    int g = 0;
+    if (per_group == 1)  // groups of 32 (a GGUF's Q4_0/Q4_1/Q8_0): 8 blocks at a time
+      for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(cs + g, _mm256_mul_ps(_mm256_loadu_ps(d + g), widen8(sc + g)));
+    for (; g < groups; ++g) {
+      const float scale = widen(sc, g);
+      for (int j = 0; j < per_group; ++j) cs[g * per_group + j] = d[g * per_group + j] * scale;
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][ACC];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < ACC; ++k) acc[r][k] = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const __m256i w = weights32<Bits>(wrow + static_cast<size_t>(b) * 32 * Bits / 8);
+    const __m256i wabs = Bits == 8 ? _mm256_abs_epi8(w) : w;
+    for (int r = 0; r < NR; ++r) {
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + static_cast<size_t>(r) * in + b * 32));
+      if constexpr (Bits == 8) q = _mm256_sign_epi8(q, w);
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, q), ones));
+      acc[r][b % ACC] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scaled.data() + static_cast<size_t>(r) * blocks + b),
+                                        acc[r][b % ACC]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const float* xs = xsum + static_cast<size_t>(r) * groups;
+    __m256 off = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      __m256 o = widen8(bi + g);
+      if constexpr (Bits == 8) o = _mm256_fmadd_ps(widen8(sc + g), _mm256_set1_ps(128.f), o);
+      off = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + g), off);
+    }
+    float tail = 0.f;
+    for (; g < groups; ++g) tail += (widen(bi, g) + (Bits == 8 ? 128.f * widen(sc, g) : 0.f)) * xs[g];
+    __m256 total = _mm256_add_ps(acc[r][0], off);
+    for (int k = 1; k < ACC; ++k) total = _mm256_add_ps(total, acc[r][k]);
+    y[static_cast<size_t>(r) * out] = hsum(total) + tail;
+  }
+}
+
+constexpr int kInt8Rows = 4;  // rows per pass over a column (registers: weights, |w|, a row's block)
+
+// Output column `o` for rows r0 .. r0 + nr (nr <= kInt8Rows) from int8 activations.
+template <int Bits, typename S>
+inline void columns_int8(const Int8Rows& a, int r0, int in, const uint8_t* wrow, const S* sc, const S* bi,
+                         int groups, int group_size, float* y, int out, int nr, std::vector<float>& scaled) {
+  const int8_t* q = a.q.data() + static_cast<size_t>(r0) * in;
+  const float* d = a.d.data() + static_cast<size_t>(r0) * (in / 32);
+  const float* sum = a.sum.data() + static_cast<size_t>(r0) * groups;
+  y += static_cast<size_t>(r0) * out;
+  switch (nr) {
+    case 1: column_int8<Bits, 1>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
+    case 2: column_int8<Bits, 2>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
+    case 3: column_int8<Bits, 3>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
+    default: column_int8<Bits, 4>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
+  }
+}
+
 // Output column `o` for `nr` (<= kRows) input rows: the vector path per row count.
 template <int Bits, typename S>
 inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xs,
@@ -155,9 +282,30 @@ inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, co
 
 template <int Bits, typename S>
 void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
-            int rows, int in, int out, int group_size) {
+            int rows, int in, int out, int group_size, bool int8) {
   const int groups = in / group_size;
   const int row_bytes = in * Bits / 8;
+#ifdef __AVX2__
+  if (int8) {
+    const Int8Rows a = int8_rows(x, rows, in, group_size, Bits);
+#pragma omp parallel
+    {
+      std::vector<float> scaled;
+#pragma omp for schedule(static)
+      for (int o = 0; o < out; ++o) {
+        const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
+        const S* sc = scales + static_cast<size_t>(o) * groups;
+        const S* bi = biases + static_cast<size_t>(o) * groups;
+        for (int r0 = 0; r0 < rows; r0 += kInt8Rows)
+          columns_int8<Bits>(a, r0, in, wrow, sc, bi, groups, group_size, y + o, out,
+                             std::min(kInt8Rows, rows - r0), scaled);
+      }
+    }
+    return;
+  }
+#else
+  (void)int8;  // the portable path computes in float32 only
+#endif
   const std::vector<float> sums = group_sums(x, rows, in, group_size);
 #pragma omp parallel for schedule(static)
   for (int o = 0; o < out; ++o) {
@@ -175,7 +323,8 @@ void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, 
 }  // namespace
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+                           const mx::array& biases, int group_size, int bits, bool int8_activations,
+                           mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
   if (group_size % 32 != 0 || group_size > 256)
     throw std::invalid_argument("quantized_matvec: group_size must be a multiple of 32, at most 256");
@@ -194,7 +343,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   // No Contiguous nodes here: four per call were a fifth of a decode step's graph. An
   // input that is not row-contiguous when computed is copied in eval_cpu instead.
   auto stream = mx::to_stream(s);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits),
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits, int8_activations),
                    {x, w, scales, biases});
 }
 
@@ -236,12 +385,13 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   int out = w.shape(0), in = x.shape(-1), rows = x.size() / in;
   float* yp = y.data<float>();
   int gs = group_size_, bits = bits_;
+  const bool int8 = int8_;
   const bool half = scales.dtype() == mx::float16;
   encoder.dispatch([=, xs = RowMajor{x}, ws = RowMajor{w}, ss = RowMajor{scales}, bs = RowMajor{biases}]() mutable {
     const float* xp = xs.data<float>();
     const uint8_t* wp = ws.data<uint8_t>();
     with_stored<4, 8>(bits, half, ss.data<uint8_t>(), bs.data<uint8_t>(), [&]<int B>(auto* sp, auto* bp) {
-      matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs);
+      matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs, int8);
     });
   });
 }

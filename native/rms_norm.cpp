@@ -18,7 +18,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
   // The kernel reads rows: a Contiguous node each (a few microseconds; no copy where
   // the input already is row-major, as a hidden state is).
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
-                   {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+                   {row_major_input(x, stream), row_major_input(weight, stream)});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/types/half_types.h"
 
@@ -19,6 +20,13 @@ inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   return encoder;
+}
+
+// `a` for a kernel that reads rows: itself where it is computed and row-contiguous (stored
+// pages, weights: no graph node at all), else through a Contiguous node (no copy either
+// where it turns out row-major when computed).
+inline mlx::core::array row_major_input(const mlx::core::array& a, mlx::core::Stream stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mlx::core::contiguous(a, false, stream);
 }
 
 // A CPU-only primitive over quantized weights: what two are equivalent by, and the

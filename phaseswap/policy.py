@@ -27,6 +27,10 @@ POLICIES = {p.name: p for p in (
            "decode on the stored quantized weights through JustFit's native CPU kernel "
            "(native/, built by ./dev): the stored bytes, read once per step for every row "
            "of a batch; q8t where the kernel cannot compute a layer; prefill dense just in time"),
+    ResidencyPolicy("cpu-int8", "native-int8", "dense", True,
+           "cpu-native with int8 activations: each product rounds its input's blocks of 32 to "
+           "int8 and multiplies in integers, as llama.cpp does (AVX2; fewer instructions per "
+           "weight); the same stored bytes"),
     ResidencyPolicy("cpu-exact", "grouped", "dense", True,
            "the stored quantization exactly in every phase: decode on its integer grid "
            "regrouped for MLX's fast CPU matvec (1.5 bytes/weight); prefill dense just in time"),
@@ -46,7 +50,9 @@ POLICIES = {p.name: p for p in (
 def default_policy() -> str:
     """The policy `auto` means here: quantized on a GPU; on the CPU cpu-native where the
     native kernel is built (the stored weights exactly, fewer bytes and faster decode
-    than q8t), cpu otherwise."""
+    than q8t), cpu otherwise. Not cpu-int8: its rounded activations tip near ties the
+    other way (SmolLM2 answers "What is the capital of France?" with "L'Étoile" where
+    float32 activations give "The capital of France is Paris": logits 25.33 vs 25.24)."""
     if mx.default_device() == mx.gpu:
         return "quantized"
     from phaseswap.native import available

@@ -24,10 +24,13 @@ from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, 
 
 from phaseswap.native import eligible, is_native, to_native
 
-RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", "native")
-# native: the stored weights where the native kernel computes them, q8t where it cannot.
+RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", "native", "native-int8")
+# native: the stored weights where the native kernel computes them, q8t where it cannot;
+# native-int8 the same, its products taking int8 activations.
+NATIVE_FORMS = ("native", "native-int8")
 CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense,
-           "native": lambda mod: to_native(mod) or to_q8t(mod)}
+           "native": lambda mod: to_native(mod) or to_q8t(mod),
+           "native-int8": lambda mod: to_native(mod, int8_activations=True) or to_q8t(mod)}
 
 
 class Residency(str, Enum):
@@ -82,7 +85,8 @@ class Counters:
 
 
 # Bytes per weight of a linear converted to each resident form (see forms.py).
-_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0, "native": 1 + 8 / Q8T_GROUP}
+_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0, "native": 1 + 8 / Q8T_GROUP,
+                     "native-int8": 1 + 8 / Q8T_GROUP}
 
 
 def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None = None) -> int:
@@ -99,7 +103,7 @@ def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None =
     body = _body(model)
     linears = [m for _, m in model.named_modules() if is_linear(m)]
     embed = body.embed_tokens
-    stored = {id(m): m for m in (*linears, embed) if form == "native" and eligible(m)}
+    stored = {id(m): m for m in (*linears, embed) if form in NATIVE_FORMS and eligible(m)}
     for mod in stored.values():  # held as stored, scales and biases too
         total -= sum(nbytes(mod[k]) - mod[k].nbytes for k in ("scales", "biases"))
     for mod in (m for m in linears if id(m) not in stored):
@@ -115,7 +119,7 @@ def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None =
 
 def _split_head(form: str, embed: nn.Module) -> bool:
     """Whether a tied output head gets its own decode form (q8t) apart from the lookup table."""
-    return form in ("q8t", "grouped") or (form == "native" and not eligible(embed))
+    return form in ("q8t", "grouped") or (form in NATIVE_FORMS and not eligible(embed))
 
 
 def predict_working_bytes(model: nn.Module) -> int:
@@ -186,8 +190,8 @@ class Registry:
             self._swap(comp, "", CONVERT[form](_cast(comp.module, dtype)))
         elif form == "dense" and comp.kind == "embed":
             self._swap(comp, "", to_dense(comp.module))
-        elif form == "native" and comp.kind == "embed" and eligible(comp.module):
-            self._swap(comp, "", to_native(comp.module))  # a tied head runs on the stored table
+        elif form in NATIVE_FORMS and comp.kind == "embed" and eligible(comp.module):  # a tied head runs on the stored table
+            self._swap(comp, "", to_native(comp.module, int8_activations=form == "native-int8"))
         elif form != "stored" and comp.kind != "embed":
             for path in comp.linears():
                 self._swap(comp, path, CONVERT[form](get_module(comp.module, path)))

@@ -109,6 +109,8 @@ def test_fidelity_of_a_rows_format_mix_is_measured_against_float16_pages(tiny_ge
     q8c, q4c = (get_format(f).bytes_per_token(1, 64) for f in ("q8c", "q4c"))
     assert mix_spec({"q8c": 1.0}, "q8c", 64) == "q8c"
     assert mix_spec({"q8c": 0.5, "q4c": 0.5}, "q8c", 64) == f"q8c@{(q8c + q4c) / 2 / q8c:.3f}"
+    # calibrated pages: the suite calibrates the same per-layer mix for the model
+    assert mix_spec({"k6a128v5r64": 0.7, "k5a128v5r64": 0.3}, "calibrated", 64) == "calibrated"
     rows = [{"system": "justfit-default", "positions": 5000, "kv_format": "q8c", "head_dim": 32,
              "kv_formats": {"q8c": 0.5, "q4c": 0.5}},
             {"system": "justfit-lossless", "positions": 3000, "kv_format": "q8c", "head_dim": 32,

@@ -110,6 +110,9 @@ def test_the_page_product_equals_mlx_s_untransposed_quantized_matmul(bits, group
         got = native.kernels().quantized_matmul_rows(x, w, scales, biases, group, bits)
         assert got.shape == want.shape
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
+        wide = native.kernels().quantized_matmul_rows(x, w, scales.astype(mx.float32), biases.astype(mx.float32),
+                                                      group, bits)  # scales as float32: the same values
+        assert mx.allclose(wide, got, rtol=1e-5, atol=1e-5 * float(mx.abs(want).max()))
     codec = Codec(bits, group, per_channel=True)
     keys = codec.encode(mx.random.normal((1, 3, 256, 64)))
     q = mx.random.normal((1, 3, rows, 64))
@@ -185,3 +188,70 @@ def test_the_split_product_sums_each_widths_channels_in_one_operation(rows):
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
     with pytest.raises(ValueError, match="one w, scales, biases and bits"):
         native.kernels().quantized_matmul_rows_split(x, ws, scales, biases, columns, 128, [8])
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 7, 8, 300, 9000])
+def test_the_native_softmax_equals_mlx_s_precise_one(n):
+    """Decode attention's softmax over every score of a layer (kvexec.attention): MLX's
+    values within float32 rounding, rows with masked (-inf) scores included, and what
+    KVExec's decode attention gives is unchanged by it."""
+    ext = native.kernels()
+    x = mx.random.normal((2, 3, 5, n), key=mx.random.key(n)) * 12
+    want = mx.softmax(x, axis=-1, precise=True)
+    got = ext.softmax(x)
+    assert got.shape == x.shape and mx.allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert mx.allclose(got.sum(axis=-1), mx.ones(got.shape[:-1]), atol=1e-5)
+    masked = mx.where(mx.arange(n) % 3 == 1, -mx.inf, x)  # every third score invisible
+    assert mx.allclose(ext.softmax(masked), mx.softmax(masked, axis=-1, precise=True), rtol=2e-5, atol=1e-7)
+    assert mx.allclose(ext.softmax(x[..., ::2]), want[..., ::2] / want[..., ::2].sum(axis=-1, keepdims=True),
+                       rtol=2e-5, atol=1e-7)  # a strided view is read as its values
+    with pytest.raises(ValueError, match="float32"):
+        ext.softmax(x.astype(mx.float16))
+
+
+def _rounded_blocks(x: mx.array) -> mx.array:
+    """x with each block of 32 rounded to int8 at its largest magnitude / 127 (as the kernel's
+    int8 activations), back in float32."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = mx.abs(blocks).max(axis=-1, keepdims=True) / 127
+    q = mx.where(d > 0, mx.round(blocks / mx.where(d > 0, d, 1)), 0)
+    return (q * d).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.skipif(not native.int8_available(), reason="int8 activations need AVX2")
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_int8_activations_are_the_product_with_x_rounded_to_int8_blocks(bits, group, rows):
+    """cpu-int8's products: exactly (to float32 summation) the float product with x's
+    blocks of 32 rounded to int8, so their error is the rounding's (~0.5% on random data)."""
+    mx.random.seed(bits * 7 + group + rows)
+    w, scales, biases = mx.quantize(mx.random.normal((200, 512)), group, bits)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    x = mx.random.normal((rows, 512)) * mx.linspace(0.1, 3, 512)  # blocks of different scales
+    ext = native.kernels()
+    got = ext.quantized_matvec(x, w, scales, biases, group, bits, int8_activations=True)
+    exact = ext.quantized_matvec(x, w, scales, biases, group, bits)
+    rounded = ext.quantized_matvec(_rounded_blocks(x), w, scales, biases, group, bits)
+    scale = float(mx.abs(exact).max())
+    assert mx.allclose(got, rounded, rtol=1e-5, atol=2e-5 * scale)
+    rel = float(mx.sqrt(((got - exact) ** 2).mean() / (exact**2).mean()))
+    assert 1e-4 < rel < 1.5e-2  # rounded, not exact; a percent at most
+    zero = ext.quantized_matvec(mx.zeros((1, 512)), w, scales, biases, group, bits, int8_activations=True)
+    assert mx.array_equal(zero, mx.zeros((1, 200)))  # an all-zero block has no scale to divide by
+
+
+@needs_kernel
+@pytest.mark.skipif(not native.int8_available(), reason="int8 activations need AVX2")
+def test_cpu_int8_holds_cpu_native_s_bytes_and_its_logits_within_the_rounding(q4_dir):
+    """The cpu-int8 policy: the same stored bytes as cpu-native (no other weights), every
+    product on int8 activations, its next-token logits within the rounding's error."""
+    plain = Engine(str(q4_dir), config=EngineConfig(policy="cpu-native"))
+    int8 = Engine(str(q4_dir), config=EngineConfig(policy="cpu-int8"))
+    assert int8.swap.registry.resident_bytes() == plain.swap.registry.resident_bytes()
+    forms = [m for _, m in int8.model.named_modules() if native.is_native(m)]
+    assert forms and all(m.__dict__["int8_activations"] for m in forms)
+    ids = mx.array([[5, 17, 99, 3, 250, 41]])
+    a, b = plain.model(ids), int8.model(ids)  # the resident (decode) forms, every row
+    assert float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(a).max()) and not mx.array_equal(a, b)

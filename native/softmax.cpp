@@ -1,0 +1,107 @@
+// See softmax.h. Per row: the max, exp(x - max) written out while summed, then one
+// scaling pass. With AVX2 the exponential is a vector polynomial (Cephes' expf: range
+// reduction by ln 2 in two parts, a degree-6 polynomial, the exponent put back in the
+// float's bits; within 2 ulp of the libm value over the range softmax meets).
+#include "softmax.h"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "stored.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace justfit {
+
+namespace {
+
+#ifdef __AVX2__
+// exp(x) for x <= 0 (softmax's shifted scores); under -87.3 (and -inf) it is 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n: n >= -126 after the clamp, a normal float; what lies below the clamp is 0
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+void softmax_row(const float* x, float* y, int n) {
+  int j = 0;
+  float top = -std::numeric_limits<float>::infinity();
+#ifdef __AVX2__
+  __m256 vmax = _mm256_set1_ps(top);
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + j));
+  top = hmax(vmax);
+#endif
+  for (; j < n; ++j) top = std::max(top, x[j]);
+  float sum = 0.f;
+  j = 0;
+#ifdef __AVX2__
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
+    _mm256_storeu_ps(y + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; j < n; ++j) sum += (y[j] = std::exp(x[j] - top));
+  const float inv = 1.0f / sum;  // a row of -inf: top is -inf, x - top NaN, as MLX's
+  for (j = 0; j < n; ++j) y[j] *= inv;
+}
+
+}  // namespace
+
+mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("softmax: x must be float32");
+  if (x.ndim() < 1) throw std::invalid_argument("softmax: x needs at least one axis");
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {row_major_input(x, stream)});
+}
+
+void Softmax::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& x = inputs[0];
+  auto& y = outputs[0];
+  auto& encoder = begin_cpu(stream(), inputs, y);
+  encoder.dispatch([xp = x.data<float>(), yp = y.data<float>(), n = x.shape(-1), rows = x.size() / x.shape(-1)]() {
+    const long total = static_cast<long>(rows) * n;
+#pragma omp parallel for schedule(static) if (total >= (1 << 18))
+    for (long r = 0; r < static_cast<long>(rows); ++r) softmax_row(xp + r * n, yp + r * n, n);
+  });
+}
+
+void Softmax::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("JustFit's softmax runs on the CPU only (on Metal, mx.softmax is MLX's own)");
+}
+
+}  // namespace justfit
