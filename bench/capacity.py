@@ -25,8 +25,9 @@ Systems: mlx-lm (defaults), mlx-lm-tuned (prefill_step_size 512, 8-bit KV in gro
 64 from the first token, mx.set_cache_limit(0); sliding-window layers float16, as mlx-lm
 allows), mlx-lm-kv4 (tuned, 4-bit), llama.cpp-q8_0 / llama.cpp-q4_0 (llama-bench from
 `--llama-cpp DIR`, flash attention, -ctk/-ctv, the same GGUF, whole-process peak RSS,
-n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-default
-(q8c pages stepping down the ladder as the budget tightens), justfit-compact (the
+n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-calibrated
+(the CLI's default pages, calibrated per model, ladder off), justfit-default (the CLI's
+defaults: calibrated pages stepping down the ladder as the budget tightens), justfit-compact (the
 fewest bytes per position), justfit-retention (at most `--retain` positions kept).
 JustFit rows carry `kv_formats`, `fidelity` (bench/fidelity.py) and
 `past_trained_context`; headline ratios use only rows at top-1 >= 99%.
@@ -41,7 +42,7 @@ import subprocess
 import sys
 
 SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
-           "justfit-default", "justfit-compact", "justfit-retention")
+           "justfit-calibrated", "justfit-default", "justfit-compact", "justfit-retention")
 QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120, "repeats": 1,
          "fidelity_tokens": 0}
 MIB = 2**20

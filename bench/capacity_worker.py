@@ -95,8 +95,12 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
     config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
     if system == "justfit-retention":
         config = replace(config, kv=KVConfig(max_positions=retain, pin_prompt=False))
-    elif system == "justfit-lossless":  # the page format only: no page ever steps down
+    elif system == "justfit-lossless":  # q8c pages only: no page ever steps down
         config = replace(config, kv=KVConfig(pressure=()))
+    elif system == "justfit-calibrated":  # the CLI's default pages (calibrated per model), no ladder
+        config = replace(config, kv=KVConfig(format="calibrated", pressure=()))
+    elif system == "justfit-default":  # the CLI's defaults: calibrated pages stepping down the ladder
+        config = replace(config, kv=KVConfig(format="calibrated"))
     engine = Engine(model, config=config, group=group)
     if engine.pipeline is not None and engine.pipeline.rank > 0:
         engine.follow()  # until rank 0 ends (or this rank's Peak ends the run)
