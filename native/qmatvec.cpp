@@ -83,16 +83,47 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// 8 scales or biases as floats (float16 through F16C).
+inline __m256 widen8(const mx::float16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+// sum over groups g of (biases[g] + offset * scales[g]) * xsum[g]: the biases' share of a
+// column's product (offset 128 for 8-bit weights taken as w - 128), 8 groups at a time.
+template <typename S>
+inline float bias_share(const S* bi, const S* sc, float offset, const float* xsum, int groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m256 o = widen8(bi + g);
+    if (offset != 0.f) o = _mm256_fmadd_ps(widen8(sc + g), _mm256_set1_ps(offset), o);
+    acc = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + g), acc);
+  }
+  float tail = 0.f;
+  for (; g < groups; ++g) tail += (widen(bi, g) + offset * widen(sc, g)) * xsum[g];
+  return hsum(acc) + tail;
+}
+
+// A column's scales as floats into `out` (8 at a time).
+template <typename S>
+inline void widen_scales(const S* sc, int groups, float* out) {
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, widen8(sc + g));
+  for (; g < groups; ++g) out[g] = widen(sc, g);
+}
+
 // Output column `o` for NR input rows: the group's dot products stay in vector
 // registers (ACC independent chains per row, so one row is not bound by the FMA's
 // latency), scaled once per group and summed across lanes once per column.
 template <int Bits, int NR, typename S>
 inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xsum,
-                   int groups, int group_size, float* y, int out) {
+                   int groups, int group_size, float* y, int out, std::vector<float>& scales) {
   constexpr int ACC = NR == 1 ? 4 : (NR == 2 ? 2 : 1);
+  if (scales.size() < static_cast<size_t>(groups)) scales.resize(groups);
+  widen_scales(sc, groups, scales.data());
   __m256 acc[NR];
-  float bacc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps(), bacc[r] = 0.f;
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     __m256 dot[NR][ACC];
     for (int r = 0; r < NR; ++r)
@@ -106,16 +137,15 @@ inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, con
         for (int k = 0; k < 4; ++k) dot[r][k % ACC] = _mm256_fmadd_ps(q[k], _mm256_loadu_ps(xr + 8 * k), dot[r][k % ACC]);
       }
     }
-    const __m256 scale = _mm256_set1_ps(widen(sc, g));
-    const float bias = widen(bi, g);
+    const __m256 scale = _mm256_broadcast_ss(scales.data() + g);
     for (int r = 0; r < NR; ++r) {
       __m256 d = dot[r][0];
       for (int k = 1; k < ACC; ++k) d = _mm256_add_ps(d, dot[r][k]);
       acc[r] = _mm256_fmadd_ps(d, scale, acc[r]);
-      bacc[r] += bias * xsum[r * groups + g];
     }
   }
-  for (int r = 0; r < NR; ++r) y[static_cast<size_t>(r) * out] = hsum(acc[r]) + bacc[r];
+  for (int r = 0; r < NR; ++r)
+    y[static_cast<size_t>(r) * out] = hsum(acc[r]) + bias_share(bi, sc, 0.f, xsum + static_cast<size_t>(r) * groups, groups);
 }
 
 // Activations as int8 (as llama.cpp's q8 blocks): each row's blocks of 32 scaled by
@@ -162,12 +192,6 @@ inline __m256i weights32(const uint8_t* src) {
   }
 }
 
-// 8 scales or biases as floats (float16 through F16C).
-inline __m256 widen8(const mx::float16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-
 // Output column `o` for NR rows from int8 activations: each block's integer dot product
 // (maddubs: unsigned x signed bytes, pairs summed to 16 bits; 8-bit weights through
 // |w - 128| and q with w - 128's sign, so no pair overflows) times the block's d and the
@@ -209,19 +233,10 @@ inline void column_int8(const int8_t* xq, const float* xd, const float* xsum, in
     }
   }
   for (int r = 0; r < NR; ++r) {
-    const float* xs = xsum + static_cast<size_t>(r) * groups;
-    __m256 off = _mm256_setzero_ps();
-    int g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      __m256 o = widen8(bi + g);
-      if constexpr (Bits == 8) o = _mm256_fmadd_ps(widen8(sc + g), _mm256_set1_ps(128.f), o);
-      off = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + g), off);
-    }
-    float tail = 0.f;
-    for (; g < groups; ++g) tail += (widen(bi, g) + (Bits == 8 ? 128.f * widen(sc, g) : 0.f)) * xs[g];
-    __m256 total = _mm256_add_ps(acc[r][0], off);
+    __m256 total = acc[r][0];
     for (int k = 1; k < ACC; ++k) total = _mm256_add_ps(total, acc[r][k]);
-    y[static_cast<size_t>(r) * out] = hsum(total) + tail;
+    y[static_cast<size_t>(r) * out] =
+        hsum(total) + bias_share(bi, sc, Bits == 8 ? 128.f : 0.f, xsum + static_cast<size_t>(r) * groups, groups);
   }
 }
 
@@ -246,23 +261,23 @@ inline void columns_int8(const Int8Rows& a, int r0, int in, const uint8_t* wrow,
 // Output column `o` for `nr` (<= kRows) input rows: the vector path per row count.
 template <int Bits, typename S>
 inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xs,
-                    int groups, int group_size, float* y, int out, int nr) {
+                    int groups, int group_size, float* y, int out, int nr, std::vector<float>& scales) {
   switch (nr) {
-    case 1: column<Bits, 1>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    case 2: column<Bits, 2>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    case 3: column<Bits, 3>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    case 4: column<Bits, 4>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    case 5: column<Bits, 5>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    case 6: column<Bits, 6>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    case 7: column<Bits, 7>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
-    default: column<Bits, 8>(x, in, wrow, sc, bi, xs, groups, group_size, y, out); break;
+    case 1: column<Bits, 1>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    case 2: column<Bits, 2>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    case 3: column<Bits, 3>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    case 4: column<Bits, 4>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    case 5: column<Bits, 5>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    case 6: column<Bits, 6>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    case 7: column<Bits, 7>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
+    default: column<Bits, 8>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
   }
 }
 #else
 // Portable: each group unpacked to floats, then dotted with every row.
 template <int Bits, typename S>
 inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xs,
-                    int groups, int group_size, float* y, int out, int nr) {
+                    int groups, int group_size, float* y, int out, int nr, std::vector<float>&) {
   alignas(32) float q[256];
   float acc[kRows] = {0.f};
   for (int g = 0; g < groups; ++g) {
@@ -307,15 +322,19 @@ void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, 
   (void)int8;  // the portable path computes in float32 only
 #endif
   const std::vector<float> sums = group_sums(x, rows, in, group_size);
-#pragma omp parallel for schedule(static)
-  for (int o = 0; o < out; ++o) {
-    const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
-    const S* sc = scales + static_cast<size_t>(o) * groups;
-    const S* bi = biases + static_cast<size_t>(o) * groups;
-    for (int r0 = 0; r0 < rows; r0 += kRows)
-      columns<Bits>(x + static_cast<size_t>(r0) * in, in, wrow, sc, bi, sums.data() + static_cast<size_t>(r0) * groups,
-                    groups, group_size, y + static_cast<size_t>(r0) * out + o, out,
-                    rows - r0 < kRows ? rows - r0 : kRows);
+#pragma omp parallel
+  {
+    std::vector<float> room;  // a column's scales as floats
+#pragma omp for schedule(static)
+    for (int o = 0; o < out; ++o) {
+      const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
+      const S* sc = scales + static_cast<size_t>(o) * groups;
+      const S* bi = biases + static_cast<size_t>(o) * groups;
+      for (int r0 = 0; r0 < rows; r0 += kRows)
+        columns<Bits>(x + static_cast<size_t>(r0) * in, in, wrow, sc, bi, sums.data() + static_cast<size_t>(r0) * groups,
+                      groups, group_size, y + static_cast<size_t>(r0) * out + o, out,
+                      rows - r0 < kRows ? rows - r0 : kRows, room);
+    }
   }
 }
 
