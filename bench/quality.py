@@ -39,9 +39,9 @@ from justfit.state_io import model_identity, state_root
 from kvexec import KVConfig
 from kvexec.calibrate import calibrated_config, layer_summary
 
-# Formats are compared with float32 activations (the native kernel where built): int8
-# ones (cpu-int8) round each block, which turns a format's last-bit differences into
-# rounding flips and measures the rounding as much as the pages.
+# Formats are compared with float32 activations (the native kernel where built): rounded
+# ones (cpu-int16, cpu-int8) could turn a format's last-bit differences into rounding
+# flips and measure the rounding as much as the pages.
 POLICY = "cpu-native"
 
 

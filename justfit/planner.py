@@ -231,8 +231,8 @@ def choose_policy(model: nn.Module, config: dict, name: str, context: int, kv: K
     """`name`, or for "auto" under a budget on CPU without the native kernel the
     faster weights form unless it leaves too little for `context` positions: then
     cpu-compact (the stored weights, about half of cpu's q8t bytes, ~3x slower decode).
-    With the native kernel "auto" is cpu-native, the stored weights at full speed,
-    whatever the budget. Decided from shapes, before any weight is converted."""
+    With the native kernel "auto" is cpu-int16 (cpu-native without AVX2), the stored
+    weights at full speed, whatever the budget. Decided from shapes, before any weight is converted."""
     if name != "auto" or budget is None or default_policy() != "cpu":
         return name
     fast = get_policy("cpu")

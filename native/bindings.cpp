@@ -5,6 +5,7 @@
 
 #include "qmatmul_rows.h"
 #include "qmatvec.h"
+#include "qmatvec_int.h"
 #include "rms_norm.h"
 #include "rope.h"
 #include "softmax.h"
@@ -15,16 +16,10 @@ using namespace nb::literals;
 NB_MODULE(_ext, m) {
   m.doc() = "JustFit's native kernels for MLX's CPU backend";
   m.def("quantized_matvec", &justfit::quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "int8_activations"_a = false, "stream"_a = nb::none(),
+        "bits"_a, nb::kw_only(), "activation_bits"_a = 32, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for MLX's affine-quantized weights (4 or 8 bits), float32; "
-        "int8_activations: x's blocks of 32 rounded to int8 and multiplied in integers (AVX2).");
-  m.attr("INT8_ACTIVATIONS") = nb::bool_(
-#ifdef __AVX2__
-      true
-#else
-      false
-#endif
-  );
+        "activation_bits 8 or 16: x's blocks of 32 rounded to int8 or int16 and multiplied in integers (AVX2).");
+  m.attr("ROUNDED_ACTIVATIONS") = justfit::rounded_available() ? nb::make_tuple(8, 16) : nb::make_tuple();
   m.def("rope", &justfit::rope, "x"_a, "inv_freqs"_a, "dims"_a, nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a,
         "stream"_a = nb::none(), "mx.fast.rope for float32 x on the CPU, as one operation.");
   m.def("rms_norm", &justfit::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),

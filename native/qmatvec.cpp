@@ -3,7 +3,8 @@
 // registers): the weights cost the same for 1 row as for 8. Columns of the output are
 // split across threads (OpenMP), which MLX's CPU stream thread runs. With AVX2 the
 // quantized values are widened in registers and each group's products summed as
-// vectors; the portable path unpacks each group to floats first.
+// vectors; the portable path unpacks each group to floats first. Rounded (int8 or
+// int16) activations: qmatvec_int.cpp.
 #include "qmatvec.h"
 
 #include <algorithm>
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "qmatvec_int.h"
+#include "simd.h"
 #include "stored.h"
 
 #ifdef __AVX2__
@@ -54,11 +57,6 @@ std::vector<float> group_sums(const float* x, int rows, int in, int group_size) 
 }
 
 #ifdef __AVX2__
-// A scale or bias as float: float16 through F16C (MLX's x86 float16_t converts in
-// software, a dozen instructions each), float32 as is.
-inline float widen(const mx::float16_t* p, size_t i) { return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]); }
-inline float widen(const float* p, size_t i) { return p[i]; }
-
 // 32 consecutive quantized values, in order, as four vectors of 8 floats.
 template <int Bits>
 inline void chunk32(const uint8_t* src, __m256 q[4]) {
@@ -77,41 +75,6 @@ inline void chunk32(const uint8_t* src, __m256 q[4]) {
   }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// 8 scales or biases as floats (float16 through F16C).
-inline __m256 widen8(const mx::float16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-
-// sum over groups g of (biases[g] + offset * scales[g]) * xsum[g]: the biases' share of a
-// column's product (offset 128 for 8-bit weights taken as w - 128), 8 groups at a time.
-template <typename S>
-inline float bias_share(const S* bi, const S* sc, float offset, const float* xsum, int groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    __m256 o = widen8(bi + g);
-    if (offset != 0.f) o = _mm256_fmadd_ps(widen8(sc + g), _mm256_set1_ps(offset), o);
-    acc = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + g), acc);
-  }
-  float tail = 0.f;
-  for (; g < groups; ++g) tail += (widen(bi, g) + offset * widen(sc, g)) * xsum[g];
-  return hsum(acc) + tail;
-}
-
-// A column's scales as floats into `out` (8 at a time).
-template <typename S>
-inline void widen_scales(const S* sc, int groups, float* out) {
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, widen8(sc + g));
-  for (; g < groups; ++g) out[g] = widen(sc, g);
-}
 
 // Output column `o` for NR input rows: the group's dot products stay in vector
 // registers (ACC independent chains per row, so one row is not bound by the FMA's
@@ -146,116 +109,6 @@ inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, con
   }
   for (int r = 0; r < NR; ++r)
     y[static_cast<size_t>(r) * out] = hsum(acc[r]) + bias_share(bi, sc, 0.f, xsum + static_cast<size_t>(r) * groups, groups);
-}
-
-// Activations as int8 (as llama.cpp's q8 blocks): each row's blocks of 32 scaled by
-// their largest magnitude / 127 and rounded; for 4-bit weights each block's values are
-// stored evens first, then odds, the order in which a block's nibbles unpack.
-struct Int8Rows {
-  std::vector<int8_t> q;    // [rows, in]
-  std::vector<float> d;     // [rows, in / 32]: a block's scale
-  std::vector<float> sum;   // [rows, groups]: the rounded activations' sum over the group (q x d)
-};
-
-Int8Rows int8_rows(const float* x, int rows, int in, int group_size, int bits) {
-  Int8Rows a{std::vector<int8_t>(static_cast<size_t>(rows) * in), std::vector<float>(static_cast<size_t>(rows) * in / 32),
-             std::vector<float>(static_cast<size_t>(rows) * (in / group_size), 0.f)};
-  const int blocks = in / 32, per_group = group_size / 32;
-  for (int r = 0; r < rows; ++r)
-    for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + static_cast<size_t>(r) * in + b * 32;
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = a.q.data() + static_cast<size_t>(r) * in + b * 32;
-      int sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int v = static_cast<int>(std::nearbyint(xb[j] * id));
-        sum += v;
-        qb[bits == 4 ? (j % 2) * 16 + j / 2 : j] = static_cast<int8_t>(v);
-      }
-      a.d[static_cast<size_t>(r) * blocks + b] = d;
-      a.sum[static_cast<size_t>(r) * (in / group_size) + b / per_group] += static_cast<float>(sum) * d;
-    }
-  return a;
-}
-
-// 32 weights as bytes: 4-bit as the unsigned nibbles (evens, then odds), 8-bit as w - 128.
-template <int Bits>
-inline __m256i weights32(const uint8_t* src) {
-  if constexpr (Bits == 4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-    return _mm256_and_si256(both, _mm256_set1_epi8(15));
-  } else {
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), _mm256_set1_epi8(-128));
-  }
-}
-
-// Output column `o` for NR rows from int8 activations: each block's integer dot product
-// (maddubs: unsigned x signed bytes, pairs summed to 16 bits; 8-bit weights through
-// |w - 128| and q with w - 128's sign, so no pair overflows) times the block's d and the
-// group's scale, one FMA a block. The biases (and the 8-bit offset) meet the rounded
-// activations' group sums in one vector dot product per column, so the whole is the
-// product with the rounded x: its error is the weights (centred, biases included) times
-// the rounding, where an exact sum there would leave the unsigned values' mean times it.
-// `scaled` is per-thread room for each row's d x scale per block.
-template <int Bits, int NR, typename S>
-inline void column_int8(const int8_t* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, const S* sc,
-                        const S* bi, int groups, int group_size, float* y, int out, std::vector<float>& scaled) {
-  constexpr int ACC = NR == 1 ? 2 : 1;
-  const int blocks = in / 32, per_group = group_size / 32;
-  if (scaled.size() < static_cast<size_t>(NR) * blocks) scaled.resize(static_cast<size_t>(NR) * blocks);
-  for (int r = 0; r < NR; ++r) {
-    float* cs = scaled.data() + static_cast<size_t>(r) * blocks;
-    const float* d = xd + static_cast<size_t>(r) * blocks;
-    int g = 0;
-    if (per_group == 1)  // groups of 32 (a GGUF's Q4_0/Q4_1/Q8_0): 8 blocks at a time
-      for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(cs + g, _mm256_mul_ps(_mm256_loadu_ps(d + g), widen8(sc + g)));
-    for (; g < groups; ++g) {
-      const float scale = widen(sc, g);
-      for (int j = 0; j < per_group; ++j) cs[g * per_group + j] = d[g * per_group + j] * scale;
-    }
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NR][ACC];
-  for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < ACC; ++k) acc[r][k] = _mm256_setzero_ps();
-  for (int b = 0; b < blocks; ++b) {
-    const __m256i w = weights32<Bits>(wrow + static_cast<size_t>(b) * 32 * Bits / 8);
-    const __m256i wabs = Bits == 8 ? _mm256_abs_epi8(w) : w;
-    for (int r = 0; r < NR; ++r) {
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + static_cast<size_t>(r) * in + b * 32));
-      if constexpr (Bits == 8) q = _mm256_sign_epi8(q, w);
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, q), ones));
-      acc[r][b % ACC] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scaled.data() + static_cast<size_t>(r) * blocks + b),
-                                        acc[r][b % ACC]);
-    }
-  }
-  for (int r = 0; r < NR; ++r) {
-    __m256 total = acc[r][0];
-    for (int k = 1; k < ACC; ++k) total = _mm256_add_ps(total, acc[r][k]);
-    y[static_cast<size_t>(r) * out] =
-        hsum(total) + bias_share(bi, sc, Bits == 8 ? 128.f : 0.f, xsum + static_cast<size_t>(r) * groups, groups);
-  }
-}
-
-constexpr int kInt8Rows = 4;  // rows per pass over a column (registers: weights, |w|, a row's block)
-
-// Output column `o` for rows r0 .. r0 + nr (nr <= kInt8Rows) from int8 activations.
-template <int Bits, typename S>
-inline void columns_int8(const Int8Rows& a, int r0, int in, const uint8_t* wrow, const S* sc, const S* bi,
-                         int groups, int group_size, float* y, int out, int nr, std::vector<float>& scaled) {
-  const int8_t* q = a.q.data() + static_cast<size_t>(r0) * in;
-  const float* d = a.d.data() + static_cast<size_t>(r0) * (in / 32);
-  const float* sum = a.sum.data() + static_cast<size_t>(r0) * groups;
-  y += static_cast<size_t>(r0) * out;
-  switch (nr) {
-    case 1: column_int8<Bits, 1>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
-    case 2: column_int8<Bits, 2>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
-    case 3: column_int8<Bits, 3>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
-    default: column_int8<Bits, 4>(q, d, sum, in, wrow, sc, bi, groups, group_size, y, out, scaled); break;
-  }
 }
 
 // Output column `o` for `nr` (<= kRows) input rows: the vector path per row count.
@@ -297,30 +150,9 @@ inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, co
 
 template <int Bits, typename S>
 void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
-            int rows, int in, int out, int group_size, bool int8) {
+            int rows, int in, int out, int group_size) {
   const int groups = in / group_size;
   const int row_bytes = in * Bits / 8;
-#ifdef __AVX2__
-  if (int8) {
-    const Int8Rows a = int8_rows(x, rows, in, group_size, Bits);
-#pragma omp parallel
-    {
-      std::vector<float> scaled;
-#pragma omp for schedule(static)
-      for (int o = 0; o < out; ++o) {
-        const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
-        const S* sc = scales + static_cast<size_t>(o) * groups;
-        const S* bi = biases + static_cast<size_t>(o) * groups;
-        for (int r0 = 0; r0 < rows; r0 += kInt8Rows)
-          columns_int8<Bits>(a, r0, in, wrow, sc, bi, groups, group_size, y + o, out,
-                             std::min(kInt8Rows, rows - r0), scaled);
-      }
-    }
-    return;
-  }
-#else
-  (void)int8;  // the portable path computes in float32 only
-#endif
   const std::vector<float> sums = group_sums(x, rows, in, group_size);
 #pragma omp parallel
   {
@@ -342,13 +174,17 @@ void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, 
 }  // namespace
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, bool int8_activations,
+                           const mx::array& biases, int group_size, int bits, int activation_bits,
                            mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
   if (group_size % 32 != 0 || group_size > 256)
     throw std::invalid_argument("quantized_matvec: group_size must be a multiple of 32, at most 256");
   if (x.dtype() != mx::float32)
     throw std::invalid_argument("quantized_matvec: x must be float32");
+  if (activation_bits != 32 && !rounded_activations(activation_bits))
+    throw std::invalid_argument("quantized_matvec: activation_bits must be 32 (float32), 16 or 8");
+  if (activation_bits != 32 && !rounded_available())
+    throw std::invalid_argument("quantized_matvec: rounded activations need AVX2 (this build computes float32 only)");
   if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16) || biases.dtype() != scales.dtype())
     throw std::invalid_argument("quantized_matvec: scales and biases must both be float16 or both float32");
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2)
@@ -362,7 +198,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   // No Contiguous nodes here: four per call were a fifth of a decode step's graph. An
   // input that is not row-contiguous when computed is copied in eval_cpu instead.
   auto stream = mx::to_stream(s);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits, int8_activations),
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits, activation_bits),
                    {x, w, scales, biases});
 }
 
@@ -404,13 +240,17 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   int out = w.shape(0), in = x.shape(-1), rows = x.size() / in;
   float* yp = y.data<float>();
   int gs = group_size_, bits = bits_;
-  const bool int8 = int8_;
+  const int activation_bits = activation_bits_;
   const bool half = scales.dtype() == mx::float16;
   encoder.dispatch([=, xs = RowMajor{x}, ws = RowMajor{w}, ss = RowMajor{scales}, bs = RowMajor{biases}]() mutable {
     const float* xp = xs.data<float>();
     const uint8_t* wp = ws.data<uint8_t>();
+    if (activation_bits != 32) {
+      matvec_rounded(xp, wp, ss.data<uint8_t>(), bs.data<uint8_t>(), half, yp, rows, in, out, gs, bits, activation_bits);
+      return;
+    }
     with_stored<4, 8>(bits, half, ss.data<uint8_t>(), bs.data<uint8_t>(), [&]<int B>(auto* sp, auto* bp) {
-      matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs, int8);
+      matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs);
     });
   });
 }

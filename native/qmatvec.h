@@ -13,26 +13,27 @@ namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T for w [out, in * bits / 32] (uint32),
 // scales and biases [out, in / group_size] (float16 or float32), x [..., in]; float32 in and out.
-// int8_activations: x's blocks of 32 rounded to int8 (scaled by their largest magnitude)
-// and multiplied by the weights in integers, as llama.cpp does (AVX2; the bias term stays
-// exact); otherwise in float32.
+// activation_bits 8 or 16: x's blocks of 32 rounded to int8 or int16 (scaled by their
+// largest magnitude) and multiplied by the weights in integers (AVX2, qmatvec_int.h);
+// 32: in float32.
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, bool int8_activations = false,
+                           const mx::array& biases, int group_size, int bits, int activation_bits = 32,
                            mx::StreamOrDevice s = {});
 
 class QuantizedMatvec : public QuantizedPrimitive {
  public:
-  QuantizedMatvec(mx::Stream stream, int group_size, int bits, bool int8)
-      : QuantizedPrimitive(stream, group_size, bits), int8_(int8) {}
+  QuantizedMatvec(mx::Stream stream, int group_size, int bits, int activation_bits)
+      : QuantizedPrimitive(stream, group_size, bits), activation_bits_(activation_bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "JustFitQuantizedMatvec"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return QuantizedPrimitive::is_equivalent(other) && int8_ == static_cast<const QuantizedMatvec&>(other).int8_;
+    return QuantizedPrimitive::is_equivalent(other) &&
+           activation_bits_ == static_cast<const QuantizedMatvec&>(other).activation_bits_;
   }
 
  private:
-  bool int8_;
+  int activation_bits_;
 };
 
 }  // namespace justfit

@@ -27,10 +27,14 @@ POLICIES = {p.name: p for p in (
            "decode on the stored quantized weights through JustFit's native CPU kernel "
            "(native/, built by ./dev): the stored bytes, read once per step for every row "
            "of a batch; q8t where the kernel cannot compute a layer; prefill dense just in time"),
+    ResidencyPolicy("cpu-int16", "native-int16", "dense", True,
+           "cpu-native with int16 activations: each product rounds its input's blocks of 32 to "
+           "int16 and multiplies in integers (AVX2: fewer instructions per weight than float32; "
+           "rounding about 1e-5 of a block's largest value); the same stored bytes"),
     ResidencyPolicy("cpu-int8", "native-int8", "dense", True,
-           "cpu-native with int8 activations: each product rounds its input's blocks of 32 to "
-           "int8 and multiplies in integers, as llama.cpp does (AVX2; fewer instructions per "
-           "weight); the same stored bytes"),
+           "cpu-native with int8 activations, as llama.cpp computes its quantized weights (AVX2: "
+           "the fewest instructions per weight; rounding about 0.4% of a block's largest value, "
+           "which tips near ties); the same stored bytes"),
     ResidencyPolicy("cpu-exact", "grouped", "dense", True,
            "the stored quantization exactly in every phase: decode on its integer grid "
            "regrouped for MLX's fast CPU matvec (1.5 bytes/weight); prefill dense just in time"),
@@ -48,16 +52,20 @@ POLICIES = {p.name: p for p in (
 
 
 def default_policy() -> str:
-    """The policy `auto` means here: quantized on a GPU; on the CPU cpu-native where the
-    native kernel is built (the stored weights exactly, fewer bytes and faster decode
-    than q8t), cpu otherwise. Not cpu-int8: its rounded activations tip near ties the
-    other way (SmolLM2 answers "What is the capital of France?" with "L'Étoile" where
-    float32 activations give "The capital of France is Paris": logits 25.33 vs 25.24)."""
+    """The policy `auto` means here: quantized on a GPU; on the CPU the native kernel where
+    it is built (the stored weights exactly, fewer bytes and faster decode than q8t), with
+    int16 activations where it multiplies them (cpu-int16: greedy parity and perplexity
+    against llama.cpp equal to cpu-native's, `python -m bench.parity --policy`), cpu
+    otherwise. Not cpu-int8: its rounding tips near ties (SmolLM2 answers "What is the
+    capital of France?" with "L'Étoile" where float32 or int16 activations give "The
+    capital of France is Paris": logits 25.33 vs 25.24)."""
     if mx.default_device() == mx.gpu:
         return "quantized"
-    from phaseswap.native import available
+    from phaseswap.native import available, rounded_available
 
-    return "cpu-native" if available() else "cpu"
+    if not available():
+        return "cpu"
+    return "cpu-int16" if rounded_available() else "cpu-native"
 
 
 def get_policy(name: str | None) -> ResidencyPolicy:

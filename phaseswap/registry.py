@@ -24,13 +24,12 @@ from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, 
 
 from phaseswap.native import eligible, is_native, to_native
 
-RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", "native", "native-int8")
 # native: the stored weights where the native kernel computes them, q8t where it cannot;
-# native-int8 the same, its products taking int8 activations.
-NATIVE_FORMS = ("native", "native-int8")
+# native-int16 / native-int8 the same, their products on activations rounded to 16 / 8 bits.
+NATIVE_FORMS = {"native": 32, "native-int16": 16, "native-int8": 8}  # form -> activation bits
+RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", *NATIVE_FORMS)
 CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense,
-           "native": lambda mod: to_native(mod) or to_q8t(mod),
-           "native-int8": lambda mod: to_native(mod, int8_activations=True) or to_q8t(mod)}
+           **{form: (lambda mod, bits=bits: to_native(mod, bits) or to_q8t(mod)) for form, bits in NATIVE_FORMS.items()}}
 
 
 class Residency(str, Enum):
@@ -85,8 +84,8 @@ class Counters:
 
 
 # Bytes per weight of a linear converted to each resident form (see forms.py).
-_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0, "native": 1 + 8 / Q8T_GROUP,
-                     "native-int8": 1 + 8 / Q8T_GROUP}
+_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0,
+                     **{form: 1 + 8 / Q8T_GROUP for form in NATIVE_FORMS}}
 
 
 def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None = None) -> int:
@@ -191,7 +190,7 @@ class Registry:
         elif form == "dense" and comp.kind == "embed":
             self._swap(comp, "", to_dense(comp.module))
         elif form in NATIVE_FORMS and comp.kind == "embed" and eligible(comp.module):  # a tied head runs on the stored table
-            self._swap(comp, "", to_native(comp.module, int8_activations=form == "native-int8"))
+            self._swap(comp, "", to_native(comp.module, NATIVE_FORMS[form]))
         elif form != "stored" and comp.kind != "embed":
             for path in comp.linears():
                 self._swap(comp, path, CONVERT[form](get_module(comp.module, path)))

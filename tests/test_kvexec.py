@@ -271,8 +271,8 @@ def test_smollm2_fp16_pages_greedy_identical_to_stock(smollm2_gguf):
     from justfit.config import EngineConfig
 
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    # float32 activations: int8 ones (cpu-int8) round each block, so fp16 pages' last-bit
-    # differences can flip a rounding and then a near tie (token 30 here): not the pages' doing
+    # float32 activations: rounded ones (cpu-int8) can turn fp16 pages' last-bit
+    # differences into a flipped rounding and then a near tie: not the pages' doing
     policy = "cpu-native"
     paged = Engine(str(smollm2_gguf), config=EngineConfig(kv=KVConfig(format="fp16"), policy=policy))
     tokens = prompt_tokens(paged.tokenizer, 700)  # > sinks + hot window: real pages

@@ -1,0 +1,182 @@
+// See qmatvec_int.h. Per output column, for up to 4 input rows at a time: each block of
+// 32 weights is unpacked to bytes once, its integer dot product with every row's rounded
+// block summed to 32 bits, then scaled by the block's d times the group's scale in one
+// FMA. The biases (and 8-bit weights' offset) meet the rounded blocks' group sums in one
+// vector dot product per column: the whole is the product with the rounded x, so its
+// error is the weights (centred, biases included) times the rounding, where an exact sum
+// there would leave the unsigned values' mean times it.
+#include "qmatvec_int.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "simd.h"
+#include "stored.h"
+
+namespace justfit {
+
+#ifdef __AVX2__
+bool rounded_available() { return true; }
+
+namespace {
+
+constexpr int kRows = 4;  // rows per pass over a column (registers: weights, a row's block)
+
+// Each row's blocks of 32 rounded to T at their largest magnitude / Max; for 4-bit weights
+// a block's values are stored evens first, then odds: the order its nibbles unpack in.
+template <typename T>
+struct Rounded {
+  std::vector<T> q;       // [rows, in]
+  std::vector<float> d;   // [rows, in / 32]: a block's scale
+  std::vector<float> sum; // [rows, groups]: the rounded values' sum over the group (q x d)
+};
+
+template <typename T>
+Rounded<T> rounded(const float* x, int rows, int in, int group_size, int bits) {
+  constexpr float kMax = sizeof(T) == 1 ? 127.f : 32767.f;
+  const int blocks = in / 32, groups = in / group_size, per_group = group_size / 32;
+  Rounded<T> a{std::vector<T>(static_cast<size_t>(rows) * in), std::vector<float>(static_cast<size_t>(rows) * blocks),
+               std::vector<float>(static_cast<size_t>(rows) * groups, 0.f)};
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < blocks; ++b) {
+      const float* xb = x + static_cast<size_t>(r) * in + b * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / kMax, id = amax > 0.f ? kMax / amax : 0.f;
+      T* qb = a.q.data() + static_cast<size_t>(r) * in + b * 32;
+      long sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+        sum += v;
+        qb[bits == 4 ? (j % 2) * 16 + j / 2 : j] = static_cast<T>(v);
+      }
+      a.d[static_cast<size_t>(r) * blocks + b] = d;
+      a.sum[static_cast<size_t>(r) * groups + b / per_group] += static_cast<float>(sum) * d;
+    }
+  return a;
+}
+
+// 32 weights as unsigned bytes: 4-bit as the nibbles (evens, then odds), 8-bit as stored.
+template <int Bits>
+inline __m256i weights32(const uint8_t* src) {
+  if constexpr (Bits == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  }
+}
+
+// A block's integer dot product as 8 int32 lanes. int8: maddubs (unsigned x signed bytes,
+// pairs to 16 bits); 8-bit weights go as |w - 128| with q carrying w - 128's sign, so no
+// pair overflows, and the offset's 128 x sum(q) comes back through the biases' share.
+// int16: the weights widened to 16 bits, madd (pairs to 32 bits).
+template <int Bits, typename T>
+inline __m256i block_dot(__m256i w, const T* q) {
+  if constexpr (sizeof(T) == 1) {
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    __m256i u = w;
+    if constexpr (Bits == 8) {
+      const __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(-128));
+      u = _mm256_abs_epi8(centred);
+      x = _mm256_sign_epi8(x, centred);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+  } else {
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+  }
+}
+
+// Output column `o` for NR rows; `scaled` is per-thread room for each row's d x scale per block.
+template <int Bits, int NR, typename T, typename S>
+inline void column(const T* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, const S* sc,
+                   const S* bi, int groups, int group_size, float* y, int out, std::vector<float>& scaled) {
+  constexpr int ACC = NR == 1 ? 2 : 1;
+  const int blocks = in / 32, per_group = group_size / 32;
+  if (scaled.size() < static_cast<size_t>(NR) * blocks) scaled.resize(static_cast<size_t>(NR) * blocks);
+  for (int r = 0; r < NR; ++r) {
+    float* cs = scaled.data() + static_cast<size_t>(r) * blocks;
+    const float* d = xd + static_cast<size_t>(r) * blocks;
+    int g = 0;
+    if (per_group == 1)  // groups of 32 (a GGUF's Q4_0/Q4_1/Q8_0): 8 blocks at a time
+      for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(cs + g, _mm256_mul_ps(_mm256_loadu_ps(d + g), widen8(sc + g)));
+    for (; g < groups; ++g) {
+      const float scale = widen(sc, g);
+      for (int j = 0; j < per_group; ++j) cs[g * per_group + j] = d[g * per_group + j] * scale;
+    }
+  }
+  __m256 acc[NR][ACC];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < ACC; ++k) acc[r][k] = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const __m256i w = weights32<Bits>(wrow + static_cast<size_t>(b) * 32 * Bits / 8);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 sums = _mm256_cvtepi32_ps(block_dot<Bits>(w, xq + static_cast<size_t>(r) * in + b * 32));
+      acc[r][b % ACC] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scaled.data() + static_cast<size_t>(r) * blocks + b),
+                                        acc[r][b % ACC]);
+    }
+  }
+  const float offset = sizeof(T) == 1 && Bits == 8 ? 128.f : 0.f;
+  for (int r = 0; r < NR; ++r) {
+    __m256 total = acc[r][0];
+    for (int k = 1; k < ACC; ++k) total = _mm256_add_ps(total, acc[r][k]);
+    y[static_cast<size_t>(r) * out] = hsum(total) + bias_share(bi, sc, offset, xsum + static_cast<size_t>(r) * groups, groups);
+  }
+}
+
+template <int Bits, typename T, typename S>
+void product(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int rows, int in, int out,
+             int group_size) {
+  const int groups = in / group_size, row_bytes = in * Bits / 8, blocks = in / 32;
+  const Rounded<T> a = rounded<T>(x, rows, in, group_size, Bits);
+#pragma omp parallel
+  {
+    std::vector<float> scaled;
+#pragma omp for schedule(static)
+    for (int o = 0; o < out; ++o) {
+      const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
+      const S* sc = scales + static_cast<size_t>(o) * groups;
+      const S* bi = biases + static_cast<size_t>(o) * groups;
+      for (int r0 = 0; r0 < rows; r0 += kRows) {
+        const T* q = a.q.data() + static_cast<size_t>(r0) * in;
+        const float* d = a.d.data() + static_cast<size_t>(r0) * blocks;
+        const float* sum = a.sum.data() + static_cast<size_t>(r0) * groups;
+        float* yo = y + static_cast<size_t>(r0) * out + o;
+        switch (std::min(kRows, rows - r0)) {
+          case 1: column<Bits, 1>(q, d, sum, in, wrow, sc, bi, groups, group_size, yo, out, scaled); break;
+          case 2: column<Bits, 2>(q, d, sum, in, wrow, sc, bi, groups, group_size, yo, out, scaled); break;
+          case 3: column<Bits, 3>(q, d, sum, in, wrow, sc, bi, groups, group_size, yo, out, scaled); break;
+          default: column<Bits, 4>(q, d, sum, in, wrow, sc, bi, groups, group_size, yo, out, scaled); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void matvec_rounded(const float* x, const uint8_t* w, const void* scales, const void* biases, bool half, float* y,
+                    int rows, int in, int out, int group_size, int bits, int activation_bits) {
+  with_stored<4, 8>(bits, half, scales, biases, [&]<int B>(auto* s, auto* b) {
+    if (activation_bits == 8)
+      product<B, int8_t>(x, w, s, b, y, rows, in, out, group_size);
+    else
+      product<B, int16_t>(x, w, s, b, y, rows, in, out, group_size);
+  });
+}
+#else
+bool rounded_available() { return false; }
+
+void matvec_rounded(const float*, const uint8_t*, const void*, const void*, bool, float*, int, int, int, int, int, int) {
+  throw std::runtime_error("rounded activations need AVX2: this build computes in float32 only");
+}
+#endif
+
+}  // namespace justfit

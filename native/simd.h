@@ -1,0 +1,59 @@
+// Vector helpers the native matrix-vector kernels share (AVX2 and F16C): scales and
+// biases as stored (float16 or float32) read as floats, horizontal sums, and the biases'
+// share of a column's product.
+#pragma once
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "mlx/types/half_types.h"
+
+namespace justfit {
+
+// A scale or bias as float: float16 through F16C (MLX's x86 float16_t converts in
+// software, a dozen instructions each), float32 as is.
+inline float widen(const mlx::core::float16_t* p, size_t i) {
+  return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
+}
+inline float widen(const float* p, size_t i) { return p[i]; }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 scales or biases as floats (float16 through F16C).
+inline __m256 widen8(const mlx::core::float16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+// sum over groups g of (biases[g] + offset * scales[g]) * xsum[g]: the biases' share of a
+// column's product (offset 128 for 8-bit weights taken as w - 128), 8 groups at a time.
+template <typename S>
+inline float bias_share(const S* bi, const S* sc, float offset, const float* xsum, int groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m256 o = widen8(bi + g);
+    if (offset != 0.f) o = _mm256_fmadd_ps(widen8(sc + g), _mm256_set1_ps(offset), o);
+    acc = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + g), acc);
+  }
+  float tail = 0.f;
+  for (; g < groups; ++g) tail += (widen(bi, g) + offset * widen(sc, g)) * xsum[g];
+  return hsum(acc) + tail;
+}
+
+// A column's scales as floats into `out` (8 at a time).
+template <typename S>
+inline void widen_scales(const S* sc, int groups, float* out) {
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, widen8(sc + g));
+  for (; g < groups; ++g) out[g] = widen(sc, g);
+}
+
+}  // namespace justfit
+#endif
