@@ -6,7 +6,8 @@ process on the same prompt tokens.
     python -m bench.speed --quick                 # 256 tokens, 8 decoded: a minute
     python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp-q8_0 and -q4_0
 
-Systems: `justfit-default` (engine defaults: PhaseSwap policy cpu, KV q8c, OpenBLAS;
+Systems: `justfit-default` (engine defaults: PhaseSwap policy auto, i.e. cpu-int16 where
+the native kernel is built, KV q8c, OpenBLAS;
 `justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
 two local ranks, justfit.launch); stock `generate_step` on the same
 quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
