@@ -95,6 +95,8 @@ def headline_exclusion(row: dict) -> str:
         return ""
     if row["system"] == "justfit-retention":
         return "evicts positions"
+    if "@" in row["system"]:  # a layer pipeline: the budget is each rank's, not the whole
+        return f"budget per rank ({row['system'].partition('@')[2]} processes)"
     fidelity = row.get("fidelity") or {}
     top1 = fidelity.get("top1")
     if top1 is None:

@@ -212,7 +212,7 @@ class AllocatedCodec:
             out = s if out is None else out + s
         return out
 
-    def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
+    def weighted(self, p: mx.array, enc: dict[str, mx.array], rotate: bool = True) -> mx.array:
         """Values are never stored this way (their error is not weighted by queries)."""
         raise TypeError("the allocated codec stores keys only")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kvexec.formats import KVFormat, get_format, rows_kernel
+from kvexec.formats import KVFormat, get_format, rows_kernel, unrotate
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
@@ -246,12 +246,17 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
     if sinks is not None:  # a per-head logit that takes probability mass, no value
         scores.append(_sink_logits(sinks, B, kvh, rep, L))
     p = _softmax(mx.concatenate(scores, axis=-1))
-    out, offset = None, 0
+    sums, offset = {}, 0  # rotated values or not -> sum of p V over those blocks
     for block in used:
         pb = p[..., offset:offset + block.length]
         offset += block.length
-        pv = block.fmt.values.weighted(pb, block.values)
-        out = pv if out is None else out + pv
+        codec = block.fmt.values
+        rotated = bool(codec.quantized and codec.rotated)  # the same rotation for every such codec
+        pv = codec.weighted(pb, block.values, rotate=False)
+        sums[rotated] = pv + sums[rotated] if rotated in sums else pv
         if observe is not None:
             observe(block, float(pb.sum().item()))
+    out = sums.get(False)
+    if True in sums:  # one rotation back for every rotated block (a linear map)
+        out = unrotate(sums[True]) if out is None else out + unrotate(sums[True])
     return out.reshape(B, H, L, D).astype(queries.dtype)

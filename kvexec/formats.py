@@ -51,6 +51,11 @@ def _rotation(x: mx.array) -> mx.array:
     return rotation(x.shape[1], x.shape[-1])
 
 
+def unrotate(x: mx.array) -> mx.array:
+    """A product with rotated values, [B, kv_heads, rows, dim], back in the values' own space."""
+    return x @ _rotation(x).swapaxes(-1, -2)
+
+
 @dataclass(frozen=True)
 class Codec:
     """How one side of a page (keys or values) is stored: full precision or affine groups."""
@@ -153,12 +158,14 @@ class Codec:
         return mx.quantized_matmul(q, enc["w"], enc["scales"], enc["biases"], transpose=True,
                                    group_size=self.group_size, bits=self.bits)
 
-    def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
-        """p @ V on the stored form (values are stored per token)."""
+    def weighted(self, p: mx.array, enc: dict[str, mx.array], rotate: bool = True) -> mx.array:
+        """p @ V on the stored form (values are stored per token). rotate=False leaves a
+        rotated codec's product in the rotated space: a sum of such products is rotated
+        back once (`unrotate`), not once per block."""
         if not self.quantized:
             return p @ enc["x"].astype(p.dtype)
         out = self._untransposed(p, enc)
-        return out @ _rotation(out).swapaxes(-1, -2) if self.rotated else out
+        return unrotate(out) if self.rotated and rotate else out
 
     def _untransposed(self, x: mx.array, enc: dict[str, mx.array]) -> mx.array:
         """x @ dequantize(stored): JustFit's native kernel for a few float32 rows on the

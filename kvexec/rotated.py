@@ -69,6 +69,7 @@ class RotatedCodec:
 
     bits: int
     tokens_last = False  # stored [.., tokens, ..] like per-token affine codes
+    rotated = True  # products in the rotated space until rotated back
 
     @property
     def quantized(self) -> bool:
@@ -120,10 +121,12 @@ class RotatedCodec:
         qr = q @ rotation(kr.shape[1], kr.shape[-1])
         return qr @ kr.swapaxes(-1, -2)
 
-    def weighted(self, p: mx.array, enc: dict[str, mx.array]) -> mx.array:
-        """p @ V computed in the rotated space, then rotated back once."""
+    def weighted(self, p: mx.array, enc: dict[str, mx.array], rotate: bool = True) -> mx.array:
+        """p @ V computed in the rotated space, then rotated back once (rotate=False: left
+        rotated, for a sum over blocks rotated back once, kvexec.formats.unrotate)."""
         vr = self._rotated(enc)
-        return (p @ vr) @ rotation(vr.shape[1], vr.shape[-1]).swapaxes(-1, -2)
+        out = p @ vr
+        return out @ rotation(vr.shape[1], vr.shape[-1]).swapaxes(-1, -2) if rotate else out
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """Storage bytes of one token's codes and norms over `kv_heads` heads."""

@@ -63,26 +63,35 @@ struct Lanes {
 template <int Bits>
 constexpr Lanes<Bits> kLanes{};
 
-// 8 consecutive values (n a multiple of 8) of a row as floats: 8 values fill `Bits` bytes.
-template <int Bits>
-inline __m256 load8(const uint8_t* row, int n, const uint8_t* end) {
+// 8 NV consecutive values (n a multiple of 8) of a row as NV vectors of floats: 8 values
+// fill `Bits` bytes, so below 8 bits one 16-byte load holds all 16 values of NV = 2 (the
+// second 8 pick the bytes `Bits` further on, at the same bit offsets). Past the storage's
+// last 16 bytes the bytes are copied out first.
+template <int Bits, int NV>
+inline void load_values(const uint8_t* row, int n, const uint8_t* end, __m256 v[NV]) {
   const uint8_t* at = row + n / 8 * Bits;
   if constexpr (Bits == 8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+    for (int j = 0; j < NV; ++j)
+      v[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8 * j))));
   } else {
     __m128i bytes;
     if (at + 16 <= end) {
       bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
     } else {
       alignas(16) uint8_t tail[16] = {};
-      std::memcpy(tail, at, Bits);
+      std::memcpy(tail, at, NV * Bits);
       bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
     }
-    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.picks));
+    const __m256i all = _mm256_broadcastsi128_si256(bytes);
     const __m256i offset = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.offsets));
-    const __m256i lanes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), pick);
     const __m256i mask = _mm256_set1_epi32((1 << Bits) - 1);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(lanes, offset), mask));
+    __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.picks));
+    for (int j = 0; j < NV; ++j) {
+      // the zero bytes' index (-128) keeps its top bit when Bits is added: still zero
+      if (j) pick = _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<int8_t>(Bits)));
+      const __m256i lanes = _mm256_shuffle_epi8(all, pick);
+      v[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(lanes, offset), mask));
+    }
   }
 }
 
@@ -97,7 +106,7 @@ inline void tile_part(const float* xs, const uint8_t* w, size_t row_bytes, int K
   for (int k = 0; k < K; ++k) {
     const uint8_t* row = w + k * row_bytes;
     __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load8<Bits>(row, n + 8 * j, end);
+    load_values<Bits, NV>(row, n, end, v);
     for (int m = 0; m < MR; ++m) {
       const __m256 a = _mm256_broadcast_ss(xs + static_cast<size_t>(k) * MR + m);
       for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(a, v[j], acc[m][j]);

@@ -45,6 +45,7 @@ def test_headline_ratios_use_only_rows_at_top1_99_and_mark_past_the_trained_cont
             _row("justfit-lossless", 400, 6000, trained_context=8192, fidelity={"spec": "q8c", "top1": 0.998}),
             _row("justfit-retention", 400, 90000, trained_context=8192, fidelity={"spec": "q8c", "top1": 0.998}),
             _row("justfit-compact", 400, 9000, trained_context=8192),  # fidelity not measured
+            _row("justfit-lossless@2", 400, 20000, fidelity={"spec": "q8c", "top1": 0.998}),  # 2 x 400 MiB
             _row("mlx-lm", 800, 3000), _row("justfit-lossless", 800, 12000, trained_context=8192, limited=True,
                                             fidelity={"spec": "q8c", "top1": 0.995})]
     for r in rows:
@@ -53,6 +54,7 @@ def test_headline_ratios_use_only_rows_at_top1_99_and_mark_past_the_trained_cont
     assert by["justfit-default", 400]["headline"] == "top-1 93.60% < 99%"
     assert by["justfit-retention", 400]["headline"] == "evicts positions"
     assert by["justfit-compact", 400]["headline"] == "fidelity not measured"
+    assert by["justfit-lossless@2", 400]["headline"] == "budget per rank (2 processes)"
     assert by["justfit-default", 400]["past_trained_context"] and not by["justfit-lossless", 400]["past_trained_context"]
     assert by["justfit-lossless", 800]["past_trained_context"]
     other = _row("justfit-compact", 400, 50000, fidelity={"spec": "q8c@0.5", "top1": 0.999, "mix_distance": 0.4,
