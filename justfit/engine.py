@@ -30,9 +30,8 @@ from justfit.stats import Chunk, GenerationStats
 import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseSwap
-from phaseswap.registry import predict_working_bytes
 from phaseswap.native import install_ops
-from phaseswap.registry import NATIVE_FORMS
+from phaseswap.registry import NATIVE_FORMS, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 

@@ -250,9 +250,8 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
     for block in used:
         pb = p[..., offset:offset + block.length]
         offset += block.length
-        codec = block.fmt.values
-        rotated = bool(codec.quantized and codec.rotated)  # the same rotation for every such codec
-        pv = codec.weighted(pb, block.values, rotate=False)
+        rotated = block.fmt.values.rotated  # the same rotation for every such codec
+        pv = block.fmt.values.weighted(pb, block.values, rotate=False)
         sums[rotated] = pv + sums[rotated] if rotated in sums else pv
         if observe is not None:
             observe(block, float(pb.sum().item()))

@@ -12,25 +12,12 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "simd.h"
 #include "stored.h"
-
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace justfit {
 
 namespace {
-
-inline float widen(const mx::float16_t* p, size_t i) {
-#ifdef __F16C__
-  return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
-#else
-  return static_cast<float>(p[i]);
-#endif
-}
-inline float widen(const float* p, size_t i) { return p[i]; }
-
 
 // A stored part of W: packed rows, their scales and biases, the width, and the columns of x
 // its rows meet ([heads, rows] int32, or null: the rows in order).

@@ -1,24 +1,30 @@
-// Vector helpers the native matrix-vector kernels share (AVX2 and F16C): scales and
-// biases as stored (float16 or float32) read as floats, horizontal sums, and the biases'
-// share of a column's product.
+// Helpers the native kernels share: scales and biases as stored (float16 or float32)
+// read as floats; with AVX2, horizontal sums and the biases' share of a column's product.
 #pragma once
 
-#ifdef __AVX2__
-#include <immintrin.h>
-
+#include <cstddef>
 #include <cstdint>
 
 #include "mlx/types/half_types.h"
 
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace justfit {
 
-// A scale or bias as float: float16 through F16C (MLX's x86 float16_t converts in
-// software, a dozen instructions each), float32 as is.
+// A scale or bias as float: float16 through F16C where the build has it (MLX's x86
+// float16_t converts in software, a dozen instructions each), float32 as is.
 inline float widen(const mlx::core::float16_t* p, size_t i) {
+#ifdef __F16C__
   return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
+#else
+  return static_cast<float>(p[i]);
+#endif
 }
 inline float widen(const float* p, size_t i) { return p[i]; }
 
+#ifdef __AVX2__
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -55,5 +61,6 @@ inline void widen_scales(const S* sc, int groups, float* out) {
   for (; g < groups; ++g) out[g] = widen(sc, g);
 }
 
-}  // namespace justfit
 #endif
+
+}  // namespace justfit

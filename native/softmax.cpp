@@ -9,11 +9,8 @@
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "simd.h"
 #include "stored.h"
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 namespace justfit {
 
@@ -47,11 +44,6 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 #endif
 
 void softmax_row(const float* x, float* y, int n) {

@@ -29,7 +29,7 @@ from phaseswap.native import eligible, is_native, to_native
 NATIVE_FORMS = {"native": 32, "native-int16": 16, "native-int8": 8}  # form -> activation bits
 RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", *NATIVE_FORMS)
 CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense,
-           **{form: (lambda mod, bits=bits: to_native(mod, bits) or to_q8t(mod)) for form, bits in NATIVE_FORMS.items()}}
+           **{form: lambda mod, bits=bits: to_native(mod, bits) or to_q8t(mod) for form, bits in NATIVE_FORMS.items()}}
 
 
 class Residency(str, Enum):
@@ -189,8 +189,8 @@ class Registry:
             self._swap(comp, "", CONVERT[form](_cast(comp.module, dtype)))
         elif form == "dense" and comp.kind == "embed":
             self._swap(comp, "", to_dense(comp.module))
-        elif form in NATIVE_FORMS and comp.kind == "embed" and eligible(comp.module):  # a tied head runs on the stored table
-            self._swap(comp, "", to_native(comp.module, NATIVE_FORMS[form]))
+        elif form in NATIVE_FORMS and comp.kind == "embed" and eligible(comp.module):
+            self._swap(comp, "", to_native(comp.module, NATIVE_FORMS[form]))  # a tied head on the stored table
         elif form != "stored" and comp.kind != "embed":
             for path in comp.linears():
                 self._swap(comp, path, CONVERT[form](get_module(comp.module, path)))
