@@ -326,7 +326,7 @@ mx::array quantized_matmul_rows_split(const mx::array& x, const std::vector<mx::
     throw std::invalid_argument("quantized_matmul_rows: one w, scales, biases and bits (and columns) per part");
   const int N = w[0].shape(-1) * 32 / bits[0], heads = x.ndim() >= 3 ? x.shape(-3) : 1;
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs{row_major_input(x, stream)};
+  std::vector<mx::array> inputs{x};  // read through RowMajor: no graph node
   for (size_t i = 0; i < parts; ++i) {
     const int rows = columns.empty() ? x.shape(-1) : columns[i].shape(-1);
     if (!columns.empty() && (columns[i].dtype() != mx::int32 || columns[i].ndim() != 2 || columns[i].shape(0) != heads))
@@ -360,8 +360,8 @@ void QuantizedMatmulRows::eval_cpu(const std::vector<mx::array>& inputs, std::ve
                      split_ ? inputs[4 + per * i].data<int32_t>() : nullptr});
   }
   const bool half = inputs[2].dtype() == mx::float16;
-  encoder.dispatch([=, xp = x.data<float>(), yp = y.data<float>(), gs = group_size_]() {
-    product(xp, parts, half, yp, batch, heads, M, D, N, gs);
+  encoder.dispatch([=, xs = RowMajor{x}, yp = y.data<float>(), gs = group_size_]() mutable {
+    product(xs.data<float>(), parts, half, yp, batch, heads, M, D, N, gs);
   });
 }
 

@@ -202,34 +202,6 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                    {x, w, scales, biases});
 }
 
-// A row-major copy of `a`'s bytes, whatever its strides (element by element).
-std::vector<uint8_t> row_major(const mx::array& a) {
-  const size_t item = a.itemsize(), ndim = a.ndim();
-  std::vector<uint8_t> out(a.size() * item);
-  const uint8_t* base = a.data<uint8_t>();
-  std::vector<int> index(ndim, 0);
-  for (size_t n = 0; n < a.size(); ++n) {
-    int64_t at = 0;
-    for (size_t d = 0; d < ndim; ++d) at += static_cast<int64_t>(index[d]) * a.strides()[d];
-    std::memcpy(out.data() + n * item, base + at * static_cast<int64_t>(item), item);
-    for (int d = static_cast<int>(ndim) - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
-  }
-  return out;
-}
-
-// An input's bytes in row-major order: its own where it is row-contiguous, else a copy
-// (made when the product runs, once the input is computed).
-struct RowMajor {
-  mx::array a;
-  std::vector<uint8_t> copy;
-  template <typename T>
-  const T* data() {
-    if (a.flags().row_contiguous) return a.data<T>();
-    if (copy.empty()) copy = row_major(a);
-    return reinterpret_cast<const T*>(copy.data());
-  }
-};
-
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
   auto& w = inputs[1];

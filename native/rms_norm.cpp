@@ -15,10 +15,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
     throw std::invalid_argument("rms_norm: weight must be [D] for x [..., D]");
   auto stream = mx::to_stream(s);
-  // The kernel reads rows: a Contiguous node each (a few microseconds; no copy where
-  // the input already is row-major, as a hidden state is).
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
-                   {row_major_input(x, stream), row_major_input(weight, stream)});
+  // The kernel reads rows (RowMajor: no graph node, a copy only where they are not row-major).
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, weight});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -26,8 +24,10 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   auto& w = inputs[1];
   auto& y = outputs[0];
   auto& encoder = begin_cpu(stream(), inputs, y);
-  encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(), D = x.shape(-1),
-                    rows = x.size() / x.shape(-1), eps = eps_]() {
+  encoder.dispatch([xs = RowMajor{x}, ws = RowMajor{w}, yp = y.data<float>(), D = x.shape(-1),
+                    rows = x.size() / x.shape(-1), eps = eps_]() mutable {
+    const float* xp = xs.data<float>();
+    const float* wp = ws.data<float>();
     for (size_t r = 0; r < rows; ++r) {
       const float* xr = xp + r * D;
       float* yr = yp + r * D;

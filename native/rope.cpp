@@ -23,7 +23,7 @@ mx::array rope(const mx::array& x, const mx::array& inv_freqs, int dims, bool tr
     throw std::invalid_argument("rope: inv_freqs must have dims / 2 entries");
   auto stream = mx::to_stream(s);
   return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(stream, dims, traditional, scale, offset),
-                   {x, mx::contiguous(inv_freqs, false, stream)});
+                   {x, row_major_input(inv_freqs, stream)});
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -78,14 +78,15 @@ mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("softmax: x must be float32");
   if (x.ndim() < 1) throw std::invalid_argument("softmax: x needs at least one axis");
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {row_major_input(x, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {x});
 }
 
 void Softmax::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
   auto& y = outputs[0];
   auto& encoder = begin_cpu(stream(), inputs, y);
-  encoder.dispatch([xp = x.data<float>(), yp = y.data<float>(), n = x.shape(-1), rows = x.size() / x.shape(-1)]() {
+  encoder.dispatch([xs = RowMajor{x}, yp = y.data<float>(), n = x.shape(-1), rows = x.size() / x.shape(-1)]() mutable {
+    const float* xp = xs.data<float>();
     const long total = static_cast<long>(rows) * n;
 #pragma omp parallel for schedule(static) if (total >= (1 << 18))
     for (long r = 0; r < static_cast<long>(rows); ++r) softmax_row(xp + r * n, yp + r * n, n);

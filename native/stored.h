@@ -2,7 +2,10 @@
 // stored (float16 or float32), the bit width a template parameter.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -22,9 +25,48 @@ inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const
   return encoder;
 }
 
-// `a` for a kernel that reads rows: itself where it is computed and row-contiguous (stored
-// pages, weights: no graph node at all), else through a Contiguous node (no copy either
-// where it turns out row-major when computed).
+// An input's bytes in row-major order, for a kernel that reads rows: its own where it is
+// row-contiguous when computed (hidden states, stored pages, weights), else a copy made
+// when the kernel runs. Copying there rather than through a Contiguous node keeps such
+// nodes out of the graph: at decode each node costs MLX's dispatch (~6 us) whether it
+// copies or not, and they were a sixth of a step's operations.
+struct RowMajor {
+  mlx::core::array a;
+  std::vector<uint8_t> copy;
+
+  template <typename T>
+  const T* data() {
+    if (a.flags().row_contiguous) return a.data<T>();
+    if (copy.empty()) fill();
+    return reinterpret_cast<const T*>(copy.data());
+  }
+
+ private:
+  // Run by run over the last axis (a memcpy each where it is unit-strided).
+  void fill() {
+    const size_t item = a.itemsize(), ndim = a.ndim();
+    copy.resize(a.size() * item);
+    if (a.size() == 0) return;
+    const uint8_t* base = a.data<uint8_t>();
+    const int64_t n = ndim ? a.shape(-1) : 1, last = ndim ? a.strides()[ndim - 1] : 1;
+    std::vector<int> index(ndim ? ndim - 1 : 0, 0);
+    for (size_t out = 0; out < copy.size(); out += n * item) {
+      int64_t at = 0;
+      for (size_t d = 0; d + 1 < ndim; ++d) at += static_cast<int64_t>(index[d]) * a.strides()[d];
+      if (last == 1) {
+        std::memcpy(copy.data() + out, base + at * static_cast<int64_t>(item), n * item);
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          std::memcpy(copy.data() + out + j * item, base + (at + j * last) * static_cast<int64_t>(item), item);
+      }
+      for (int d = static_cast<int>(ndim) - 2; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+    }
+  }
+};
+
+// `a` as an input to keep unevaluated: itself where it is computed and row-contiguous,
+// else through a Contiguous node (for inputs a kernel reads by pointer outside its
+// dispatch; RowMajor is the way for the rest).
 inline mlx::core::array row_major_input(const mlx::core::array& a, mlx::core::Stream stream) {
   return a.is_available() && a.flags().row_contiguous ? a : mlx::core::contiguous(a, false, stream);
 }

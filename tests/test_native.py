@@ -113,6 +113,9 @@ def test_the_page_product_equals_mlx_s_untransposed_quantized_matmul(bits, group
         wide = native.kernels().quantized_matmul_rows(x, w, scales.astype(mx.float32), biases.astype(mx.float32),
                                                       group, bits)  # scales as float32: the same values
         assert mx.allclose(wide, got, rtol=1e-5, atol=1e-5 * float(mx.abs(want).max()))
+        wider = mx.concatenate([mx.zeros((2, 3, rows, 8)), x, mx.ones((2, 3, rows, 8))], axis=-1)
+        strided = native.kernels().quantized_matmul_rows(wider[..., 8:8 + k], w, scales, biases, group, bits)
+        assert mx.array_equal(strided, got)  # a slice (decode's probabilities per block) read as its values
     codec = Codec(bits, group, per_channel=True)
     keys = codec.encode(mx.random.normal((1, 3, 256, 64)))
     q = mx.random.normal((1, 3, rows, 64))
