@@ -212,6 +212,12 @@ class AllocatedCodec:
             out = s if out is None else out + s
         return out
 
+    def native_parts(self, storage: dict[str, mx.array]) -> list:
+        """Every width's channels as the native decode attention takes them: [(w, scales,
+        biases, bits, columns)] (kvexec/fused.py)."""
+        names, columns, bits = self._product_args
+        return [(storage[w], storage[s], storage[b], n, idx) for (w, s, b), idx, n in zip(names, columns, bits)]
+
     def weighted(self, p: mx.array, enc: dict[str, mx.array], rotate: bool = True) -> mx.array:
         """Values are never stored this way (their error is not weighted by queries)."""
         raise TypeError("the allocated codec stores keys only")

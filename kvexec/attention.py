@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvexec.formats import KVFormat, get_format, rows_kernel, unrotate
+from kvexec.fused import fused_attention
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
@@ -50,13 +51,16 @@ class Block:
         return next(iter(self.keys.values())).shape[1]
 
 
+def _sees(q_start: int, L: int, k_start: int, n: int, window: int | None) -> bool:
+    """Whether any of the L queries from q_start sees any of the n keys from k_start."""
+    return k_start <= q_start + L - 1 and (window is None or q_start - (k_start + n - 1) < window)
+
+
 def _visibility(q_start: int, L: int, k_start: int, n: int, window: int | None):
     """None (all visible), False (nothing visible) or a [L, n] bool mask."""
+    if not _sees(q_start, L, k_start, n, window):
+        return False
     q_end, k_end = q_start + L - 1, k_start + n - 1
-    if k_start > q_end:
-        return False
-    if window is not None and q_start - k_end >= window:
-        return False
     causal_full = k_end <= q_start
     window_full = window is None or q_end - k_start < window
     if causal_full and window_full:
@@ -178,6 +182,11 @@ def blockwise_attention(
     blocks = list(blocks)
     kvh = blocks[0].kv_heads if blocks else 1
     if (H // kvh) * L <= DIRECT_ROWS and B * H * L * sum(b.length for b in blocks) <= TWO_PASS_SCORES:
+        if sinks is None and observe is None:  # one native operation where it can take the blocks
+            seen = [b for b in blocks if _sees(q_start, L, b.start, b.length, window)]
+            out = fused_attention(queries, seen, q_start, scale, window)
+            if out is not None:
+                return out
         return _two_pass(queries, blocks, q_start, scale, window, sinks, observe)
     q = m = l = acc = None
     seen = []  # (block, row sums of p, running max then) for `observe`

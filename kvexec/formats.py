@@ -177,6 +177,13 @@ class Codec:
         return mx.quantized_matmul(x, enc["w"], enc["scales"], enc["biases"], transpose=False,
                                    group_size=self.group_size, bits=self.bits)
 
+    def native_parts(self, storage: dict[str, mx.array]) -> list | None:
+        """Keys stored per channel as the native decode attention takes them: [(w, scales,
+        biases, bits, columns)] (kvexec/fused.py); None for other layouts."""
+        if not self.tokens_last:
+            return None
+        return [(storage["w"], storage["scales"], storage["biases"], self.bits, None)]
+
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """Storage bytes of one token over `kv_heads` heads, scales and biases included."""
         if not self.quantized:

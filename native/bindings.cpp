@@ -1,8 +1,10 @@
 // Python bindings of JustFit's native kernels (module justfit_native._ext).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "decode_attention.h"
 #include "qmatmul_rows.h"
 #include "qmatvec.h"
 #include "qmatvec_int.h"
@@ -32,5 +34,8 @@ NB_MODULE(_ext, m) {
         "sum over parts of x[..., columns[i][head]] @ dequantize(part i) (MLX's transpose=False layout), float32.");
   m.def("softmax", &justfit::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.softmax(x, axis=-1, precise=True) for float32 x on the CPU, with vectorized exponentials.");
+  m.def("decode_attention", &justfit::decode_attention, "queries"_a, "arrays"_a, "blocks"_a, "q_start"_a, "scale"_a,
+        "window"_a, "rotation"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "softmax(q K^T * scale + mask) V over a layer's KV blocks (full or quantized pages) as one operation.");
   m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
 }

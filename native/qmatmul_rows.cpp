@@ -1,8 +1,4 @@
-// See qmatmul_rows.h. The scale folds into x (x[m, k] * scale[k, g], once per group) and
-// the biases' share (x[m, k] * bias summed over k) is added once per group at the end.
-// With AVX2 up to 4 rows x 16 columns of the output stay in registers while every row of
-// W goes by, 8 values widened at a time; the portable path widens a slice of each row and
-// adds it into each output row in memory. Work is split with OpenMP.
+// See qmatmul_rows.h; the product itself is page_product.cpp's.
 #include "qmatmul_rows.h"
 
 #include <algorithm>
@@ -12,279 +8,11 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
-#include "simd.h"
-#include "stored.h"
+#include "page_product.h"
 
 namespace justfit {
 
 namespace {
-
-// A stored part of W: packed rows, their scales and biases, the width, and the columns of x
-// its rows meet ([heads, rows] int32, or null: the rows in order).
-struct Part {
-  const uint8_t* w;
-  const uint8_t* scales;
-  const uint8_t* biases;
-  int bits, rows;
-  const int32_t* columns;
-};
-
-#ifdef __AVX2__
-// For 8 values of `Bits` bits: which two source bytes each 32-bit output lane takes (the
-// 128-bit halves shuffle separately, so lanes 4-7 index the same bytes again) and by how
-// many bits it then shifts right.
-template <int Bits>
-struct Lanes {
-  alignas(32) int8_t picks[32] = {};
-  alignas(32) int32_t offsets[8] = {};
-  constexpr Lanes() {
-    for (int j = 0; j < 8; ++j) {
-      const int bit = j * Bits, at = (j % 4) * 4 + (j / 4) * 16;
-      picks[at] = static_cast<int8_t>(bit >> 3);
-      picks[at + 1] = static_cast<int8_t>((bit >> 3) + 1);
-      picks[at + 2] = picks[at + 3] = static_cast<int8_t>(-128);  // a zero byte
-      offsets[j] = bit & 7;
-    }
-  }
-};
-template <int Bits>
-constexpr Lanes<Bits> kLanes{};
-
-// 8 NV consecutive values (n a multiple of 8) of a row as NV vectors of floats: 8 values
-// fill `Bits` bytes, so below 8 bits one 16-byte load holds all 16 values of NV = 2 (the
-// second 8 pick the bytes `Bits` further on, at the same bit offsets). Past the storage's
-// last 16 bytes the bytes are copied out first.
-template <int Bits, int NV>
-inline void load_values(const uint8_t* row, int n, const uint8_t* end, __m256 v[NV]) {
-  const uint8_t* at = row + n / 8 * Bits;
-  if constexpr (Bits == 8) {
-    for (int j = 0; j < NV; ++j)
-      v[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8 * j))));
-  } else {
-    __m128i bytes;
-    if (at + 16 <= end) {
-      bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-    } else {
-      alignas(16) uint8_t tail[16] = {};
-      std::memcpy(tail, at, NV * Bits);
-      bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
-    }
-    const __m256i all = _mm256_broadcastsi128_si256(bytes);
-    const __m256i offset = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.offsets));
-    const __m256i mask = _mm256_set1_epi32((1 << Bits) - 1);
-    __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes<Bits>.picks));
-    for (int j = 0; j < NV; ++j) {
-      // the zero bytes' index (-128) keeps its top bit when Bits is added: still zero
-      if (j) pick = _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<int8_t>(Bits)));
-      const __m256i lanes = _mm256_shuffle_epi8(all, pick);
-      v[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(lanes, offset), mask));
-    }
-  }
-}
-
-constexpr int kTileRows = 4;  // input rows whose output tiles stay in registers together
-
-// One part's rows into the MR x NV*8 output tile at columns [n, n + 8 NV) of group g:
-// acc[m] += sum over k of (x[m, column k] * scale[k, g]) * w[k, n..]; the scaled x comes
-// precomputed, `xs[k * MR + m]`.
-template <int Bits, int MR, int NV>
-inline void tile_part(const float* xs, const uint8_t* w, size_t row_bytes, int K, int n, const uint8_t* end,
-                      __m256 acc[MR][NV]) {
-  for (int k = 0; k < K; ++k) {
-    const uint8_t* row = w + k * row_bytes;
-    __m256 v[NV];
-    load_values<Bits, NV>(row, n, end, v);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 a = _mm256_broadcast_ss(xs + static_cast<size_t>(k) * MR + m);
-      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(a, v[j], acc[m][j]);
-    }
-  }
-}
-
-// Rows m0 .. m0 + MR of y at columns [n0, n1) of one group (a multiple of NV*8 columns)
-// for leading index b: x's columns times each row's scale (and the biases' share) once
-// for the group, then tile by tile over every row of every part.
-template <int MR, int NV, typename S>
-void tiles(const float* xb, int D, const std::vector<Part>& parts, int heads, int b, int m0, int N, int group_size,
-           int n0, int n1, std::vector<float>& xs, int batch, float* yb) {
-  const int g = n0 / group_size, groups = N / group_size;
-  size_t need = 0;
-  for (const Part& part : parts) need += static_cast<size_t>(part.rows) * MR;
-  if (xs.size() < need) xs.resize(need);
-  float bias[MR] = {};
-  float* at = xs.data();
-  for (const Part& part : parts) {
-    const size_t lead = static_cast<size_t>(b) * part.rows;
-    const int32_t* columns = part.columns ? part.columns + static_cast<size_t>(b % heads) * part.rows : nullptr;
-    const S* sc = reinterpret_cast<const S*>(part.scales) + lead * groups;
-    const S* bi = reinterpret_cast<const S*>(part.biases) + lead * groups;
-    for (int k = 0; k < part.rows; ++k, at += MR) {
-      const int column = columns ? columns[k] : k;
-      const float scale = widen(sc, static_cast<size_t>(k) * groups + g), bk = widen(bi, static_cast<size_t>(k) * groups + g);
-      for (int m = 0; m < MR; ++m) {
-        const float xm = xb[static_cast<size_t>(m0 + m) * D + column];
-        at[m] = xm * scale;
-        bias[m] += xm * bk;
-      }
-    }
-  }
-  for (int n = n0; n < n1; n += 8 * NV) {
-    __m256 acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_setzero_ps();
-    const float* part_xs = xs.data();
-    for (const Part& part : parts) {
-      const size_t row_bytes = static_cast<size_t>(N) * part.bits / 8;
-      const uint8_t* w = part.w + static_cast<size_t>(b) * part.rows * row_bytes;
-      const uint8_t* end = part.w + static_cast<size_t>(batch) * part.rows * row_bytes;
-      switch (part.bits) {
-        case 2: tile_part<2, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 3: tile_part<3, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 4: tile_part<4, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 5: tile_part<5, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 6: tile_part<6, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        default: tile_part<8, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-      }
-      part_xs += static_cast<size_t>(part.rows) * MR;
-    }
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j)
-        _mm256_storeu_ps(yb + static_cast<size_t>(m0 + m) * N + n + 8 * j,
-                         _mm256_add_ps(acc[m][j], _mm256_set1_ps(bias[m])));
-  }
-}
-
-template <int NV, typename S>
-void tile_rows(const float* xb, int D, const std::vector<Part>& parts, int heads, int b, int m0, int mr, int N,
-               int group_size, int n0, int n1, std::vector<float>& xs, int batch, float* yb) {
-  switch (mr) {
-    case 1: tiles<1, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
-    case 2: tiles<2, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
-    case 3: tiles<3, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
-    default: tiles<4, NV, S>(xb, D, parts, heads, b, m0, N, group_size, n0, n1, xs, batch, yb); break;
-  }
-}
-
-// y = sum over parts of x[.., columns] @ dequantize(part). Tasks (OpenMP) are spans of
-// one group's columns for one leading index: a group's whole span where there are
-// enough tasks for the threads, halved until there are; within a task, up to
-// kTileRows x 16 outputs stay in registers over every row of W.
-template <typename S>
-void product(const float* x, const std::vector<Part>& parts, float* y, int batch, int heads, int M, int D, int N,
-             int group_size) {
-  const int width = group_size % 16 == 0 ? 16 : 8;
-  int span = group_size;
-  while (span > width && span % (2 * width) == 0 && static_cast<long>(batch) * (N / span) < 16) span /= 2;
-  const int spans = N / span;
-#pragma omp parallel
-  {
-    std::vector<float> xs;
-#pragma omp for schedule(static) collapse(2)
-    for (int b = 0; b < batch; ++b)
-      for (int t = 0; t < spans; ++t) {
-        const float* xb = x + static_cast<size_t>(b) * M * D;
-        float* yb = y + static_cast<size_t>(b) * M * N;
-        const int n0 = t * span, n1 = n0 + span;
-        for (int m0 = 0; m0 < M; m0 += kTileRows) {
-          const int mr = std::min(kTileRows, M - m0);
-          if (width == 16)
-            tile_rows<2, S>(xb, D, parts, heads, b, m0, mr, N, group_size, n0, n1, xs, batch, yb);
-          else
-            tile_rows<1, S>(xb, D, parts, heads, b, m0, mr, N, group_size, n0, n1, xs, batch, yb);
-        }
-      }
-  }
-}
-
-void product(const float* x, const std::vector<Part>& parts, bool half, float* y, int batch, int heads, int M, int D,
-             int N, int group_size) {
-  if (half)
-    product<mx::float16_t>(x, parts, y, batch, heads, M, D, N, group_size);
-  else
-    product<float>(x, parts, y, batch, heads, M, D, N, group_size);
-}
-#else
-// Values [n0, n1) of a row as floats (n0 and n1 multiples of 8). MLX packs every width
-// as one little-endian bit stream, so 8 values of `Bits` bits fill exactly `Bits` bytes.
-template <int Bits>
-inline void widen_row(const uint8_t* row, int n0, int n1, float* out) {
-  if constexpr (Bits == 8) {
-    for (int n = n0; n < n1; ++n) out[n - n0] = static_cast<float>(row[n]);
-  } else if constexpr (Bits == 4) {
-    for (int n = n0; n < n1; n += 2) {
-      out[n - n0] = static_cast<float>(row[n >> 1] & 15);
-      out[n - n0 + 1] = static_cast<float>(row[n >> 1] >> 4);
-    }
-  } else {
-    constexpr uint64_t mask = (uint64_t{1} << Bits) - 1;
-    for (int n = n0; n < n1; n += 8) {
-      uint64_t v = 0;
-      std::memcpy(&v, row + n / 8 * Bits, Bits);  // little-endian hosts (x86_64, arm64)
-      for (int j = 0; j < 8; ++j) out[n - n0 + j] = static_cast<float>((v >> (j * Bits)) & mask);
-    }
-  }
-}
-
-constexpr int kSlice = 512;  // output columns per task: a multiple of every group size used
-
-// One task's share: rows k of W (K of them, each N values) times x's column
-// `columns[k]` (k itself when columns is null) added into acc [M, n1 - n0] and, per
-// group, x times the biases into bias [M, groups in the slice].
-template <int Bits, typename S>
-void accumulate(const float* xb, int D, const int32_t* columns, const uint8_t* wb, const S* sb, const S* bb,
-                int M, int K, int N, int group_size, int n0, int n1, float* acc, float* bias,
-                float* widened) {
-  const int groups = N / group_size, row_bytes = N * Bits / 8, g0 = n0 / group_size, g1 = n1 / group_size;
-  for (int k = 0; k < K; ++k) {
-    widen_row<Bits>(wb + static_cast<size_t>(k) * row_bytes, n0, n1, widened);
-    const int column = columns ? columns[k] : k;
-    for (int m = 0; m < M; ++m) {
-      const float xm = xb[static_cast<size_t>(m) * D + column];
-      if (xm == 0.f) continue;  // masked probabilities, padding
-      float* am = acc + static_cast<size_t>(m) * (n1 - n0);
-      for (int g = g0; g < g1; ++g) {
-        const float a = xm * widen(sb, static_cast<size_t>(k) * groups + g);
-        const float* q = widened + (g - g0) * group_size;
-        float* out = am + (g - g0) * group_size;
-#pragma omp simd
-        for (int j = 0; j < group_size; ++j) out[j] += a * q[j];
-        bias[static_cast<size_t>(m) * (g1 - g0) + (g - g0)] += xm * widen(bb, static_cast<size_t>(k) * groups + g);
-      }
-    }
-  }
-}
-
-// y = sum over parts of x[.., columns] @ dequantize(part), per leading index and slice of
-// the N columns (tasks spread with OpenMP); x [batch, M, D], y [batch, M, N].
-void product(const float* x, const std::vector<Part>& parts, bool half, float* y, int batch, int heads, int M, int D,
-             int N, int group_size) {
-  const int slice = std::max(group_size, kSlice / group_size * group_size);
-  const int slices = (N + slice - 1) / slice, groups = N / group_size;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int b = 0; b < batch; ++b) {
-    for (int sl = 0; sl < slices; ++sl) {
-      const int n0 = sl * slice, n1 = std::min(N, n0 + slice), g0 = n0 / group_size, g1 = n1 / group_size;
-      std::vector<float> acc(static_cast<size_t>(M) * (n1 - n0), 0.f), bias(static_cast<size_t>(M) * (g1 - g0), 0.f);
-      std::vector<float> widened(n1 - n0);
-      for (const Part& part : parts) {
-        const size_t row_bytes = static_cast<size_t>(N) * part.bits / 8, lead = static_cast<size_t>(b) * part.rows;
-        const int32_t* columns = part.columns ? part.columns + static_cast<size_t>(b % heads) * part.rows : nullptr;
-        with_stored<2, 3, 4, 5, 6, 8>(part.bits, half, part.scales, part.biases, [&]<int B>(auto* s, auto* bs) {
-          accumulate<B>(x + static_cast<size_t>(b) * M * D, D, columns, part.w + lead * row_bytes, s + lead * groups,
-                        bs + lead * groups, M, part.rows, N, group_size, n0, n1, acc.data(), bias.data(),
-                        widened.data());
-        });
-      }
-      float* yb = y + static_cast<size_t>(b) * M * N;
-      for (int m = 0; m < M; ++m)
-        for (int n = n0; n < n1; ++n)
-          yb[static_cast<size_t>(m) * N + n] =
-              acc[static_cast<size_t>(m) * (n1 - n0) + (n - n0)] + bias[static_cast<size_t>(m) * (g1 - g0) + (n / group_size - g0)];
-    }
-  }
-}
-
-#endif
 
 void check_part(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                 int group_size, int bits, int rows, int N) {
@@ -334,9 +62,11 @@ mx::array quantized_matmul_rows_split(const mx::array& x, const std::vector<mx::
     check_part(x, w[i], scales[i], biases[i], group_size, bits[i], rows, N);
     if (scales[i].dtype() != scales[0].dtype())
       throw std::invalid_argument("quantized_matmul_rows: every part's scales must share a dtype");
-    inputs.push_back(row_major_input(w[i], stream));
-    inputs.push_back(row_major_input(scales[i], stream));
-    inputs.push_back(row_major_input(biases[i], stream));
+    // Stored pages are read where they lie (a segment's storage holds more tokens than are
+    // written: strided rows); anything else is made row-major first.
+    const bool in_place = w[i].is_available() && scales[i].is_available() && biases[i].is_available() &&
+                          stored_part(w[i], scales[i], biases[i], bits[i], group_size, nullptr).has_value();
+    for (const auto* a : {&w[i], &scales[i], &biases[i]}) inputs.push_back(in_place ? *a : mx::contiguous(*a, false, stream));
     if (!columns.empty()) inputs.push_back(row_major_input(columns[i], stream));
   }
   auto shape = x.shape();
@@ -354,14 +84,14 @@ void QuantizedMatmulRows::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   const int per = split_ ? 4 : 3;
   std::vector<Part> parts;
   for (size_t i = 0; i < widths_.size(); ++i) {
-    const auto& w = inputs[1 + per * i];
-    parts.push_back({reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), inputs[2 + per * i].data<uint8_t>(),
-                     inputs[3 + per * i].data<uint8_t>(), widths_[i], w.shape(-2),
-                     split_ ? inputs[4 + per * i].data<int32_t>() : nullptr});
+    auto part = stored_part(inputs[1 + per * i], inputs[2 + per * i], inputs[3 + per * i], widths_[i], group_size_,
+                            split_ ? inputs[4 + per * i].data<int32_t>() : nullptr);
+    if (!part) throw std::runtime_error("quantized_matmul_rows: a stored part's strides changed before it ran");
+    parts.push_back(*part);
   }
   const bool half = inputs[2].dtype() == mx::float16;
   encoder.dispatch([=, xs = RowMajor{x}, yp = y.data<float>(), gs = group_size_]() mutable {
-    product(xs.data<float>(), parts, half, yp, batch, heads, M, D, N, gs);
+    product(xs.data<float>(), parts, half, yp, batch, heads, M, D, N, gs, N);
   });
 }
 

@@ -46,6 +46,8 @@ inline float hmax(__m256 v) {
 
 #endif
 
+}  // namespace
+
 void softmax_row(const float* x, float* y, int n) {
   int j = 0;
   float top = -std::numeric_limits<float>::infinity();
@@ -71,8 +73,6 @@ void softmax_row(const float* x, float* y, int n) {
   const float inv = 1.0f / sum;  // a row of -inf: top is -inf, x - top NaN, as MLX's
   for (j = 0; j < n; ++j) y[j] *= inv;
 }
-
-}  // namespace
 
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("softmax: x must be float32");

@@ -14,6 +14,9 @@ namespace mx = mlx::core;
 // float32; rows whose every entry is -inf give NaN, as MLX's do.
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s = {});
 
+// One row of it: y = softmax(x[0 .. n)); y may be x.
+void softmax_row(const float* x, float* y, int n);
+
 class Softmax : public mx::Primitive {
  public:
   explicit Softmax(mx::Stream stream) : mx::Primitive(stream) {}

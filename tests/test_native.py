@@ -6,6 +6,8 @@ does; without the built kernel the form falls back to MLX's kernels."""
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -14,6 +16,13 @@ from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from phaseswap import native
 from tests.tiny_models import write_mlx_folder
+
+def _graph(y: mx.array) -> str:
+    """The operations MLX would run for `y` (its dot graph)."""
+    out = io.StringIO()
+    mx.export_to_dot(out, y)
+    return out.getvalue()
+
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="native/ is not built here (./dev setup builds it)")
 
@@ -116,6 +125,14 @@ def test_the_page_product_equals_mlx_s_untransposed_quantized_matmul(bits, group
         wider = mx.concatenate([mx.zeros((2, 3, rows, 8)), x, mx.ones((2, 3, rows, 8))], axis=-1)
         strided = native.kernels().quantized_matmul_rows(wider[..., 8:8 + k], w, scales, biases, group, bits)
         assert mx.array_equal(strided, got)  # a slice (decode's probabilities per block) read as its values
+        for axis in (-1, -2):  # a segment's storage holds more tokens than are written: read in place
+            held = [mx.concatenate([a, mx.zeros_like(a)], axis=axis) for a in (w, scales, biases)]
+            mx.eval(held)
+            view = [a[..., :s.shape[-1]] if axis == -1 else a[..., :s.shape[-2], :] for a, s in zip(held, (w, scales, biases))]
+            mx.eval(view)  # views of the storage, not copies
+            y = native.kernels().quantized_matmul_rows(x, *view, group, bits)
+            assert "Contiguous" not in _graph(y)
+            assert mx.array_equal(y, got)
     codec = Codec(bits, group, per_channel=True)
     keys = codec.encode(mx.random.normal((1, 3, 256, 64)))
     q = mx.random.normal((1, 3, rows, 64))

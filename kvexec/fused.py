@@ -1,0 +1,86 @@
+"""Decode attention over a layer's blocks as one native operation (native/decode_attention.cpp).
+
+The two-pass path in kvexec/attention.py makes 20-30 MLX operations a layer at decode
+(a product per block and side, the scores' concatenation, their slices, the sums); on
+the CPU each costs MLX's dispatch, about 6 us here, more than their arithmetic at short
+contexts. The native operation does the same arithmetic in one: every block scored on
+its stored form, one softmax, every block's values weighted and summed.
+
+It takes full-precision float32 blocks (sinks, the hot window) and quantized pages whose
+keys are stored per channel (`Codec` with per_channel, `AllocatedCodec`) and values per
+token, rotated or not; anything else (rotated codebooks, float16 hot windows, sinks
+logits, attention-mass observers) keeps the two-pass path (`fused_attention` returns None).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kvexec.formats import rows_kernel
+
+_FULL, _QUANTIZED = 0, 1
+
+
+def _kernel():
+    ext = rows_kernel()
+    return ext if ext is not None and hasattr(ext, "decode_attention") else None
+
+
+def _storage(block) -> tuple[dict, dict]:
+    """A block's keys and values as the kernel reads them: a segment's whole storage (the
+    kernel reads its first `length` tokens: no slice operations), else the block's own."""
+    seg = block.tag
+    if seg is not None and getattr(seg, "start", None) == block.start and hasattr(seg, "capacity"):
+        return seg.keys, seg.values
+    return block.keys, block.values
+
+
+def _spec(block, widths: tuple[int, ...]):
+    """(ints, arrays, rotated) describing `block` to the kernel, or None where it cannot take it."""
+    keys, values = block.fmt.keys, block.fmt.values
+    if not keys.quantized and not values.quantized:
+        k, v = block.keys.get("x"), block.values.get("x")
+        if k is None or v is None or k.dtype != mx.float32 or v.dtype != mx.float32:
+            return None
+        return [_FULL, block.start, block.length], [k, v], False
+    parts_of = getattr(keys, "native_parts", None)
+    if parts_of is None or not values.quantized or values.per_channel or not hasattr(values, "group_size"):
+        return None
+    stored_k, stored_v = _storage(block)
+    parts = parts_of(stored_k)
+    if parts is None or values.bits not in widths or any(bits not in widths for *_, bits, _ in parts):
+        return None
+    columns = parts[0][-1] is not None
+    arrays = []
+    for w, s, b, _, idx in parts:
+        arrays += [w, s, b] + ([idx] if columns else [])
+    arrays += [stored_v["w"], stored_v["scales"], stored_v["biases"]]
+    ints = [_QUANTIZED, block.start, block.length, keys.group_size, int(keys.rotated), values.bits,
+            values.group_size, int(values.rotated), int(columns), len(parts)] + [bits for *_, bits, _ in parts]
+    return ints, arrays, keys.rotated or values.rotated
+
+
+def fused_attention(queries: mx.array, blocks: list, q_start: int, scale: float,
+                    window: int | None) -> mx.array | None:
+    """softmax(q K^T * scale + mask) V over `blocks` (those with visible keys, in order)
+    as one native operation, or None where the kernel is not built here or cannot take
+    these queries or blocks (the caller computes it in MLX operations)."""
+    ext = _kernel()
+    if ext is None or queries.dtype != mx.float32 or not blocks:
+        return None
+    widths = tuple(getattr(ext, "ROWS_BITS", ()))
+    specs, arrays, rotated = [], [], False
+    for block in blocks:
+        described = _spec(block, widths)
+        if described is None:
+            return None
+        ints, parts, turns = described
+        specs.append(ints)
+        arrays += parts
+        rotated |= turns
+    rotation = None
+    if rotated:
+        from kvexec.rotated import rotation as make_rotation
+
+        rotation = make_rotation(blocks[0].kv_heads, queries.shape[-1])
+    return ext.decode_attention(queries, arrays, specs, q_start, scale, window or 0, rotation)

@@ -1,0 +1,108 @@
+"""Decode attention as one native operation (kvexec/fused.py, native/decode_attention.cpp):
+the same output as the two-pass MLX path for every page layout it takes (per-channel
+keys, allocated keys, rotated keys and values, full-precision sinks and hot window),
+partly visible blocks (sliding windows, several queries), batches, partly written
+segments; one operation a layer; layouts it cannot take fall back."""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvexec import KVConfig, PageStore, blockwise_attention
+from kvexec import attention
+from kvexec.allocated import allocate_widths, widths_text
+from kvexec.fused import fused_attention
+from phaseswap import native
+
+pytestmark = pytest.mark.skipif(not hasattr(native.kernels(), "decode_attention") if native.available() else True,
+                                reason="native/ is not built here (./dev setup builds it)")
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def _allocated() -> str:
+    weights = np.random.default_rng(0).lognormal(0.0, 2.0, size=(KV_HEADS, DIM))
+    return f"k5a128v4r64~{widths_text(allocate_widths(weights, 5))}"
+
+
+def _store(fmt: str, positions: int, batch: int = 1, window: int | None = None, seed: int = 0) -> PageStore:
+    store = PageStore(KVConfig(format=fmt), window)
+    key = mx.random.key(seed)
+    done = 0
+    while done < positions:  # uneven appends: partly written segments, a hot window of any length
+        n = min(positions - done, 97 if done % 2 else 300)
+        k1, k2, key = mx.random.split(key, 3)
+        store.append(mx.random.normal((batch, KV_HEADS, n, DIM), key=k1) * 2,
+                     mx.random.normal((batch, KV_HEADS, n, DIM), key=k2))
+        mx.eval(store.arrays())
+        done += n
+    return store
+
+
+def _two_pass(queries, store, window=None):
+    L = queries.shape[-2]
+    blocks = list(store.blocks(queries))
+    return attention._two_pass(queries, blocks, store.offset - L, 0.125, window, None, None)
+
+
+def _fused(queries, store, window=None):
+    L = queries.shape[-2]
+    q_start = store.offset - L
+    blocks = [b for b in store.blocks(queries) if attention._sees(q_start, L, b.start, b.length, window)]
+    return fused_attention(queries, blocks, q_start, 0.125, window)
+
+
+@pytest.mark.parametrize("fmt", ["q8c", "q4c", "k8cv4r", "k6crv4", "k3cv2", "fp32", "ALLOCATED"])
+@pytest.mark.parametrize("positions", [40, 1500])
+def test_one_operation_equals_the_two_pass_path(fmt, positions):
+    fmt = _allocated() if fmt == "ALLOCATED" else fmt
+    store = _store(fmt, positions)
+    q = mx.random.normal((1, HEADS, 1, DIM), key=mx.random.key(7))
+    got, want = _fused(q, store), _two_pass(q, store)
+    assert got is not None and got.shape == want.shape == q.shape
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5), float(mx.abs(got - want).max())
+
+
+@pytest.mark.parametrize("batch,queries,window", [(2, 1, None), (1, 3, None), (1, 1, 700), (2, 2, 650)])
+def test_masks_windows_and_batches_as_the_two_pass_path(batch, queries, window):
+    store = _store("q8c", 2000, batch=batch, window=window)
+    q = mx.random.normal((batch, HEADS, queries, DIM), key=mx.random.key(3))
+    got, want = _fused(q, store, window), _two_pass(q, store, window)
+    assert got is not None
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5), float(mx.abs(got - want).max())
+
+
+def test_a_layer_s_attention_is_one_operation_and_reads_pages_in_place():
+    store = _store("q8c", 1500)
+    q = mx.random.normal((1, HEADS, 1, DIM))
+    mx.eval(q)
+    out = blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    ops = [line.split('label ="')[1].split('"')[0] for line in dot.getvalue().splitlines() if 'label ="' in line]
+    assert ops == ["JustFitDecodeAttention"]  # no slices of partly written segments, no copies
+
+
+def test_what_it_cannot_take_falls_back_to_mlx_operations():
+    store = _store("r4", 600)  # rotated codebook pages
+    q = mx.random.normal((1, HEADS, 1, DIM))
+    assert _fused(q, store) is None
+    assert _fused(q.astype(mx.float16), _store("q8c", 600)) is None
+    out = blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125)
+    assert mx.allclose(out, _two_pass(q, store), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_refuses_arrays_that_do_not_match_the_blocks():
+    ext = native.kernels()
+    q = mx.random.normal((1, HEADS, 1, DIM))
+    k = mx.random.normal((1, KV_HEADS, 8, DIM))
+    with pytest.raises(ValueError, match="do not match"):
+        ext.decode_attention(q, [k], [[0, 0, 8]], 8, 0.125, 0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        ext.decode_attention(mx.random.normal((1, 4, 1, DIM)), [k, k], [[0, 0, 8]], 8, 0.125, 0)
+    with pytest.raises(ValueError, match="float32"):
+        ext.decode_attention(q, [k.astype(mx.float16), k], [[0, 0, 8]], 8, 0.125, 0)
