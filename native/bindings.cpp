@@ -21,6 +21,9 @@ NB_MODULE(_ext, m) {
         "bits"_a, nb::kw_only(), "activation_bits"_a = 32, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for MLX's affine-quantized weights (4 or 8 bits), float32; "
         "activation_bits 8 or 16: x's blocks of 32 rounded to int8 or int16 and multiplied in integers (AVX2).");
+  m.def("quantized_matvecs", &justfit::quantized_matvecs, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "activation_bits"_a = 32, "stream"_a = nb::none(),
+        "quantized_matvec of one x with several weights (same in, group_size, bits) as one operation: a list.");
   m.attr("ROUNDED_ACTIVATIONS") = justfit::rounded_available() ? nb::make_tuple(8, 16) : nb::make_tuple();
   m.def("rope", &justfit::rope, "x"_a, "inv_freqs"_a, "dims"_a, nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a,
         "stream"_a = nb::none(), "mx.fast.rope for float32 x on the CPU, as one operation.");

@@ -173,9 +173,33 @@ void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, 
 
 }  // namespace
 
+namespace {
+
+// out, after checking one weight's arrays against x (and the settings).
+int checked_out(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                int group_size, int bits) {
+  if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16) || biases.dtype() != scales.dtype())
+    throw std::invalid_argument("quantized_matvec: scales and biases must both be float16 or both float32");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2)
+    throw std::invalid_argument("quantized_matvec: w must be a 2-D uint32 array");
+  int out = w.shape(0), in = w.shape(1) * 32 / bits;
+  if (x.shape(-1) != in || scales.shape(0) != out || scales.shape(1) != in / group_size ||
+      biases.shape() != scales.shape())
+    throw std::invalid_argument("quantized_matvec: shapes do not agree");
+  return out;
+}
+
+}  // namespace
+
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, int activation_bits,
                            mx::StreamOrDevice s) {
+  return quantized_matvecs(x, {w}, {scales}, {biases}, group_size, bits, activation_bits, s)[0];
+}
+
+std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<mx::array>& w,
+                                         const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                         int group_size, int bits, int activation_bits, mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
   if (group_size % 32 != 0 || group_size > 256)
     throw std::invalid_argument("quantized_matvec: group_size must be a multiple of 32, at most 256");
@@ -185,45 +209,57 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
     throw std::invalid_argument("quantized_matvec: activation_bits must be 32 (float32), 16 or 8");
   if (activation_bits != 32 && !rounded_available())
     throw std::invalid_argument("quantized_matvec: rounded activations need AVX2 (this build computes float32 only)");
-  if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16) || biases.dtype() != scales.dtype())
-    throw std::invalid_argument("quantized_matvec: scales and biases must both be float16 or both float32");
-  if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2)
-    throw std::invalid_argument("quantized_matvec: w must be a 2-D uint32 array");
-  int out = w.shape(0), in = w.shape(1) * 32 / bits;
-  if (x.shape(-1) != in || scales.shape(0) != out || scales.shape(1) != in / group_size ||
-      biases.shape() != scales.shape())
-    throw std::invalid_argument("quantized_matvec: shapes do not agree");
-  auto shape = x.shape();
-  shape.back() = out;
+  if (w.empty() || scales.size() != w.size() || biases.size() != w.size())
+    throw std::invalid_argument("quantized_matvec: one scales and biases per weight, at least one weight");
   // No Contiguous nodes here: four per call were a fifth of a decode step's graph. An
   // input that is not row-contiguous when computed is copied in eval_cpu instead.
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (scales[i].dtype() != scales[0].dtype())
+      throw std::invalid_argument("quantized_matvec: every weight's scales must share a dtype");
+    auto shape = x.shape();
+    shape.back() = checked_out(x, w[i], scales[i], biases[i], group_size, bits);
+    shapes.push_back(shape);
+    inputs.insert(inputs.end(), {w[i], scales[i], biases[i]});
+  }
   auto stream = mx::to_stream(s);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(stream, group_size, bits, activation_bits),
-                   {x, w, scales, biases});
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(w.size(), mx::float32),
+                                std::make_shared<QuantizedMatvec>(stream, group_size, bits, activation_bits), inputs);
 }
 
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
-  auto& w = inputs[1];
-  auto& scales = inputs[2];
-  auto& biases = inputs[3];
-  auto& y = outputs[0];
-  auto& encoder = begin_cpu(stream(), inputs, y);
-  int out = w.shape(0), in = x.shape(-1), rows = x.size() / in;
-  float* yp = y.data<float>();
-  int gs = group_size_, bits = bits_;
-  const int activation_bits = activation_bits_;
-  const bool half = scales.dtype() == mx::float16;
-  encoder.dispatch([=, xs = RowMajor{x}, ws = RowMajor{w}, ss = RowMajor{scales}, bs = RowMajor{biases}]() mutable {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& y : outputs) {
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    encoder.set_output_array(y);
+  }
+  const int in = x.shape(-1), rows = x.size() / in;
+  const int gs = group_size_, bits = bits_, activation_bits = activation_bits_;
+  const bool half = inputs[2].dtype() == mx::float16;
+  std::vector<RowMajor> weights;  // w, scales, biases of each output in turn
+  std::vector<float*> ys;
+  for (size_t i = 1; i < inputs.size(); ++i) weights.push_back(RowMajor{inputs[i]});
+  for (auto& y : outputs) ys.push_back(y.data<float>());
+  // One operation for several products of the same x (a layer's q, k, v): MLX's dispatch
+  // is paid once, and x is read (and rounded) for each in turn.
+  encoder.dispatch([=, xs = RowMajor{x}, weights = std::move(weights)]() mutable {
     const float* xp = xs.data<float>();
-    const uint8_t* wp = ws.data<uint8_t>();
-    if (activation_bits != 32) {
-      matvec_rounded(xp, wp, ss.data<uint8_t>(), bs.data<uint8_t>(), half, yp, rows, in, out, gs, bits, activation_bits);
-      return;
+    for (size_t k = 0; k < ys.size(); ++k) {
+      const uint8_t* wp = weights[3 * k].data<uint8_t>();
+      const uint8_t* sp = weights[3 * k + 1].data<uint8_t>();
+      const uint8_t* bp = weights[3 * k + 2].data<uint8_t>();
+      const int out = weights[3 * k].a.shape(0);
+      if (activation_bits != 32) {
+        matvec_rounded(xp, wp, sp, bp, half, ys[k], rows, in, out, gs, bits, activation_bits);
+        continue;
+      }
+      with_stored<4, 8>(bits, half, sp, bp, [&]<int B>(auto* ss, auto* bs) {
+        matvec<B>(xp, wp, ss, bs, ys[k], rows, in, out, gs);
+      });
     }
-    with_stored<4, 8>(bits, half, ss.data<uint8_t>(), bs.data<uint8_t>(), [&]<int B>(auto* sp, auto* bp) {
-      matvec<B>(xp, wp, sp, bp, yp, rows, in, out, gs);
-    });
   });
 }
 

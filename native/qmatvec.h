@@ -20,6 +20,12 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            const mx::array& biases, int group_size, int bits, int activation_bits = 32,
                            mx::StreamOrDevice s = {});
 
+// The products of one x with several weights (same in, group_size, bits and scales
+// dtype) as one operation with an output each.
+std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<mx::array>& w,
+                                         const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                         int group_size, int bits, int activation_bits = 32, mx::StreamOrDevice s = {});
+
 class QuantizedMatvec : public QuantizedPrimitive {
  public:
   QuantizedMatvec(mx::Stream stream, int group_size, int bits, int activation_bits)

@@ -62,11 +62,65 @@ def _fallback(x: mx.array, mod: nn.Module) -> mx.array:
                                transpose=True, group_size=mod.group_size, bits=mod.bits)
 
 
+class _Joint:
+    """Sibling native linears applied to one x (a layer's q, k and v projections; gate and
+    up) as one operation: the first sibling called with a new x computes every sibling's
+    product, the others take theirs. It holds that x and the products not yet taken,
+    and lets go of both once all are (mlx-lm's layers call each sibling once per x)."""
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+        self.x: mx.array | None = None
+        self.ready: dict[int, mx.array] = {}
+
+    def product(self, mod: nn.Module, x: mx.array) -> mx.array | None:
+        """`mod`'s x @ W^T, or None where the kernel cannot take x (the caller falls back)."""
+        if self.x is not x or id(mod) not in self.ready:
+            ext, first = kernels(), self.members[0]
+            if ext is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
+                return None
+            ys = ext.quantized_matvecs(x, [m["weight"] for m in self.members], [m["scales"] for m in self.members],
+                                       [m["biases"] for m in self.members], first.group_size, first.bits,
+                                       activation_bits=first.__dict__.get("activation_bits", 32))
+            self.x, self.ready = x, {id(m): y for m, y in zip(self.members, ys)}
+        y = self.ready.pop(id(mod))
+        if not self.ready:
+            self.x = None
+        return y
+
+
+# Siblings mlx-lm's layers apply to the same input one after another.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def join_siblings(module: nn.Module) -> int:
+    """Let each group of SIBLINGS in `module` that are native linears of one input width,
+    group size, bit width, activation rounding and scales dtype compute as one operation
+    (each costs MLX's dispatch at decode, more than a small product's arithmetic);
+    how many groups were joined."""
+    joined = 0
+    for _, parent in module.named_modules():
+        for names in SIBLINGS:
+            members = [parent.get(n) if isinstance(parent, dict) else None for n in names]
+            if not all(isinstance(m, NativeQuantizedLinear) for m in members):
+                continue
+            first = members[0]
+            same = lambda m: (m.group_size, m.bits, m["weight"].shape[1], m["scales"].dtype,  # noqa: E731
+                              m.__dict__.get("activation_bits", 32))
+            if all(same(m) == same(first) for m in members) and first["scales"].dtype in SCALE_DTYPES:
+                joint = _Joint(members)
+                for m in members:
+                    m.__dict__["_joint"] = joint  # not a parameter: kept out of the module's tree
+                joined += 1
+    return joined
+
+
 class NativeQuantizedLinear(nn.QuantizedLinear):
     """A stored quantized linear computed by the native kernel (same parameters, same layout)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = _matvec(x, self)
+        joint = self.__dict__.get("_joint")
+        y = joint.product(self, x) if joint is not None else _matvec(x, self)
         if y is None:
             y = _fallback(x, self)
         return y + self["bias"].astype(y.dtype) if "bias" in self else y

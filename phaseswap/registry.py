@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
                              set_module, to_dense, to_grouped, to_q8t)
 
-from phaseswap.native import eligible, is_native, to_native
+from phaseswap.native import eligible, is_native, join_siblings, to_native
 
 # native: the stored weights where the native kernel computes them, q8t where it cannot;
 # native-int16 / native-int8 the same, their products on activations rounded to 16 / 8 bits.
@@ -194,6 +194,8 @@ class Registry:
         elif form != "stored" and comp.kind != "embed":
             for path in comp.linears():
                 self._swap(comp, path, CONVERT[form](get_module(comp.module, path)))
+            if form in NATIVE_FORMS:
+                join_siblings(comp.module)
         _cast(comp.module, dtype)
         mx.eval(comp.module.parameters())
         comp.nbytes = module_bytes(comp.module)
