@@ -12,6 +12,7 @@ only into the score buffer this module has just made for that step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,17 +39,29 @@ def _on_cpu() -> bool:
 class Block:
     """A run of stored keys and values in one format, which the executor scores as a unit."""
 
-    keys: dict[str, mx.array]  # stored form: [B, kv_heads, ...]
-    values: dict[str, mx.array]
+    stored_keys: dict[str, mx.array]  # stored form: [B, kv_heads, ...], holding at least `length`
+    stored_values: dict[str, mx.array]  # tokens from the first (a segment's storage holds more)
     fmt: KVFormat
     start: int  # position of the first key
     length: int
     tag: object = None  # what the block came from (the store's segment)
 
+    # The block's own tokens, made when first read: native decode attention reads the
+    # storage itself, and slicing every segment at every step costs Python time there.
+    @functools.cached_property
+    def keys(self) -> dict[str, mx.array]:
+        """The stored form of the block's keys, exactly `length` tokens."""
+        return self.fmt.keys.view(self.stored_keys, 0, self.length)
+
+    @functools.cached_property
+    def values(self) -> dict[str, mx.array]:
+        """The stored form of the block's values, exactly `length` tokens."""
+        return self.fmt.values.view(self.stored_values, 0, self.length)
+
     @property
     def kv_heads(self) -> int:
         """KV heads the block's keys hold."""
-        return next(iter(self.keys.values())).shape[1]
+        return next(iter(self.stored_keys.values())).shape[1]
 
 
 def _sees(q_start: int, L: int, k_start: int, n: int, window: int | None) -> bool:

@@ -26,27 +26,19 @@ def _kernel():
     return ext if ext is not None and hasattr(ext, "decode_attention") else None
 
 
-def _storage(block) -> tuple[dict, dict]:
-    """A block's keys and values as the kernel reads them: a segment's whole storage (the
-    kernel reads its first `length` tokens: no slice operations), else the block's own."""
-    seg = block.tag
-    if seg is not None and getattr(seg, "start", None) == block.start and hasattr(seg, "capacity"):
-        return seg.keys, seg.values
-    return block.keys, block.values
-
-
 def _spec(block, widths: tuple[int, ...]):
     """(ints, arrays, rotated) describing `block` to the kernel, or None where it cannot take it."""
     keys, values = block.fmt.keys, block.fmt.values
     if not keys.quantized and not values.quantized:
-        k, v = block.keys.get("x"), block.values.get("x")
+        k, v = block.stored_keys.get("x"), block.stored_values.get("x")
         if k is None or v is None or k.dtype != mx.float32 or v.dtype != mx.float32:
             return None
         return [_FULL, block.start, block.length], [k, v], False
     parts_of = getattr(keys, "native_parts", None)
     if parts_of is None or not values.quantized or values.per_channel or not hasattr(values, "group_size"):
         return None
-    stored_k, stored_v = _storage(block)
+    # the storage itself (the kernel reads its first `length` tokens: no slice operations)
+    stored_k, stored_v = block.stored_keys, block.stored_values
     parts = parts_of(stored_k)
     if parts is None or values.bits not in widths or any(bits not in widths for *_, bits, _ in parts):
         return None

@@ -155,8 +155,7 @@ class PageStore:
         if self.sink_k is not None:
             yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0, self.sink_k.shape[-2])
         for seg in select_pages(self.segments, queries, self.config.select_pages):
-            yield Block(seg.fmt.keys.view(seg.keys, 0, seg.length), seg.fmt.values.view(seg.values, 0, seg.length),
-                        seg.fmt, seg.start, seg.length, tag=seg)
+            yield Block(seg.keys, seg.values, seg.fmt, seg.start, seg.length, tag=seg)
         if self._hot_len():
             yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len(),
                         self._hot_len())

@@ -281,3 +281,32 @@ def test_rounded_policies_hold_cpu_native_s_bytes_and_logits_within_the_rounding
     a, b = plain.model(ids), rounded.model(ids)  # the resident (decode) forms, every row
     worst = float(mx.abs(a - b).max()) / float(mx.abs(a).max())
     assert 0 < worst < (0.05 if bits == 8 else 5e-4)
+
+
+@needs_kernel
+def test_sibling_projections_compute_as_one_operation_with_each_s_own_product():
+    """A layer's q/k/v (gate/up) of one input: one operation with an output each, equal
+    to each projection's own product; a new input recomputes; unlike siblings stay apart."""
+    def linear(out, bits=4, inp=128):
+        mod = nn.QuantizedLinear(inp, out, bias=False, group_size=32, bits=bits)
+        mod.weight, mod.scales, mod.biases = mx.quantize(mx.random.normal((out, inp)), 32, bits)
+        return native.to_native(mod, 16)
+
+    layer = nn.Module()
+    layer.q_proj, layer.k_proj, layer.v_proj = linear(96), linear(32), linear(32)
+    layer.gate_proj, layer.up_proj = linear(64), linear(64, bits=8)  # different widths: not joined
+    own = {n: native._matvec for n in ("q_proj", "k_proj", "v_proj")}
+    assert native.join_siblings(layer) == 1
+    mx.eval(layer.parameters())
+    for seed in (1, 2):
+        x = mx.random.normal((1, 3, 128), key=mx.random.key(seed))
+        mx.eval(x)
+        q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
+        graph = _graph(q)
+        assert graph.count("JustFitQuantizedMatvec") == 1 and graph.count("rank=sink") == 3  # one op, 3 outputs
+        for name, y in zip(own, (q, k, v)):
+            assert mx.array_equal(y, own[name](x, layer[name]))
+    x = mx.random.normal((2, 128))
+    assert mx.array_equal(layer.v_proj(x), native._matvec(x, layer.v_proj))  # any order, any sibling first
+    assert mx.array_equal(layer.v_proj(x), native._matvec(x, layer.v_proj))  # asked twice: computed again
+    assert "_joint" not in layer.gate_proj.__dict__
