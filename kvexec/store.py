@@ -19,6 +19,7 @@ import mlx.core as mx
 from kvexec.attention import Block
 from kvexec.config import KVConfig
 from kvexec.formats import KVFormat, get_format
+from kvexec.hot import HotWindow
 from kvexec.pressure import ladder, relieve
 from kvexec.retention import RetentionPolicy, observe
 from kvexec.segments import Segment, merge_with_previous, next_segment_capacity, segment_capacity
@@ -48,7 +49,7 @@ class PageStore:
         self.retention = RetentionPolicy(self.config.policy)
         self.sink_k = self.sink_v = None
         self.segments: list[Segment] = []
-        self.hot_k = self.hot_v = None
+        self.hot = HotWindow(self.config.hot_window + self.config.page_size)
         self.offset = 0  # positions written so far
         self.page_limit: int | None = None  # bytes the segments may take (kvexec.pressure)
         self._ladder: list[KVFormat] | None = None  # known once head_dim is
@@ -68,7 +69,7 @@ class PageStore:
             self.sink_v = _cat(self.sink_v, values[..., :take, :])
             keys, values = keys[..., take:, :], values[..., take:, :]
         if keys.shape[-2]:
-            self.hot_k, self.hot_v = _cat(self.hot_k, keys), _cat(self.hot_v, values)
+            self.hot.append(keys, values)
         first_query = self.offset  # this call's queries start here
         self.offset += L
         self._flush()
@@ -76,13 +77,13 @@ class PageStore:
         self.retention.evict(self)
 
     def _hot_len(self) -> int:
-        return 0 if self.hot_k is None else self.hot_k.shape[-2]
+        return self.hot.n
 
     def _flush(self) -> None:
         P = self.config.page_size
         while self._hot_len() >= self.config.hot_window + P:
             start = self.offset - self._hot_len()
-            k, v = self.hot_k[..., :P, :], self.hot_v[..., :P, :]
+            k, v = self.hot.keys_room[..., :P, :], self.hot.values_room[..., :P, :]
             seg = self.segments[-1] if self.segments else None
             if seg is None or seg.length + P > seg.capacity:
                 lead, D = tuple(k.shape[:2]), k.shape[-1]
@@ -102,8 +103,7 @@ class PageStore:
             if self.page_limit is not None and seg.length == seg.capacity:
                 # small segments made under the limit coalesce
                 merge_with_previous(self.segments, seg, self.segment_capacity, P)
-            # A slice: the flushed tokens' buffer goes with the next append's concatenate.
-            self.hot_k, self.hot_v = self.hot_k[..., P:, :], self.hot_v[..., P:, :]
+            self.hot.drop_oldest(P)
 
     def page_bytes(self) -> int:
         """Bytes the segments take."""
@@ -157,8 +157,25 @@ class PageStore:
         for seg in select_pages(self.segments, queries, self.config.select_pages):
             yield Block(seg.keys, seg.values, seg.fmt, seg.start, seg.length, tag=seg)
         if self._hot_len():
-            yield Block({"x": self.hot_k}, {"x": self.hot_v}, self.full, self.offset - self._hot_len(),
-                        self._hot_len())
+            yield Block({"x": self.hot.keys_room}, {"x": self.hot.values_room}, self.full,
+                        self.offset - self._hot_len(), self._hot_len())
+
+    # The hot window's tokens, exactly (views; setting one replaces what the window holds).
+    @property
+    def hot_k(self) -> mx.array | None:
+        return self.hot.keys()
+
+    @hot_k.setter
+    def hot_k(self, keys: mx.array | None) -> None:
+        self.hot.set(keys, self.hot.values_room)
+
+    @property
+    def hot_v(self) -> mx.array | None:
+        return self.hot.values()
+
+    @hot_v.setter
+    def hot_v(self, values: mx.array | None) -> None:
+        self.hot.values_room = values
 
     # -- trimming ------------------------------------------------------------
     def can_trim(self, n: int) -> bool:
@@ -216,12 +233,12 @@ class PageStore:
     @property
     def nbytes(self) -> int:
         """Bytes held, allocated segment capacity included."""
-        arrays = [a for a in (self.sink_k, self.sink_v, self.hot_k, self.hot_v) if a is not None]
+        arrays = [a for a in (self.sink_k, self.sink_v, self.hot.keys_room, self.hot.values_room) if a is not None]
         return sum(a.nbytes for a in arrays) + sum(s.nbytes for s in self.segments)
 
     def arrays(self) -> list[mx.array]:
         """Every array the store holds (to evaluate or count)."""
-        out = [a for a in (self.sink_k, self.sink_v, self.hot_k, self.hot_v) if a is not None]
+        out = [a for a in (self.sink_k, self.sink_v, self.hot.keys_room, self.hot.values_room) if a is not None]
         for s in self.segments:
             out.extend(s.keys.values())
             out.extend(s.values.values())

@@ -106,3 +106,24 @@ def test_the_kernel_refuses_arrays_that_do_not_match_the_blocks():
         ext.decode_attention(mx.random.normal((1, 4, 1, DIM)), [k, k], [[0, 0, 8]], 8, 0.125, 0)
     with pytest.raises(ValueError, match="float32"):
         ext.decode_attention(q, [k.astype(mx.float16), k], [[0, 0, 8]], 8, 0.125, 0)
+
+
+def test_the_hot_window_takes_a_decode_token_in_place_and_keeps_its_tokens():
+    """A decode step writes its token into the hot window's room (a slice update, no
+    concatenation of the window); flushes and trims keep exactly the tokens held."""
+    store = _store("q8c", 600)
+    held = store.hot_k
+    mx.eval(held)
+    k = mx.random.normal((1, KV_HEADS, 1, DIM))
+    mx.eval(k)
+    store.append(k, k)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, store.hot.keys_room)
+    assert "Concatenate" not in dot.getvalue() and "SliceUpdate" in dot.getvalue()
+    assert mx.array_equal(store.hot_k, mx.concatenate([held, k], axis=-2))
+    for _ in range(600):  # through a flush into a page
+        store.append(k, k)
+    mx.eval(store.arrays())
+    assert store.retained() == store.offset == 1201 and store.hot.n == store.hot_k.shape[-2] < 512
+    assert store.trim(300) == 300 and store.retained() == 901
+    assert store.hot_k.shape[-2] == store.hot.n and store.hot_v.shape == store.hot_k.shape
