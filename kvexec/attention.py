@@ -187,20 +187,31 @@ def blockwise_attention(
     sinks: mx.array | None = None,
     observe=None,
     block_tokens: int = 2048,
+    tokens_major: bool = False,
 ) -> mx.array:
     """softmax(q k^T * scale + causal/window mask) v over `blocks`, for queries at
-    positions q_start .. q_start + L - 1. queries: [B, H, L, D]. `observe(block, mass)`,
-    if given, receives the attention probability each block got, summed over rows."""
+    positions q_start .. q_start + L - 1. queries: [B, H, L, D]; the result is shaped
+    like them, or with `tokens_major` [B, L, H * D] (as a layer's output projection takes
+    it). `observe(block, mass)`, if given, receives the attention probability each
+    block got, summed over rows."""
     B, H, L, D = queries.shape
     blocks = list(blocks)
     kvh = blocks[0].kv_heads if blocks else 1
     if (H // kvh) * L <= DIRECT_ROWS and B * H * L * sum(b.length for b in blocks) <= TWO_PASS_SCORES:
         if sinks is None and observe is None:  # one native operation where it can take the blocks
             seen = [b for b in blocks if _sees(q_start, L, b.start, b.length, window)]
-            out = fused_attention(queries, seen, q_start, scale, window)
+            out = fused_attention(queries, seen, q_start, scale, window, tokens_major)
             if out is not None:
                 return out
-        return _two_pass(queries, blocks, q_start, scale, window, sinks, observe)
+        out = _two_pass(queries, blocks, q_start, scale, window, sinks, observe)
+    else:
+        out = _online(queries, blocks, q_start, scale, window, sinks, observe, block_tokens)
+    return out.swapaxes(1, 2).reshape(B, L, H * D) if tokens_major else out
+
+
+def _online(queries, blocks, q_start, scale, window, sinks, observe, block_tokens) -> mx.array:
+    """Many query rows: blocks folded into a running (max, sum, accumulator) one by one."""
+    B, H, L, D = queries.shape
     q = m = l = acc = None
     seen = []  # (block, row sums of p, running max then) for `observe`
     if observe is None:

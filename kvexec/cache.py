@@ -112,14 +112,16 @@ class PagedKVCache(_BaseCache):
         """No mask: the executor knows positions and windows itself."""
         return None
 
-    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
-        """Attention of `queries` (the newest positions) over the pages: the executor."""
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None,
+               tokens_major: bool = False) -> mx.array:
+        """Attention of `queries` (the newest positions) over the pages: the executor
+        (its result [B, L, H * D] with `tokens_major`)."""
         store = self.store
         q_start = store.offset - queries.shape[-2]
         scoring = store.config.max_positions is not None and store.config.policy == "score"
         return blockwise_attention(queries, store.blocks(queries), q_start, scale, store.window, sinks,
                                    observe=store.observe if scoring else None,
-                                   block_tokens=store.config.block_tokens)
+                                   block_tokens=store.config.block_tokens, tokens_major=tokens_major)
 
     @property
     def state(self) -> list[mx.array]:

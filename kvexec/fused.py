@@ -53,10 +53,11 @@ def _spec(block, widths: tuple[int, ...]):
 
 
 def fused_attention(queries: mx.array, blocks: list, q_start: int, scale: float,
-                    window: int | None) -> mx.array | None:
+                    window: int | None, tokens_major: bool = False) -> mx.array | None:
     """softmax(q K^T * scale + mask) V over `blocks` (those with visible keys, in order)
-    as one native operation, or None where the kernel is not built here or cannot take
-    these queries or blocks (the caller computes it in MLX operations)."""
+    as one native operation, [B, H, L, D] (or with `tokens_major` [B, L, H * D]), or None
+    where the kernel is not built here or cannot take these queries or blocks (the
+    caller computes it in MLX operations)."""
     ext = _kernel()
     if ext is None or queries.dtype != mx.float32 or not blocks:
         return None
@@ -75,4 +76,5 @@ def fused_attention(queries: mx.array, blocks: list, q_start: int, scale: float,
         from kvexec.rotated import rotation as make_rotation
 
         rotation = make_rotation(blocks[0].kv_heads, queries.shape[-1])
-    return ext.decode_attention(queries, arrays, specs, q_start, scale, window or 0, rotation)
+    return ext.decode_attention(queries, arrays, specs, q_start, scale, window or 0, rotation,
+                                tokens_major=tokens_major)

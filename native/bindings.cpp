@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "decode_attention.h"
+#include "heads.h"
 #include "qmatmul_rows.h"
 #include "qmatvec.h"
 #include "qmatvec_int.h"
@@ -38,7 +39,10 @@ NB_MODULE(_ext, m) {
   m.def("softmax", &justfit::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.softmax(x, axis=-1, precise=True) for float32 x on the CPU, with vectorized exponentials.");
   m.def("decode_attention", &justfit::decode_attention, "queries"_a, "arrays"_a, "blocks"_a, "q_start"_a, "scale"_a,
-        "window"_a, "rotation"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "window"_a, "rotation"_a = nb::none(), nb::kw_only(), "tokens_major"_a = false, "stream"_a = nb::none(),
         "softmax(q K^T * scale + mask) V over a layer's KV blocks (full or quantized pages) as one operation.");
+  m.def("rope_heads", &justfit::rope_heads, "q"_a, "k"_a, "v"_a, "heads"_a, "kv_heads"_a, "inv_freqs"_a, "dims"_a,
+        nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
+        "q, k, v [B, L, heads * D] -> [B, heads, L, D] each, q and k rotated as rope does: one operation.");
   m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
 }

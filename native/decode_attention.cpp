@@ -86,7 +86,16 @@ void mask(float* s, int length, int start, int qpos, int window) {
 
 struct Shape {
   int batch, kv_heads, rows, L, D;
+  bool tokens_major;  // the output [B, L, H * D] instead of [B, H, L, D]
 };
+
+// Where row i (leading index i / rows, row i % rows) of the output starts.
+size_t output_row(size_t i, const Shape& sh) {
+  if (!sh.tokens_major) return i * sh.D;
+  const size_t lead = i / sh.rows, r = i % sh.rows, rep = sh.rows / sh.L;
+  const size_t b = lead / sh.kv_heads, h = lead % sh.kv_heads * rep + r / sh.L, l = r % sh.L;
+  return ((b * sh.L + l) * sh.kv_heads * rep + h) * sh.D;
+}
 
 void attend(const float* q, const std::vector<mx::array>& in, const std::vector<Block>& blocks,
             const float* rotation, const Shape& sh, int q_start, float scale, int window, float* y) {
@@ -167,7 +176,7 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
     offset += b.length;
   }
   for (size_t i = 0; i < nrows; ++i) {
-    float* out = y + i * D;
+    float* out = y + output_row(i, sh);
     std::memcpy(out, plain.data() + i * D, D * sizeof(float));
     if (!any_value_rotated) continue;
     std::vector<float> back(D);
@@ -193,7 +202,7 @@ int block_arrays(const std::vector<int>& spec) {
 
 mx::array decode_attention(const mx::array& queries, const std::vector<mx::array>& arrays,
                            const std::vector<std::vector<int>>& blocks, int q_start, float scale, int window,
-                           const std::optional<mx::array>& rotation, mx::StreamOrDevice s) {
+                           const std::optional<mx::array>& rotation, bool tokens_major, mx::StreamOrDevice s) {
   if (queries.dtype() != mx::float32 || queries.ndim() != 4)
     throw std::invalid_argument("decode_attention: queries must be float32 [B, H, L, D]");
   if (blocks.empty()) throw std::invalid_argument("decode_attention: no block");
@@ -223,8 +232,11 @@ mx::array decode_attention(const mx::array& queries, const std::vector<mx::array
   inputs.insert(inputs.end(), arrays.begin(), arrays.end());
   if (rotation) inputs.push_back(*rotation);
   auto stream = mx::to_stream(s);
-  return mx::array(queries.shape(), mx::float32,
-                   std::make_shared<DecodeAttention>(stream, blocks, q_start, scale, window, rotation.has_value()),
+  const int L = queries.shape(2);
+  auto shape = tokens_major ? mx::Shape{B, L, H * D} : queries.shape();
+  return mx::array(shape, mx::float32,
+                   std::make_shared<DecodeAttention>(stream, blocks, q_start, scale, window, rotation.has_value(),
+                                                     tokens_major),
                    inputs);
 }
 
@@ -232,7 +244,7 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   auto& y = outputs[0];
   auto& encoder = begin_cpu(stream(), inputs, y);
   const auto& q = inputs[0];
-  Shape sh{0, inputs[1].shape(1), 0, q.shape(2), q.shape(3)};
+  Shape sh{0, inputs[1].shape(1), 0, q.shape(2), q.shape(3), tokens_major_};
   sh.batch = q.shape(0) * sh.kv_heads;
   sh.rows = q.shape(1) / sh.kv_heads * sh.L;
   std::vector<Block> blocks;
@@ -265,7 +277,7 @@ void DecodeAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 bool DecodeAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const DecodeAttention&>(other);
   return blocks_ == o.blocks_ && q_start_ == o.q_start_ && scale_ == o.scale_ && window_ == o.window_ &&
-         rotation_ == o.rotation_;
+         rotation_ == o.rotation_ && tokens_major_ == o.tokens_major_;
 }
 
 }  // namespace justfit

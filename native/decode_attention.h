@@ -30,17 +30,19 @@ enum BlockKind { kFull = 0, kQuantized = 1 };
 // positions q_start .. q_start + L - 1 (causal; `window` > 0: keys older than that many
 // positions are masked too), H a multiple of the blocks' kv_heads. `rotation`
 // [kv_heads, D, D]: the rotation of rotated keys (q turns) and values (their weighted sum
-// turns back). Returns [B, H, L, D] float32.
+// turns back). Returns [B, H, L, D] float32, or with `tokens_major` [B, L, H * D] (what the
+// layer's output projection takes).
 mx::array decode_attention(const mx::array& queries, const std::vector<mx::array>& arrays,
                            const std::vector<std::vector<int>>& blocks, int q_start, float scale, int window,
-                           const std::optional<mx::array>& rotation, mx::StreamOrDevice s = {});
+                           const std::optional<mx::array>& rotation, bool tokens_major = false,
+                           mx::StreamOrDevice s = {});
 
 class DecodeAttention : public mx::Primitive {
  public:
   DecodeAttention(mx::Stream stream, std::vector<std::vector<int>> blocks, int q_start, float scale, int window,
-                  bool rotation)
+                  bool rotation, bool tokens_major)
       : mx::Primitive(stream), blocks_(std::move(blocks)), q_start_(q_start), scale_(scale), window_(window),
-        rotation_(rotation) {}
+        rotation_(rotation), tokens_major_(tokens_major) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override;
@@ -53,6 +55,7 @@ class DecodeAttention : public mx::Primitive {
   float scale_;
   int window_;
   bool rotation_;
+  bool tokens_major_;
 };
 
 }  // namespace justfit

@@ -183,11 +183,14 @@ class NativeRoPE(nn.RoPE):
         ext = kernels()
         if ext is None or x.dtype != mx.float32 or not isinstance(offset, int) or mx.default_device() != mx.cpu:
             return super().__call__(x, offset)  # e.g. a batch's per-row offsets (an array)
+        return ext.rope(x, self.inv_freqs(), self.dims, traditional=self.traditional, scale=self.scale, offset=offset)
+
+    def inv_freqs(self) -> mx.array:
+        """MLX's inverse frequencies for these dims and base, float32 (made once)."""
         if "_inv_freqs" not in self.__dict__:  # not a parameter: kept out of the module's tree
             half = self.dims // 2
             self.__dict__["_inv_freqs"] = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(self.base) / half))
-        return ext.rope(x, self.__dict__["_inv_freqs"], self.dims, traditional=self.traditional, scale=self.scale,
-                        offset=offset)
+        return self.__dict__["_inv_freqs"]
 
 
 class NativeRMSNorm(nn.RMSNorm):
