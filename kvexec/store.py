@@ -160,21 +160,24 @@ class PageStore:
             yield Block({"x": self.hot.keys_room}, {"x": self.hot.values_room}, self.full,
                         self.offset - self._hot_len(), self._hot_len())
 
-    # The hot window's tokens, exactly (views; setting one replaces what the window holds).
     @property
     def hot_k(self) -> mx.array | None:
+        """The hot window's keys, exactly the tokens held (a view)."""
         return self.hot.keys()
 
     @hot_k.setter
     def hot_k(self, keys: mx.array | None) -> None:
+        """Hold exactly `keys` in the hot window (set hot_v next)."""
         self.hot.set(keys, self.hot.values_room)
 
     @property
     def hot_v(self) -> mx.array | None:
+        """The hot window's values, exactly the tokens held (a view)."""
         return self.hot.values()
 
     @hot_v.setter
     def hot_v(self, values: mx.array | None) -> None:
+        """Hold exactly `values` in the hot window (after hot_k)."""
         self.hot.values_room = values
 
     # -- trimming ------------------------------------------------------------
