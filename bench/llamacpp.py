@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 CACHE_TYPES = {"llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
+# Speed rows: llama.cpp as its users run it (float16 KV, flash attention as it decides),
+# then the quantized KV it needs to hold long contexts (flash attention on).
+SPEED_KV = {"llama.cpp": "f16", **CACHE_TYPES}
 
 
 def binary(llama_cpp: str, name: str = "llama-bench") -> str:
@@ -28,29 +31,37 @@ def _gguf(model: str) -> str:
     return str(EMBEDDED[model]()) if model in EMBEDDED else model
 
 
-def _bench_cmd(exe: str, gguf: str, prompt: int, decode: int, cache_type: str, repeat: int = 1) -> list[str]:
-    return [exe, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-r", str(repeat), "-fa", "1",
-            "-ctk", cache_type, "-ctv", cache_type, "-t", str(os.cpu_count() or 1), "-o", "json"]
+def _bench_cmd(exe: str, gguf: str, prompt: int, decode: int, cache_type: str, repeat: int = 1,
+               depth: int = 0) -> list[str]:
+    flash = "auto" if cache_type == "f16" else "1"  # a quantized V cache needs flash attention
+    return [exe, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-r", str(repeat), "-fa", flash,
+            "-ctk", cache_type, "-ctv", cache_type, "-t", str(os.cpu_count() or 1), "-d", str(depth), "-o", "json"]
+
+
+def _rate(exe: str, gguf: str, cache_type: str, repeat: int, prompt: int, decode: int, depth: int) -> float:
+    """llama-bench's mean tokens per second for one test (prompt processing or generation)."""
+    out = subprocess.run(_bench_cmd(exe, gguf, prompt, decode, cache_type, repeat, depth),
+                         capture_output=True, text=True, timeout=3600, check=True).stdout
+    return next(t for t in json.loads(out) if t.get("n_prompt") == prompt and t.get("n_gen") == decode)["avg_ts"]
 
 
 def llama_bench(llama_cpp: str, model: str, contexts: list[int], decode: int, repeat: int,
-                systems: tuple[str, ...] = tuple(CACHE_TYPES)) -> list[dict]:
-    """One row per system and context: prompt processing (pp) and generation (tg)
-    rates, or an error row."""
+                systems: tuple[str, ...] = tuple(SPEED_KV)) -> list[dict]:
+    """One row per system and context: prompt processing of `context` tokens, and
+    generation of `decode` tokens after `context` already held (llama-bench's depth:
+    the decode figure is at the same context as JustFit's), or an error row."""
     exe, gguf = binary(llama_cpp), _gguf(model)
     rows = []
     for system in systems:
         for context in contexts:
+            kv = SPEED_KV[system]
             row = {"system": system, "model": model, "context": context, "decode_tokens": decode,
-                   "kv_dtype": CACHE_TYPES[system], "flash_attention": True}
+                   "kv_dtype": kv, "flash_attention": "auto" if kv == "f16" else True, "decode_depth": context}
             try:
-                out = subprocess.run(_bench_cmd(exe, gguf, context, decode, CACHE_TYPES[system], repeat),
-                                     capture_output=True, text=True, timeout=3600, check=True).stdout
-                tests = json.loads(out)
-                pp = next(t for t in tests if t.get("n_prompt") == context and not t.get("n_gen"))
-                tg = next(t for t in tests if t.get("n_gen") == decode and not t.get("n_prompt"))
-                row.update(prefill_tps=pp["avg_ts"], decode_tps=tg["avg_ts"], ttft_s=context / pp["avg_ts"],
-                           read_bytes=read_bytes(model, gguf, context + decode, CACHE_TYPES[system]))
+                pp = _rate(exe, gguf, kv, repeat, context, 0, 0)
+                tg = _rate(exe, gguf, kv, repeat, 0, decode, context)
+                row.update(prefill_tps=pp, decode_tps=tg, ttft_s=context / pp,
+                           read_bytes=read_bytes(model, gguf, context + decode, kv))
             except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError) as e:
                 row["error"] = f"llama-bench failed: {e}"
             rows.append(row)

@@ -4,7 +4,7 @@ process on the same prompt tokens.
     python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
     python -m bench.speed --model gemma3 --contexts 1024,4096,8192,16384,32768 --repeat 3
     python -m bench.speed --quick                 # 256 tokens, 8 decoded: a minute
-    python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp-q8_0 and -q4_0
+    python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp, -q8_0 and -q4_0
 
 Systems: `justfit-default` (engine defaults: PhaseSwap policy auto, i.e. cpu-int16 where
 the native kernel is built, KV q8c, OpenBLAS;
@@ -14,7 +14,9 @@ quantized matrices with float16 parameters, as mlx-lm's users run it with the wh
 own BLAS (bench/stock.py): `mlx-lm` (defaults), `mlx-lm-tuned` (prefill step 512, 8-bit
 KV), `mlx-lm-kv4`; `mlx-lm-dense` (not a baseline: JustFit's prefill weight form, dense
 float32 with OpenBLAS, in mlx-lm's model code, so the prefill gain splits into weight
-form vs the rest); llama.cpp-q8_0/-q4_0 (llama-bench, flash attention, -ctk/-ctv).
+form vs the rest); llama.cpp (llama-bench defaults: float16 KV, flash attention auto) and
+llama.cpp-q8_0/-q4_0 (flash attention, -ctk/-ctv); its decode is measured after `context`
+tokens (llama-bench -d), as JustFit's is.
 On MLX's CPU backend float16 quantized matmuls are tens of times slower than float32
 ones: the float16 rows take long, and say so.
 """

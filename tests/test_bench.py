@@ -127,7 +127,7 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
     speed(["--quick", "--model", str(tiny_llama_dir), "--json", "--llama-cpp", str(tmp_path / "no-such-binary")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["system"]: r for r in out["systems"]}
-    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp-q8_0", "llama.cpp-q4_0"} and "machine" in out
+    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"} and "machine" in out
     for name in ("justfit-default", "mlx-lm"):
         r = rows[name]
         assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
@@ -141,7 +141,7 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
         floor = max(out["read_bandwidth_gbs"]) * 1e9 / r["read_bytes"]
         assert abs(r["floor_tps"] - floor) <= 0.01 * floor + 0.1
         assert abs(r["floor_fraction"] - r["decode_tps"] / r["floor_tps"]) <= 0.01 * r["floor_fraction"] + 0.002
-    for name in ("llama.cpp-q8_0", "llama.cpp-q4_0"):  # a failure is a row, never dropped
+    for name in ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"):  # a failure is a row, never dropped
         assert "llama-bench failed" in rows[name]["error"]
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
     assert "| justfit-default | 256 |" in md
