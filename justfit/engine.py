@@ -16,7 +16,7 @@ from justfit import blas, runtime
 from justfit.budget import ProcessShare, check_fits, plan
 from justfit.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
-from justfit.decode_layer import install_native_attention
+from justfit.native_layers import install_native_layers
 from justfit.errors import BudgetExceeded, PipelineLost
 from justfit.generate import ProgressFn
 from justfit.loader import install_kv, kv_calibration, load_lazily, offload_dir
@@ -88,7 +88,7 @@ class Engine:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
         if self.policy.resident in NATIVE_FORMS:
             install_ops(self.model)  # native RoPE and RMS norm too: MLX's CPU ones are many operations each
-            install_native_attention(self.model)  # and llama layers' heads and attention in fewer
+            install_native_layers(self.model)  # llama attention in fewer operations, MLP gates on vectors
         self.swap = PhaseSwap(self.model, self.policy, offload_dir(loaded, self.policy), weight_limit)
         self.swap.registry.strict = budget is not None  # give freed memory back at once
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache

@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "decode_attention.h"
+#include "gated.h"
 #include "heads.h"
 #include "qmatmul_rows.h"
 #include "qmatvec.h"
@@ -44,5 +45,7 @@ NB_MODULE(_ext, m) {
   m.def("rope_heads", &justfit::rope_heads, "q"_a, "k"_a, "v"_a, "heads"_a, "kv_heads"_a, "inv_freqs"_a, "dims"_a,
         nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
         "q, k, v [B, L, heads * D] -> [B, heads, L, D] each, q and k rotated as rope does: one operation.");
+  m.def("gated_activation", &justfit::gated_activation, "gate"_a, "up"_a, "kind"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "silu(gate) * up (kind 0) or gelu_approx(gate) * up (kind 1), float32, one operation.");
   m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
 }

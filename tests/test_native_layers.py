@@ -1,0 +1,96 @@
+"""mlx-lm's layers with JustFit's CPU kernels (justfit/native_layers.py): the gated MLP
+activation equals MLX's, the native llama attention and MLPs compute what mlx-lm's own
+classes do on the same weights and paged cache, a decode step makes a handful of
+operations a layer, and anything the kernels cannot take runs mlx-lm's code."""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models.activations import swiglu
+
+from justfit import Engine
+from justfit.config import EngineConfig
+from justfit.native_layers import NativeGemmaMLP, NativeLlamaAttention, NativeLlamaMLP
+from phaseswap import native
+from tests.tiny_models import write_mlx_folder
+
+pytestmark = pytest.mark.skipif(not native.available() or not hasattr(native.kernels(), "gated_activation"),
+                                reason="native/ is not built here (./dev setup builds it)")
+
+
+@pytest.mark.parametrize("n", [7, 8, 3000, 70000])
+def test_the_gated_activations_equal_mlx_s(n):
+    ext = native.kernels()
+    gate = mx.random.normal((n,), key=mx.random.key(n)) * 8
+    up = mx.random.normal((n,), key=mx.random.key(n + 1))
+    assert mx.allclose(ext.gated_activation(gate, up, 0), swiglu(gate, up), rtol=1e-5, atol=1e-6)
+    assert mx.allclose(ext.gated_activation(gate, up, 1), nn.gelu_approx(gate) * up, rtol=1e-5, atol=1e-6)
+    wide = mx.stack([gate, up], axis=-1)  # strided views are read as their values
+    assert mx.allclose(ext.gated_activation(wide[:, 0], wide[:, 1], 0), swiglu(gate, up), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="kind"):
+        ext.gated_activation(gate, up, 2)
+
+
+@pytest.fixture(scope="module")
+def q4_dir(tmp_path_factory):
+    return write_mlx_folder(tmp_path_factory.mktemp("layers") / "q4", "llama", seed=5, quantize_bits=4,
+                            layers=3, vocab_size=288)
+
+
+def _step_logits(engine: Engine, tokens: list[int]) -> list[mx.array]:
+    """Logits of a prefill and three decode steps on a fresh paged cache."""
+    cache = engine.new_cache()
+    out = []
+    with engine.swap.phase("decode"):
+        logits = engine.model(mx.array([tokens]), cache=cache)[0, -1]
+        out.append(logits)
+        for t in (5, 17, 200):
+            out.append(engine.model(mx.array([[t]]), cache=cache)[0, -1])
+    mx.eval(out)
+    return out
+
+
+def test_native_layers_compute_what_mlx_lm_s_classes_do(q4_dir):
+    engine = Engine(str(q4_dir), config=EngineConfig(policy="cpu-native"))
+    layers = [m for _, m in engine.model.named_modules() if isinstance(m, (NativeLlamaAttention, NativeLlamaMLP))]
+    assert len(layers) == 6  # 3 layers: attention and MLP each
+    tokens = list(range(40, 70))
+    fast = _step_logits(engine, tokens)
+    for m in layers:  # back to mlx-lm's own classes, the same modules and weights
+        m.__class__ = llama.Attention if isinstance(m, NativeLlamaAttention) else llama.MLP
+    plain = _step_logits(engine, tokens)
+    for a, b in zip(fast, plain):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4), float(mx.abs(a - b).max())
+
+
+def test_a_decode_step_makes_a_handful_of_operations_a_layer(q4_dir):
+    engine = Engine(str(q4_dir), config=EngineConfig(policy="cpu-native"))
+    cache = engine.new_cache()
+    with engine.swap.phase("decode"):
+        mx.eval(engine.model(mx.array([list(range(40, 60))]), cache=cache))
+        y = engine.model(mx.array([[7]]), cache=cache)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, y)
+    ops = [line.split('label ="')[1].split('"')[0] for line in dot.getvalue().splitlines() if 'label ="' in line]
+    per_layer = {name: ops.count(name) / 3 for name in set(ops)}
+    assert per_layer["JustFitDecodeAttention"] == per_layer["JustFitRopeHeads"] == 1
+    assert ops.count("JustFitQuantizedMatvec") == 4 * 3 + 1  # q/k/v joined, o, gate/up joined, down; the head
+    assert per_layer["JustFitGatedActivation"] == 1
+    assert per_layer.get("Transpose", 0) < 1 and per_layer.get("Concatenate", 0) < 1  # none in the layers
+
+
+def test_gemma_s_mlp_takes_the_native_gate(tmp_path):
+    folder = write_mlx_folder(tmp_path / "gemma", "gemma3_text", seed=3, quantize_bits=4, layers=2)
+    engine = Engine(str(folder), config=EngineConfig(policy="cpu-native"))
+    mlps = [m for _, m in engine.model.named_modules() if isinstance(m, NativeGemmaMLP)]
+    assert len(mlps) == 2
+    x = mx.random.normal((1, 3, mlps[0].gate_proj.weight.shape[1] * 32 // mlps[0].gate_proj.bits))
+    fast = mlps[0](x)
+    mlps[0].__class__ = gemma3_text.MLP
+    assert mx.allclose(fast, mlps[0](x), rtol=1e-4, atol=1e-5)
+    assert mx.allclose(mlps[1](x.astype(mx.float16)).astype(mx.float32), fast, rtol=0.1, atol=0.1)  # float16: MLX's own
