@@ -85,12 +85,13 @@ def test_a_decode_step_makes_a_handful_of_operations_a_layer(q4_dir):
 
 
 def test_gemma_s_mlp_takes_the_native_gate(tmp_path):
-    folder = write_mlx_folder(tmp_path / "gemma", "gemma3_text", seed=3, quantize_bits=4, layers=2)
+    folder = write_mlx_folder(tmp_path / "gemma", "gemma3_text", seed=3, quantize_bits=4)
     engine = Engine(str(folder), config=EngineConfig(policy="cpu-native"))
     mlps = [m for _, m in engine.model.named_modules() if isinstance(m, NativeGemmaMLP)]
-    assert len(mlps) == 2
+    assert len(mlps) >= 2
     x = mx.random.normal((1, 3, mlps[0].gate_proj.weight.shape[1] * 32 // mlps[0].gate_proj.bits))
     fast = mlps[0](x)
     mlps[0].__class__ = gemma3_text.MLP
     assert mx.allclose(fast, mlps[0](x), rtol=1e-4, atol=1e-5)
-    assert mx.allclose(mlps[1](x.astype(mx.float16)).astype(mx.float32), fast, rtol=0.1, atol=0.1)  # float16: MLX's own
+    half = mlps[1](x.astype(mx.float16))  # float16: MLX's own computes it
+    assert half.dtype == mx.float16 and mx.allclose(half.astype(mx.float32), mlps[1](x), rtol=0.05, atol=0.05)
