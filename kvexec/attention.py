@@ -216,10 +216,11 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
     seen = []  # (block, row sums of p, running max then) for `observe`
     if observe is None:
         blocks = _merged(blocks, H * L, block_tokens)
+    native = rows_kernel() if observe is None else None
+    native = native if native is not None and hasattr(native, "softmax_step") else None
     for block in blocks:
         n = block.length
-        visible = _visibility(q_start, L, block.start, n, window)
-        if visible is False:
+        if not _sees(q_start, L, block.start, n, window):
             continue
         kvh = block.kv_heads
         rep = H // kvh
@@ -230,11 +231,18 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
             acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
         direct = rep * L <= DIRECT_ROWS
         big = B * H * L * n >= EVAL_EVERY_BLOCK  # the scores' size
-        step = _softmax_step_numpy if big and _on_cpu() else _softmax_step
-        # The scores go straight into the step: no name here outlives the numpy overwrite.
-        p, corr, m_new, m_safe = step(_block_scores(q, block, visible, rep, L, direct), m)
-        pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
-        l, acc = _fold(l, acc, corr, p, pv)
+        if native is not None:  # mask, max, exponentials and row sums as one operation on both cores
+            p, corr, m_new, rows = native.softmax_step(_block_scores(q, block, None, rep, L, direct), m, L, q_start,
+                                                       block.start, window or 0)
+            pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
+            l, acc = l * corr + rows, acc * corr + pv
+        else:
+            visible = _visibility(q_start, L, block.start, n, window)
+            step = _softmax_step_numpy if big and _on_cpu() else _softmax_step
+            # The scores go straight into the step: no name here outlives the numpy overwrite.
+            p, corr, m_new, m_safe = step(_block_scores(q, block, visible, rep, L, direct), m)
+            pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
+            l, acc = _fold(l, acc, corr, p, pv)
         m = m_new
         if observe is not None:
             seen.append((block, p.sum(axis=-1, keepdims=True), m_safe))

@@ -47,5 +47,8 @@ NB_MODULE(_ext, m) {
         "q, k, v [B, L, heads * D] -> [B, heads, L, D] each, q and k rotated as rope does: one operation.");
   m.def("gated_activation", &justfit::gated_activation, "gate"_a, "up"_a, "kind"_a, nb::kw_only(),
         "stream"_a = nb::none(), "silu(gate) * up (kind 0) or gelu_approx(gate) * up (kind 1), float32, one operation.");
+  m.def("softmax_step", &justfit::softmax_step, "s"_a, "m"_a, "L"_a, "q_start"_a, "k_start"_a, "window"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "One block of prefill's online softmax, masked: [p, corr, m_new, rowsum] (see native/softmax.h).");
   m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
 }

@@ -2,7 +2,9 @@
 // scaling pass. With AVX2 the exponential is simd.h's vector polynomial.
 #include "softmax.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -72,6 +74,81 @@ void Softmax::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
 
 void Softmax::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("JustFit's softmax runs on the CPU only (on Metal, mx.softmax is MLX's own)");
+}
+
+namespace {
+
+// One row: mask, max, exponentials and their sum (see softmax_step), from s into p.
+void step_row(const float* s, float* p, int n, float m, int qpos, int k_start, int window, float* corr, float* m_new,
+              float* rowsum) {
+  const float inf = std::numeric_limits<float>::infinity();
+  // visible keys are one run [lo, hi): not later than the query, not past the window
+  const int hi = std::clamp(qpos - k_start + 1, 0, n);
+  const int lo = window > 0 ? std::clamp(qpos - window + 1 - k_start, 0, hi) : 0;
+  float top = m;
+  for (int t = lo; t < hi; ++t) top = std::max(top, s[t]);
+  const float safe = top == -inf ? 0.f : top;
+  float sum = 0.f;
+  for (int t = 0; t < lo; ++t) p[t] = 0.f;
+  int t = lo;
+#ifdef __AVX2__
+  const __m256 shift = _mm256_set1_ps(safe);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= hi; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(p + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; t < hi; ++t) sum += (p[t] = std::exp(s[t] - safe));
+  for (t = hi; t < n; ++t) p[t] = 0.f;
+  *corr = m == -inf ? 0.f : std::exp(m - safe);
+  *m_new = top;
+  *rowsum = sum;
+}
+
+}  // namespace
+
+std::vector<mx::array> softmax_step(const mx::array& s, const mx::array& m, int L, int q_start, int k_start,
+                                    int window, mx::StreamOrDevice stream) {
+  if (s.dtype() != mx::float32 || m.dtype() != mx::float32 || s.ndim() < 2)
+    throw std::invalid_argument("softmax_step: s and m must be float32, s [..., rows, n]");
+  auto row_shape = s.shape();
+  row_shape.back() = 1;
+  if (m.shape() != row_shape) throw std::invalid_argument("softmax_step: m must be s's shape with a last axis of 1");
+  if (L <= 0 || s.shape(-2) % L != 0) throw std::invalid_argument("softmax_step: s's rows must be a multiple of L");
+  return mx::array::make_arrays({s.shape(), row_shape, row_shape, row_shape},
+                                {mx::float32, mx::float32, mx::float32, mx::float32},
+                                std::make_shared<SoftmaxStep>(mx::to_stream(stream), L, q_start, k_start, window), {s, m});
+}
+
+void SoftmaxStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const auto& s = inputs[0];
+  for (auto& a : outputs) a.set_data(mx::allocator::malloc(a.nbytes()));
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& a : outputs) encoder.set_output_array(a);
+  encoder.dispatch([sr = RowMajor{s}, mr = RowMajor{inputs[1]}, p = outputs[0].data<float>(),
+                    corr = outputs[1].data<float>(), m_new = outputs[2].data<float>(),
+                    rowsum = outputs[3].data<float>(), n = s.shape(-1), rows = s.size() / s.shape(-1),
+                    per = s.shape(-2), L = L_, q_start = q_start_, k_start = k_start_, window = window_]() mutable {
+    const float* sp = sr.data<float>();
+    const float* mp = mr.data<float>();
+#pragma omp parallel for schedule(static) if (static_cast<long>(rows) * n >= (1 << 16))
+    for (long r = 0; r < static_cast<long>(rows); ++r)
+      step_row(sp + r * n, p + r * n, n, mp[r], q_start + static_cast<int>(r % per) % L, k_start, window, corr + r,
+               m_new + r, rowsum + r);
+  });
+}
+
+void SoftmaxStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("JustFit's softmax_step runs on the CPU only (on Metal, KVExec's MLX path is used)");
+}
+
+bool SoftmaxStep::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const SoftmaxStep&>(other);
+  return L_ == o.L_ && q_start_ == o.q_start_ && k_start_ == o.k_start_ && window_ == o.window_;
 }
 
 }  // namespace justfit

@@ -27,4 +27,28 @@ class Softmax : public mx::Primitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// One block of the online softmax prefill attention folds in: for scores s [B, kv_heads,
+// rep * L, n] (row r is query r % L, at position q_start + r % L; key t at k_start + t)
+// and the running max m [B, kv_heads, rep * L, 1]: keys later than the query, or
+// (window > 0) `window` or more positions earlier, are masked; returns [p, corr, m_new,
+// rowsum] with m_new = max(m, the row's visible scores), m_safe = m_new where finite
+// else 0, p = exp(s - m_safe) (0 where masked), corr = exp(m - m_safe), rowsum = sum of
+// p over the row. One operation on both cores with vector exponentials.
+std::vector<mx::array> softmax_step(const mx::array& s, const mx::array& m, int L, int q_start, int k_start,
+                                    int window, mx::StreamOrDevice stream = {});
+
+class SoftmaxStep : public mx::Primitive {
+ public:
+  SoftmaxStep(mx::Stream stream, int L, int q_start, int k_start, int window)
+      : mx::Primitive(stream), L_(L), q_start_(q_start), k_start_(k_start), window_(window) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "JustFitSoftmaxStep"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int L_, q_start_, k_start_, window_;
+};
+
 }  // namespace justfit

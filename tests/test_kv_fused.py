@@ -127,3 +127,32 @@ def test_the_hot_window_takes_a_decode_token_in_place_and_keeps_its_tokens():
     assert store.retained() == store.offset == 1201 and store.hot.n == store.hot_k.shape[-2] < 512
     assert store.trim(300) == 300 and store.retained() == 901
     assert store.hot_k.shape[-2] == store.hot.n and store.hot_v.shape == store.hot_k.shape
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("fmt", ["q8c", "fp32"])
+def test_prefill_s_native_softmax_step_equals_the_mlx_path(window, fmt, monkeypatch):
+    """A prefill chunk's online softmax (mask, max, exponentials, row sums) as one native
+    operation per block gives what MLX's operations and numpy's exponentials give."""
+    store = _store(fmt, 1400, window=window)
+    q = mx.random.normal((1, HEADS, 200, DIM), key=mx.random.key(11))
+    args = (q, list(store.blocks()), store.offset - 200, 0.125, window)
+    native_out = blockwise_attention(*args, block_tokens=512)
+    monkeypatch.setattr(attention, "rows_kernel", lambda: None)
+    assert mx.allclose(native_out, blockwise_attention(*args, block_tokens=512), rtol=1e-4, atol=1e-5)
+
+
+def test_the_softmax_step_kernel_masks_as_told():
+    ext = native.kernels()
+    s = mx.random.normal((1, 2, 6, 10))  # 2 heads' rows: 3 queries x rep 2
+    m = mx.full((1, 2, 6, 1), -mx.inf)
+    p, corr, m_new, rows = ext.softmax_step(s, m, 3, 7, 5, 4)  # queries at 7..9, keys at 5..14, window 4
+    q_pos = mx.array([7, 8, 9] * 2)[:, None]
+    k_pos = mx.arange(5, 15)[None]
+    visible = (k_pos <= q_pos) & (q_pos - k_pos < 4)
+    top = mx.where(visible, s, -mx.inf).max(axis=-1, keepdims=True)
+    want = mx.where(visible, mx.exp(s - top), 0)
+    assert mx.allclose(p, want, atol=1e-6) and mx.allclose(rows, want.sum(axis=-1, keepdims=True), atol=1e-5)
+    assert mx.array_equal(m_new, top) and mx.array_equal(corr, mx.zeros_like(corr))
+    with pytest.raises(ValueError, match="multiple of L"):
+        ext.softmax_step(s, m, 4, 7, 5, 4)

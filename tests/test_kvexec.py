@@ -69,9 +69,11 @@ def test_online_fold_matches_reference_for_few_rows(window, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 40])
 def test_numpy_softmax_step_matches_reference(window, monkeypatch):
-    # On CPU, score blocks past EVAL_EVERY_BLOCK take numpy's exp, written in place.
+    # On CPU without the native kernels, score blocks past EVAL_EVERY_BLOCK take numpy's
+    # exp, written in place.
     import kvexec.attention
 
+    monkeypatch.setattr(kvexec.attention, "rows_kernel", lambda: None)
     monkeypatch.setattr(kvexec.attention, "EVAL_EVERY_BLOCK", 1)
     monkeypatch.setattr(kvexec.attention, "TWO_PASS_SCORES", 0)
     calls = []
