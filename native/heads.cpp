@@ -1,4 +1,4 @@
-// See heads.h. The angles are computed once per position, as rope.cpp computes them.
+// See heads.h. The angles are computed once per position (rope.h's rope_angles).
 #include "heads.h"
 
 #include <cmath>
@@ -75,29 +75,12 @@ void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   encoder.dispatch([=, q = RowMajor{inputs[0]}, k = RowMajor{inputs[1]}, v = RowMajor{inputs[2]},
                     inv = inputs[3].data<float>(), dims = dims_, traditional = traditional_, scale = scale_,
                     offset = offset_]() mutable {
-    const int half = dims / 2;
-    std::vector<float> cs(static_cast<size_t>(L) * half), sn(cs.size());
-    for (int l = 0; l < L; ++l) {
-      const float position = (static_cast<float>(l) + static_cast<float>(offset)) * scale;
-      for (int i = 0; i < half; ++i) {
-        const float theta = position * inv[i];
-        cs[static_cast<size_t>(l) * half + i] = std::cos(theta);
-        sn[static_cast<size_t>(l) * half + i] = std::sin(theta);
-      }
-    }
+    std::vector<float> cs, sn;
+    rope_angles(inv, L, dims, offset, scale, cs, sn);
     to_heads(q.data<float>(), ys[0], B, L, H, D, cs.data(), sn.data(), dims, traditional);
     to_heads(k.data<float>(), ys[1], B, L, KVH, D, cs.data(), sn.data(), dims, traditional);
     to_heads(v.data<float>(), ys[2], B, L, KVH, D, nullptr, nullptr, dims, traditional);
   });
-}
-
-void RopeHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("JustFitRopeHeads runs on the CPU only (on Metal, mlx-lm's own layer code runs)");
-}
-
-bool RopeHeads::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const RopeHeads&>(other);
-  return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_ && offset_ == o.offset_;
 }
 
 }  // namespace justfit

@@ -8,6 +8,7 @@
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "rope.h"
 
 namespace justfit {
 
@@ -20,21 +21,12 @@ std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const 
                                   const mx::array& inv_freqs, int dims, bool traditional, float scale, int offset,
                                   mx::StreamOrDevice s = {});
 
-class RopeHeads : public mx::Primitive {
+class RopeHeads : public RopePrimitive {
  public:
-  RopeHeads(mx::Stream stream, int dims, bool traditional, float scale, int offset)
-      : mx::Primitive(stream), dims_(dims), traditional_(traditional), scale_(scale), offset_(offset) {}
+  using RopePrimitive::RopePrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override;
   const char* name() const override { return "JustFitRopeHeads"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-
- private:
-  int dims_;
-  bool traditional_;
-  float scale_;
-  int offset_;
 };
 
 }  // namespace justfit

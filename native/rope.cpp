@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -35,16 +36,8 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
                     offset = offset_]() {
     const int ndim = x.ndim(), D = x.shape(-1), L = x.shape(-2), half = dims / 2;
     const size_t rows = x.size() / D;
-    std::vector<float> cs(static_cast<size_t>(L) * half), sn(cs.size());
-    const float* f = inv.data<float>();
-    for (int l = 0; l < L; ++l) {
-      const float position = (static_cast<float>(l) + static_cast<float>(offset)) * scale;
-      for (int i = 0; i < half; ++i) {
-        const float theta = position * f[i];
-        cs[l * half + i] = std::cos(theta);
-        sn[l * half + i] = std::sin(theta);
-      }
-    }
+    std::vector<float> cs, sn;
+    rope_angles(inv.data<float>(), L, dims, offset, scale, cs, sn);
     const float* xp = x.data<float>();
     const auto& strides = x.strides();
     std::vector<int> index(ndim - 1, 0);  // over every axis but the last
@@ -68,12 +61,27 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   });
 }
 
-void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("JustFit's rope runs on the CPU only (on Metal, mx.fast.rope is MLX's own kernel)");
+void rope_angles(const float* inv_freqs, int L, int dims, int offset, float scale, std::vector<float>& cs,
+                 std::vector<float>& sn) {
+  const int half = dims / 2;
+  cs.resize(static_cast<size_t>(L) * half);
+  sn.resize(cs.size());
+  for (int l = 0; l < L; ++l) {
+    const float position = (static_cast<float>(l) + static_cast<float>(offset)) * scale;
+    for (int i = 0; i < half; ++i) {
+      const float theta = position * inv_freqs[i];
+      cs[static_cast<size_t>(l) * half + i] = std::cos(theta);
+      sn[static_cast<size_t>(l) * half + i] = std::sin(theta);
+    }
+  }
 }
 
-bool Rope::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const Rope&>(other);
+void RopePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string(name()) + " runs on the CPU only (on Metal, mx.fast.rope is MLX's own kernel)");
+}
+
+bool RopePrimitive::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RopePrimitive&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_ && offset_ == o.offset_;
 }
 

@@ -3,6 +3,8 @@
 // position here); this primitive is one.
 #pragma once
 
+#include <vector>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -18,21 +20,33 @@ namespace mx = mlx::core;
 mx::array rope(const mx::array& x, const mx::array& inv_freqs, int dims, bool traditional, float scale, int offset,
                mx::StreamOrDevice s = {});
 
-class Rope : public mx::Primitive {
+// The angles of positions offset .. offset + L - 1: cos and sin [L, dims / 2], computed in
+// float32 from inv_freqs as MLX computes them (so the same rounding).
+void rope_angles(const float* inv_freqs, int L, int dims, int offset, float scale, std::vector<float>& cs,
+                 std::vector<float>& sn);
+
+// What a rotary embedding's primitives are equivalent by, and their refusal on Metal.
+class RopePrimitive : public mx::Primitive {
  public:
-  Rope(mx::Stream stream, int dims, bool traditional, float scale, int offset)
+  RopePrimitive(mx::Stream stream, int dims, bool traditional, float scale, int offset)
       : mx::Primitive(stream), dims_(dims), traditional_(traditional), scale_(scale), offset_(offset) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "JustFitRope"; }
   bool is_equivalent(const mx::Primitive& other) const override;
 
- private:
+ protected:
   int dims_;
   bool traditional_;
   float scale_;
   int offset_;
+};
+
+class Rope : public RopePrimitive {
+ public:
+  using RopePrimitive::RopePrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "JustFitRope"; }
 };
 
 }  // namespace justfit
