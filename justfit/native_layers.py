@@ -25,16 +25,23 @@ from kvexec import PagedKVCache
 from phaseswap.native import NativeRoPE, kernels
 
 
-def _native_call(layer: llama.Attention, x: mx.array, cache) -> mx.array | None:
-    """The layer's output through the native path, or None where it does not apply."""
+def _native_call(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache,
+                 norms: tuple | None = None) -> mx.array | None:
+    """The layer's output through the native path, or None where it does not apply.
+    `norms`: Gemma's per-head q and k norms (the 1 + weight kind), applied before rotation."""
     ext = kernels()
     if (ext is None or not hasattr(ext, "rope_heads") or type(cache) is not PagedKVCache
             or type(layer.rope) is not NativeRoPE or x.dtype != mx.float32 or mx.default_device() != mx.cpu):
         return None
-    rope = layer.rope
+    rope, settings = layer.rope, {}
+    if norms is not None:
+        q_norm, k_norm = norms
+        if q_norm.eps != k_norm.eps or q_norm["weight"].dtype != mx.float32 or k_norm["weight"].dtype != mx.float32:
+            return None
+        settings = {"norms": (q_norm["weight"], k_norm["weight"]), "norm_eps": q_norm.eps, "norm_offset": 1.0}
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
     q, k, v = ext.rope_heads(q, k, v, layer.n_heads, layer.n_kv_heads, rope.inv_freqs(), rope.dims,
-                             traditional=rope.traditional, scale=rope.scale, offset=cache.offset)
+                             traditional=rope.traditional, scale=rope.scale, offset=cache.offset, **settings)
     cache.update_and_fetch(k, v)
     return layer.o_proj(cache.attend(q, layer.scale, tokens_major=True))
 
@@ -45,6 +52,26 @@ class NativeLlamaAttention(llama.Attention):
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
         out = _native_call(self, x, cache)
         return super().__call__(x, mask, cache) if out is None else out
+
+
+class NativeGemmaAttention(gemma3_text.Attention):
+    """mlx-lm's Gemma 3 attention (same parameters) taking the native path where it applies:
+    q/k norms, rotation and the heads' layout in one operation."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
+        out = _native_call(self, x, cache, (self.q_norm, self.k_norm))
+        return super().__call__(x, mask, cache) if out is None else out
+
+
+class NativeGemmaRMSNorm(gemma3_text.RMSNorm):
+    """Gemma 3's RMS norm (x scaled by 1 + weight) as one native operation where it applies
+    (MLX's CPU fallback for mx.fast.rms_norm makes five or six, and 1 + weight one more)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        ext, weight = kernels(), self["weight"]
+        if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or mx.default_device() != mx.cpu:
+            return super().__call__(x)
+        return ext.rms_norm(x, weight, self.eps, weight_offset=1.0)
 
 
 _SILU, _GELU_APPROX = 0, 1  # native/gated.h's kinds
@@ -77,12 +104,13 @@ class NativeGemmaMLP(gemma3_text.MLP):
         return self.down_proj(nn.gelu_approx(gate) * up if h is None else h)
 
 
-_NATIVE_LAYERS = {llama.Attention: NativeLlamaAttention, llama.MLP: NativeLlamaMLP, gemma3_text.MLP: NativeGemmaMLP}
+_NATIVE_LAYERS = {llama.Attention: NativeLlamaAttention, llama.MLP: NativeLlamaMLP, gemma3_text.MLP: NativeGemmaMLP,
+                  gemma3_text.Attention: NativeGemmaAttention, gemma3_text.RMSNorm: NativeGemmaRMSNorm}
 
 
 def install_native_layers(model: nn.Module) -> int:
-    """Give `model`'s llama attention layers and llama / Gemma 3 MLPs (exactly mlx-lm's
-    classes) their native paths; how many were."""
+    """Give `model`'s llama and Gemma 3 attention layers, MLPs and Gemma's norms (exactly
+    mlx-lm's classes) their native paths; how many were."""
     count = 0
     for _, mod in model.named_modules():
         native = _NATIVE_LAYERS.get(type(mod))

@@ -6,21 +6,34 @@
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "rms_norm.h"
 #include "stored.h"
 
 namespace justfit {
 
 namespace {
 
-// x [B, L, H, D] (row-major) -> y [B, H, L, D], rotated when cs is given.
+// An RMS norm's weight, eps and weight offset for each head (rms_norm.h).
+struct HeadNorm {
+  const float* weight;
+  float eps, offset;
+};
+
+// x [B, L, H, D] (row-major) -> y [B, H, L, D], normed first when `norm` is given and
+// rotated when cs is.
 void to_heads(const float* x, float* y, int B, int L, int H, int D, const float* cs, const float* sn, int dims,
-              bool traditional) {
+              bool traditional, const HeadNorm* norm = nullptr) {
   const int half = dims / 2;
+  std::vector<float> normed(norm ? D : 0);
   for (int b = 0; b < B; ++b)
     for (int l = 0; l < L; ++l)
       for (int h = 0; h < H; ++h) {
         const float* in = x + ((static_cast<size_t>(b) * L + l) * H + h) * D;
         float* out = y + ((static_cast<size_t>(b) * H + h) * L + l) * D;
+        if (norm) {
+          rms_norm_row(in, norm->weight, normed.data(), D, norm->eps, norm->offset);
+          in = normed.data();
+        }
         if (cs == nullptr) {
           std::memcpy(out, in, D * sizeof(float));
           continue;
@@ -41,7 +54,8 @@ void to_heads(const float* x, float* y, int B, int L, int H, int D, const float*
 
 std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const mx::array& v, int heads, int kv_heads,
                                   const mx::array& inv_freqs, int dims, bool traditional, float scale, int offset,
-                                  mx::StreamOrDevice s) {
+                                  const std::optional<std::pair<mx::array, mx::array>>& norms, float norm_eps,
+                                  float norm_offset, mx::StreamOrDevice s) {
   for (const auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 3)
       throw std::invalid_argument("rope_heads: q, k and v must be float32 [B, L, heads * D]");
@@ -55,10 +69,18 @@ std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const 
   if (inv_freqs.dtype() != mx::float32 || inv_freqs.ndim() != 1 || inv_freqs.shape(0) != dims / 2)
     throw std::invalid_argument("rope_heads: inv_freqs must be float32 with dims / 2 entries");
   auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs{q, k, v, row_major_input(inv_freqs, stream)};
+  if (norms) {
+    for (const auto* w : {&norms->first, &norms->second})
+      if (w->dtype() != mx::float32 || w->ndim() != 1 || w->shape(0) != D)
+        throw std::invalid_argument("rope_heads: norms must be float32 [D] weights for q and k");
+    inputs.push_back(row_major_input(norms->first, stream));
+    inputs.push_back(row_major_input(norms->second, stream));
+  }
   return mx::array::make_arrays({{B, heads, L, D}, {B, kv_heads, L, D}, {B, kv_heads, L, D}},
                                 {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<RopeHeads>(stream, dims, traditional, scale, offset),
-                                {q, k, v, row_major_input(inv_freqs, stream)});
+                                std::make_shared<RopeHeads>(stream, dims, traditional, scale, offset, norm_eps, norm_offset),
+                                inputs);
 }
 
 void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -74,11 +96,13 @@ void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   const int KVH = outputs[1].shape(1);
   encoder.dispatch([=, q = RowMajor{inputs[0]}, k = RowMajor{inputs[1]}, v = RowMajor{inputs[2]},
                     inv = inputs[3].data<float>(), dims = dims_, traditional = traditional_, scale = scale_,
-                    offset = offset_]() mutable {
+                    offset = offset_, normed = inputs.size() == 6,
+                    q_norm = HeadNorm{inputs.size() == 6 ? inputs[4].data<float>() : nullptr, norm_eps_, norm_offset_},
+                    k_norm = HeadNorm{inputs.size() == 6 ? inputs[5].data<float>() : nullptr, norm_eps_, norm_offset_}]() mutable {
     std::vector<float> cs, sn;
     rope_angles(inv, L, dims, offset, scale, cs, sn);
-    to_heads(q.data<float>(), ys[0], B, L, H, D, cs.data(), sn.data(), dims, traditional);
-    to_heads(k.data<float>(), ys[1], B, L, KVH, D, cs.data(), sn.data(), dims, traditional);
+    to_heads(q.data<float>(), ys[0], B, L, H, D, cs.data(), sn.data(), dims, traditional, normed ? &q_norm : nullptr);
+    to_heads(k.data<float>(), ys[1], B, L, KVH, D, cs.data(), sn.data(), dims, traditional, normed ? &k_norm : nullptr);
     to_heads(v.data<float>(), ys[2], B, L, KVH, D, nullptr, nullptr, dims, traditional);
   });
 }

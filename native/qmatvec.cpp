@@ -18,6 +18,7 @@
 #include "qmatvec_int.h"
 #include "simd.h"
 #include "stored.h"
+#include "unpack.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -29,19 +30,6 @@ namespace {
 
 constexpr int kRows = 8;
 
-#ifndef __AVX2__
-template <int Bits>
-inline void unpack_group(const uint8_t* src, float* dst, int group_size) {
-  if constexpr (Bits == 8) {
-    for (int j = 0; j < group_size; ++j) dst[j] = static_cast<float>(src[j]);
-  } else {  // 4 bits: value 2k is byte k's low nibble, 2k + 1 its high one
-    for (int k = 0; k < group_size / 2; ++k) {
-      dst[2 * k] = static_cast<float>(src[k] & 15);
-      dst[2 * k + 1] = static_cast<float>(src[k] >> 4);
-    }
-  }
-}
-#endif
 
 // The sum of x over each group of each row: the biases' share of every dot product.
 std::vector<float> group_sums(const float* x, int rows, int in, int group_size) {
@@ -57,25 +45,6 @@ std::vector<float> group_sums(const float* x, int rows, int in, int group_size) 
 }
 
 #ifdef __AVX2__
-// 32 consecutive quantized values, in order, as four vectors of 8 floats.
-template <int Bits>
-inline void chunk32(const uint8_t* src, __m256 q[4]) {
-  if constexpr (Bits == 4) {  // 16 bytes; value 2k is byte k's low nibble, 2k + 1 its high one
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-  } else {
-    for (int k = 0; k < 4; ++k)
-      q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * k))));
-  }
-}
-
-
 // Output column `o` for NR input rows: the group's dot products stay in vector
 // registers (ACC independent chains per row, so one row is not bound by the FMA's
 // latency), scaled once per group and summed across lanes once per column.
@@ -94,7 +63,7 @@ inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, con
     const int base = g * group_size;
     for (int c = 0; c < group_size; c += 32) {
       __m256 q[4];
-      chunk32<Bits>(wrow + (base + c) * Bits / 8, q);
+      floats32<Bits>(wrow + (base + c) * Bits / 8, q);
       for (int r = 0; r < NR; ++r) {
         const float* xr = x + static_cast<size_t>(r) * in + base + c;
         for (int k = 0; k < 4; ++k) dot[r][k % ACC] = _mm256_fmadd_ps(q[k], _mm256_loadu_ps(xr + 8 * k), dot[r][k % ACC]);
@@ -194,13 +163,16 @@ int checked_out(const mx::array& x, const mx::array& w, const mx::array& scales,
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, int activation_bits,
                            mx::StreamOrDevice s) {
-  return quantized_matvecs(x, {w}, {scales}, {biases}, group_size, bits, activation_bits, s)[0];
+  return quantized_matvecs(x, {w}, {scales}, {biases}, group_size, std::vector<int>{bits}, activation_bits, s)[0];
 }
 
 std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<mx::array>& w,
                                          const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                                         int group_size, int bits, int activation_bits, mx::StreamOrDevice s) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
+                                         int group_size, const std::vector<int>& bits, int activation_bits,
+                                         mx::StreamOrDevice s) {
+  if (bits.size() != w.size()) throw std::invalid_argument("quantized_matvec: one bit width per weight");
+  for (int b : bits)
+    if (!matvec_width(b)) throw std::invalid_argument("quantized_matvec: bits must be 4, 5, 6 or 8");
   if (group_size % 32 != 0 || group_size > 256)
     throw std::invalid_argument("quantized_matvec: group_size must be a multiple of 32, at most 256");
   if (x.dtype() != mx::float32)
@@ -219,7 +191,7 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<m
     if (scales[i].dtype() != scales[0].dtype())
       throw std::invalid_argument("quantized_matvec: every weight's scales must share a dtype");
     auto shape = x.shape();
-    shape.back() = checked_out(x, w[i], scales[i], biases[i], group_size, bits);
+    shape.back() = checked_out(x, w[i], scales[i], biases[i], group_size, bits[i]);
     shapes.push_back(shape);
     inputs.insert(inputs.end(), {w[i], scales[i], biases[i]});
   }
@@ -237,7 +209,8 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     encoder.set_output_array(y);
   }
   const int in = x.shape(-1), rows = x.size() / in;
-  const int gs = group_size_, bits = bits_, activation_bits = activation_bits_;
+  const int gs = group_size_, activation_bits = activation_bits_;
+  const std::vector<int> widths = widths_;
   const bool half = inputs[2].dtype() == mx::float16;
   std::vector<RowMajor> weights;  // w, scales, biases of each output in turn
   std::vector<float*> ys;
@@ -251,12 +224,12 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       const uint8_t* wp = weights[3 * k].data<uint8_t>();
       const uint8_t* sp = weights[3 * k + 1].data<uint8_t>();
       const uint8_t* bp = weights[3 * k + 2].data<uint8_t>();
-      const int out = weights[3 * k].a.shape(0);
+      const int out = weights[3 * k].a.shape(0), bits = widths[k];
       if (activation_bits != 32) {
         matvec_rounded(xp, wp, sp, bp, half, ys[k], rows, in, out, gs, bits, activation_bits);
         continue;
       }
-      with_stored<4, 8>(bits, half, sp, bp, [&]<int B>(auto* ss, auto* bs) {
+      with_stored<4, 5, 6, 8>(bits, half, sp, bp, [&]<int B>(auto* ss, auto* bs) {
         matvec<B>(xp, wp, ss, bs, ys[k], rows, in, out, gs);
       });
     }

@@ -14,6 +14,7 @@
 
 #include "simd.h"
 #include "stored.h"
+#include "unpack.h"
 
 namespace justfit {
 
@@ -58,39 +59,61 @@ Rounded<T> rounded(const float* x, int rows, int in, int group_size, int bits) {
   return a;
 }
 
-// 32 weights as unsigned bytes: 4-bit as the nibbles (evens, then odds), 8-bit as stored.
+// 32 weights as unsigned bytes: 4-bit as the nibbles (evens, then odds), 8-bit as stored,
+// 5- and 6-bit in order.
 template <int Bits>
 inline __m256i weights32(const uint8_t* src) {
   if constexpr (Bits == 4) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
     const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
     return _mm256_and_si256(both, _mm256_set1_epi8(15));
-  } else {
+  } else if constexpr (Bits == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  } else {
+    return bytes32<Bits>(src);
+  }
+}
+
+// A block's weights as the dot product takes them, unpacked once for every row: bytes for
+// int8 activations, 16-bit lanes for int16 (values 0-15 of the bytes' order, then 16-31).
+template <typename T>
+struct Unpacked {
+  __m256i lo, hi;
+};
+
+template <int Bits, typename T>
+inline Unpacked<T> unpack(const uint8_t* src) {
+  if constexpr (sizeof(T) == 1) {
+    return {weights32<Bits>(src), __m256i{}};
+  } else if constexpr (streamed_width(Bits)) {
+    Unpacked<T> u;
+    words32<Bits>(src, u.lo, u.hi);
+    return u;
+  } else {
+    const __m256i w = weights32<Bits>(src);
+    return {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1))};
   }
 }
 
 // A block's integer dot product as 8 int32 lanes. int8: maddubs (unsigned x signed bytes,
 // pairs to 16 bits); 8-bit weights go as |w - 128| with q carrying w - 128's sign, so no
-// pair overflows, and the offset's 128 x sum(q) comes back through the biases' share.
-// int16: the weights widened to 16 bits, madd (pairs to 32 bits).
+// pair overflows, and the offset's 128 x sum(q) comes back through the biases' share
+// (below 8 bits no pair can: 2 x 63 x 127 < 2^15). int16: madd (pairs to 32 bits).
 template <int Bits, typename T>
-inline __m256i block_dot(__m256i w, const T* q) {
+inline __m256i block_dot(const Unpacked<T>& w, const T* q) {
   if constexpr (sizeof(T) == 1) {
     __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    __m256i u = w;
+    __m256i u = w.lo;
     if constexpr (Bits == 8) {
-      const __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(-128));
+      const __m256i centred = _mm256_xor_si256(w.lo, _mm256_set1_epi8(-128));
       u = _mm256_abs_epi8(centred);
       x = _mm256_sign_epi8(x, centred);
     }
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
   } else {
-    const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
-    const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
   }
 }
 
@@ -116,9 +139,9 @@ inline void column(const T* xq, const float* xd, const float* xsum, int in, cons
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < ACC; ++k) acc[r][k] = _mm256_setzero_ps();
   for (int b = 0; b < blocks; ++b) {
-    const __m256i w = weights32<Bits>(wrow + static_cast<size_t>(b) * 32 * Bits / 8);
+    const Unpacked<T> w = unpack<Bits, T>(wrow + static_cast<size_t>(b) * 32 * Bits / 8);
     for (int r = 0; r < NR; ++r) {
-      const __m256 sums = _mm256_cvtepi32_ps(block_dot<Bits>(w, xq + static_cast<size_t>(r) * in + b * 32));
+      const __m256 sums = _mm256_cvtepi32_ps(block_dot<Bits, T>(w, xq + static_cast<size_t>(r) * in + b * 32));
       acc[r][b % ACC] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scaled.data() + static_cast<size_t>(r) * blocks + b),
                                         acc[r][b % ACC]);
     }
@@ -164,7 +187,7 @@ void product(const float* x, const uint8_t* w, const S* scales, const S* biases,
 
 void matvec_rounded(const float* x, const uint8_t* w, const void* scales, const void* biases, bool half, float* y,
                     int rows, int in, int out, int group_size, int bits, int activation_bits) {
-  with_stored<4, 8>(bits, half, scales, biases, [&]<int B>(auto* s, auto* b) {
+  with_stored<4, 5, 6, 8>(bits, half, scales, biases, [&]<int B>(auto* s, auto* b) {
     if (activation_bits == 8)
       product<B, int8_t>(x, w, s, b, y, rows, in, out, group_size);
     else

@@ -14,7 +14,7 @@ inline bool rounded_activations(int activation_bits) { return activation_bits ==
 bool rounded_available();
 
 // y = x @ dequantize(w, scales, biases).T with x's blocks rounded to `activation_bits`
-// (8 or 16) for MLX's affine `bits`-bit weights (4 or 8; group_size a multiple of 32);
+// (8 or 16) for MLX's affine `bits`-bit weights (4, 5, 6 or 8; group_size a multiple of 32);
 // scales and biases float16 (`half`) or float32. The biases meet the rounded blocks' sums,
 // so y is exactly (to float32 summation) the product with the rounded x.
 void matvec_rounded(const float* x, const uint8_t* w, const void* scales, const void* biases, bool half, float* y,

@@ -9,14 +9,14 @@
 
 namespace justfit {
 
-mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, float weight_offset, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32)
     throw std::invalid_argument("rms_norm: x and weight must be float32");
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
     throw std::invalid_argument("rms_norm: weight must be [D] for x [..., D]");
   auto stream = mx::to_stream(s);
   // The kernel reads rows (RowMajor: no graph node, a copy only where they are not row-major).
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, weight});
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps, weight_offset), {x, weight});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -25,17 +25,10 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   auto& y = outputs[0];
   auto& encoder = begin_cpu(stream(), inputs, y);
   encoder.dispatch([xs = RowMajor{x}, ws = RowMajor{w}, yp = y.data<float>(), D = x.shape(-1),
-                    rows = x.size() / x.shape(-1), eps = eps_]() mutable {
+                    rows = x.size() / x.shape(-1), eps = eps_, offset = weight_offset_]() mutable {
     const float* xp = xs.data<float>();
     const float* wp = ws.data<float>();
-    for (size_t r = 0; r < rows; ++r) {
-      const float* xr = xp + r * D;
-      float* yr = yp + r * D;
-      float squares = 0.f;
-      for (int j = 0; j < D; ++j) squares += xr[j] * xr[j];
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(D) + eps);
-      for (int j = 0; j < D; ++j) yr[j] = xr[j] * inv * wp[j];
-    }
+    for (size_t r = 0; r < rows; ++r) rms_norm_row(xp + r * D, wp, yp + r * D, D, eps, offset);
   });
 }
 
@@ -44,7 +37,8 @@ void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 }
 
 bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
-  return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  auto& o = static_cast<const RmsNorm&>(other);
+  return eps_ == o.eps_ && weight_offset_ == o.weight_offset_;
 }
 
 }  // namespace justfit

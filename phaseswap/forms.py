@@ -20,6 +20,8 @@ import numpy as np
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from phaseswap.native import native_dequantize
+
 Q8T_GROUP = 32
 LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
 
@@ -112,14 +114,22 @@ def dense_weight(mod: nn.Module, dtype: mx.Dtype = mx.float32) -> mx.array:
     if isinstance(mod, TransposedQuantizedLinear):
         return mod.dequantized_t(dtype).T
     if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        # Scales and biases are widened first: dequantizing in fp16 would round
-        # scale * q + bias to fp16 before the cast, losing the source's exactness.
-        biases = mod.get("biases")
-        return mx.dequantize(
-            mod["weight"], mod["scales"].astype(dtype), None if biases is None else biases.astype(dtype),
-            group_size=mod.group_size, bits=mod.bits, mode=getattr(mod, "mode", "affine"),
-        ).astype(dtype)
+        return _dequantized(mod, mod["weight"], mod["scales"], mod.get("biases"), dtype)
     return mod["weight"].astype(dtype)
+
+
+def _dequantized(mod: nn.Module, weight: mx.array, scales: mx.array, biases: mx.array | None,
+                 dtype: mx.Dtype = mx.float32) -> mx.array:
+    """`mod`'s quantized weight (or rows of it) in `dtype`; the native kernel where it applies."""
+    mode = getattr(mod, "mode", "affine")
+    if dtype == mx.float32:
+        native = native_dequantize(weight, scales, biases, mod.group_size, mod.bits, mode)
+        if native is not None:
+            return native
+    # Scales and biases are widened first: dequantizing in fp16 would round
+    # scale * q + bias to fp16 before the cast, losing the source's exactness.
+    return mx.dequantize(weight, scales.astype(dtype), None if biases is None else biases.astype(dtype),
+                         group_size=mod.group_size, bits=mod.bits, mode=mode).astype(dtype)
 
 
 def _bias(mod: nn.Module, dtype: mx.Dtype) -> mx.array | None:
@@ -143,11 +153,8 @@ def _dense_rows(mod: nn.Module, start: int, end: int) -> mx.array:
     """Rows start:end of the [out, in] weight, fp32, dequantizing only those rows."""
     if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         biases = mod.get("biases")
-        return mx.dequantize(
-            mod["weight"][start:end], mod["scales"][start:end].astype(mx.float32),
-            None if biases is None else biases[start:end].astype(mx.float32),
-            group_size=mod.group_size, bits=mod.bits, mode=getattr(mod, "mode", "affine"),
-        ).astype(mx.float32)
+        return _dequantized(mod, mod["weight"][start:end], mod["scales"][start:end],
+                            None if biases is None else biases[start:end])
     return mod["weight"][start:end].astype(mx.float32)
 
 

@@ -1,4 +1,4 @@
-"""The native resident form: the stored affine-quantized weights (4 or 8 bits, as the
+"""The native resident form: the stored affine-quantized weights (4, 5, 6 or 8 bits, as the
 GGUF import or mlx-lm leaves them) computed by JustFit's own CPU kernel
 (`native/qmatvec.cpp`, built by `./dev setup` into the `justfit_native` package).
 
@@ -35,9 +35,23 @@ def available() -> bool:
 
 
 def eligible(mod: nn.Module) -> bool:
-    """Whether `mod` holds weights the kernel computes: affine 4- or 8-bit, groups of 32k."""
+    """Whether `mod` holds weights the kernel computes: affine 4-, 5-, 6- or 8-bit (a GGUF's
+    Q5_0 and Q5_K are 5-bit), groups of 32k."""
     return (isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and getattr(mod, "mode", "affine") == "affine"
-            and mod.bits in (4, 8) and mod.group_size % 32 == 0 and mod.group_size <= 256)
+            and mod.bits in getattr(kernels(), "MATVEC_BITS", (4, 8)) and mod.group_size % 32 == 0 and mod.group_size <= 256)
+
+
+def native_dequantize(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+                mode: str = "affine") -> mx.array | None:
+    """mx.dequantize in float32 through the native kernel (MLX's CPU dequantize unpacks a
+    5-bit matrix bit by bit, ~60x slower; 4 and 8 bits ~20x), or None where it does not
+    apply. Scales and biases as stored: float16 ones widen exactly."""
+    ext = kernels()
+    if (ext is None or mode != "affine" or biases is None or mx.default_device() != mx.cpu
+            or bits not in getattr(ext, "MATVEC_BITS", ()) or group_size % 32 or scales.dtype not in SCALE_DTYPES
+            or biases.dtype != scales.dtype or not hasattr(ext, "dequantize")):
+        return None
+    return ext.dequantize(weight, scales, biases, group_size, bits)
 
 
 # The native form keeps the scales and biases as stored (float16 from a GGUF or mlx-lm:
@@ -80,7 +94,8 @@ class _Joint:
             if ext is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
                 return None
             ys = ext.quantized_matvecs(x, [m["weight"] for m in self.members], [m["scales"] for m in self.members],
-                                       [m["biases"] for m in self.members], first.group_size, first.bits,
+                                       [m["biases"] for m in self.members], first.group_size,
+                                       [m.bits for m in self.members],
                                        activation_bits=first.__dict__.get("activation_bits", 32))
             self.x, self.ready = x, {id(m): y for m, y in zip(self.members, ys)}
         y = self.ready.pop(id(mod))
@@ -95,7 +110,7 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def join_siblings(module: nn.Module) -> int:
     """Let each group of SIBLINGS in `module` that are native linears of one input width,
-    group size, bit width, activation rounding and scales dtype compute as one operation
+    group size, activation rounding and scales dtype (bit widths may differ) compute as one operation
     (each costs MLX's dispatch at decode, more than a small product's arithmetic);
     how many groups were joined."""
     joined = 0
@@ -105,7 +120,7 @@ def join_siblings(module: nn.Module) -> int:
             if not all(isinstance(m, NativeQuantizedLinear) for m in members):
                 continue
             first = members[0]
-            same = lambda m: (m.group_size, m.bits, m["weight"].shape[1], m["scales"].dtype,  # noqa: E731
+            same = lambda m: (m.group_size, m["weight"].shape[1] * 32 // m.bits, m["scales"].dtype,  # noqa: E731
                               m.__dict__.get("activation_bits", 32))
             if all(same(m) == same(first) for m in members) and first["scales"].dtype in SCALE_DTYPES:
                 joint = _Joint(members)

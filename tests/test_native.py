@@ -1,5 +1,5 @@
 """The native kernel (native/qmatvec.cpp) and the `native` resident form: the product
-equals MLX's own on the stored weights for 4 and 8 bits, any number of rows and
+equals MLX's own on the stored weights for 4, 5, 6 and 8 bits, any number of rows and
 leading dimensions; shapes it cannot take are refused; the cpu-native policy holds
 the stored bytes (not more than cpu-compact) and generates the tokens cpu-compact
 does; without the built kernel the form falls back to MLX's kernels."""
@@ -28,7 +28,7 @@ needs_kernel = pytest.mark.skipif(not native.available(), reason="native/ is not
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128), (5, 32), (6, 64), (5, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_the_kernel_equals_mlx_on_the_stored_weights(bits, group, rows):
     mx.random.seed(bits * rows + group)
@@ -96,6 +96,8 @@ def test_native_rms_norm_is_mlx_s_and_keeps_its_weight():
     x = mx.random.normal((4, 96, 3)).swapaxes(1, 2) * 5  # strided
     mine = native._recast(norm, native.NativeRMSNorm)
     assert mx.allclose(mine(x), norm(x), rtol=1e-5, atol=1e-5)
+    offset = native.kernels().rms_norm(x, norm.weight, 1e-6, weight_offset=1.0)  # Gemma's 1 + weight
+    assert mx.allclose(offset, mx.fast.rms_norm(x, 1.0 + norm.weight, 1e-6), rtol=1e-5, atol=1e-5)
     assert mx.array_equal(mine(x.astype(mx.float16)), norm(x.astype(mx.float16)))  # MLX's own off float32
     assert mine.parameters().keys() == norm.parameters().keys()
 
@@ -151,7 +153,7 @@ def test_the_native_form_is_the_stored_layer_and_falls_back_off_float32():
     assert mx.allclose(form(x), lin(x), rtol=1e-5, atol=1e-4)
     assert mx.allclose(form(x.astype(mx.float16)).astype(mx.float32), lin(x.astype(mx.float16)).astype(mx.float32),
                        rtol=1e-2, atol=1e-2)  # MLX's own kernel, as before
-    assert native.to_native(nn.QuantizedLinear(128, 64, group_size=32, bits=6)) is None
+    assert native.to_native(nn.QuantizedLinear(128, 64, group_size=32, bits=3)) is None
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +245,7 @@ def _rounded_blocks(x: mx.array, bits: int) -> mx.array:
 @needs_kernel
 @pytest.mark.skipif(not native.rounded_available(), reason="rounded activations need AVX2")
 @pytest.mark.parametrize("activation_bits,error", [(8, (1e-4, 1.5e-2)), (16, (1e-7, 1e-4))])
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128), (5, 32), (6, 64)])
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_rounded_activations_are_the_product_with_x_rounded_blocks(activation_bits, error, bits, group, rows):
     """cpu-int8 / cpu-int16 products: exactly (to float32 summation) the float product with
@@ -286,15 +288,16 @@ def test_rounded_policies_hold_cpu_native_s_bytes_and_logits_within_the_rounding
 @needs_kernel
 def test_sibling_projections_compute_as_one_operation_with_each_s_own_product():
     """A layer's q/k/v (gate/up) of one input: one operation with an output each, equal
-    to each projection's own product; a new input recomputes; unlike siblings stay apart."""
-    def linear(out, bits=4, inp=128):
-        mod = nn.QuantizedLinear(inp, out, bias=False, group_size=32, bits=bits)
-        mod.weight, mod.scales, mod.biases = mx.quantize(mx.random.normal((out, inp)), 32, bits)
+    to each projection's own product, whatever each one's width (a GGUF's q and k in Q5_0,
+    v in Q8_0); a new input recomputes; unlike siblings stay apart."""
+    def linear(out, bits=4, inp=128, group=32):
+        mod = nn.QuantizedLinear(inp, out, bias=False, group_size=group, bits=bits)
+        mod.weight, mod.scales, mod.biases = mx.quantize(mx.random.normal((out, inp)), group, bits)
         return native.to_native(mod, 16)
 
     layer = nn.Module()
-    layer.q_proj, layer.k_proj, layer.v_proj = linear(96), linear(32), linear(32)
-    layer.gate_proj, layer.up_proj = linear(64), linear(64, bits=8)  # different widths: not joined
+    layer.q_proj, layer.k_proj, layer.v_proj = linear(96, bits=5), linear(32, bits=5), linear(32, bits=8)
+    layer.gate_proj, layer.up_proj = linear(64), linear(64, group=64)  # different groups: not joined
     own = {n: native._matvec for n in ("q_proj", "k_proj", "v_proj")}
     assert native.join_siblings(layer) == 1
     mx.eval(layer.parameters())

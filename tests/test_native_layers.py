@@ -1,7 +1,7 @@
 """mlx-lm's layers with JustFit's CPU kernels (justfit/native_layers.py): the gated MLP
-activation equals MLX's, the native llama attention and MLPs compute what mlx-lm's own
-classes do on the same weights and paged cache, a decode step makes a handful of
-operations a layer, and anything the kernels cannot take runs mlx-lm's code."""
+activation equals MLX's, the native llama and Gemma 3 attention, MLPs and norms compute
+what mlx-lm's own classes do on the same weights and paged cache, a decode step makes a
+handful of operations a layer, and anything the kernels cannot take runs mlx-lm's code."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from mlx_lm.models.activations import swiglu
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from justfit.native_layers import NativeGemmaMLP, NativeLlamaAttention, NativeLlamaMLP
+from justfit.native_layers import (NativeGemmaAttention, NativeGemmaMLP, NativeGemmaRMSNorm, NativeLlamaAttention,
+                                   NativeLlamaMLP)
 from phaseswap import native
 from tests.tiny_models import write_mlx_folder
 
@@ -68,15 +69,19 @@ def test_native_layers_compute_what_mlx_lm_s_classes_do(q4_dir):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4), float(mx.abs(a - b).max())
 
 
-def test_a_decode_step_makes_a_handful_of_operations_a_layer(q4_dir):
-    engine = Engine(str(q4_dir), config=EngineConfig(policy="cpu-native"))
+def _decode_ops(engine: Engine) -> list[str]:
+    """The operations of one decode step after a 20-token prefill."""
     cache = engine.new_cache()
     with engine.swap.phase("decode"):
         mx.eval(engine.model(mx.array([list(range(40, 60))]), cache=cache))
         y = engine.model(mx.array([[7]]), cache=cache)
         dot = io.StringIO()
         mx.export_to_dot(dot, y)
-    ops = [line.split('label ="')[1].split('"')[0] for line in dot.getvalue().splitlines() if 'label ="' in line]
+    return [line.split('label ="')[1].split('"')[0] for line in dot.getvalue().splitlines() if 'label ="' in line]
+
+
+def test_a_decode_step_makes_a_handful_of_operations_a_layer(q4_dir):
+    ops = _decode_ops(Engine(str(q4_dir), config=EngineConfig(policy="cpu-native")))
     per_layer = {name: ops.count(name) / 3 for name in set(ops)}
     assert per_layer["JustFitDecodeAttention"] == per_layer["JustFitRopeHeads"] == 1
     assert ops.count("JustFitQuantizedMatvec") == 4 * 3 + 1  # q/k/v joined, o, gate/up joined, down; the head
@@ -95,3 +100,27 @@ def test_gemma_s_mlp_takes_the_native_gate(tmp_path):
     assert mx.allclose(fast, mlps[0](x), rtol=1e-4, atol=1e-5)
     half = mlps[1](x.astype(mx.float16))  # float16: MLX's own computes it
     assert half.dtype == mx.float16 and mx.allclose(half.astype(mx.float32), mlps[1](x), rtol=0.05, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):  # 5-bit, as a GGUF's Q5_0 layers import
+    return write_mlx_folder(tmp_path_factory.mktemp("layers") / "gemma", "gemma3_text", seed=8, quantize_bits=5)
+
+
+def test_gemma_s_native_attention_and_norms_compute_what_mlx_lm_s_do(gemma_dir):
+    engine = Engine(str(gemma_dir), config=EngineConfig(policy="cpu-int16"))
+    swapped = {NativeGemmaAttention: gemma3_text.Attention, NativeGemmaRMSNorm: gemma3_text.RMSNorm}
+    mods = [m for _, m in engine.model.named_modules() if type(m) in swapped]
+    assert sum(isinstance(m, NativeGemmaAttention) for m in mods) >= 2
+    assert sum(isinstance(m, NativeGemmaRMSNorm) for m in mods) >= 6 * 2  # four a layer, q and k's, the final
+    tokens = list(range(40, 70))
+    fast = _step_logits(engine, tokens)
+    ops = _decode_ops(engine)
+    layers = ops.count("JustFitDecodeAttention")
+    assert layers >= 2 and ops.count("JustFitRopeHeads") == layers  # q/k norms in the heads' operation
+    assert ops.count("JustFitRmsNorm") == 4 * layers + 1  # a layer's four and the final one
+    for m in mods:  # back to mlx-lm's own classes, the same modules and weights
+        m.__class__ = swapped[type(m)]
+    plain = _step_logits(engine, tokens)
+    for a, b in zip(fast, plain):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4 * float(mx.abs(b).max())), float(mx.abs(a - b).max())
