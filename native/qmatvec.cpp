@@ -131,6 +131,7 @@ void matvec(const float* x, const uint8_t* w, const S* scales, const S* biases, 
       const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
       const S* sc = scales + static_cast<size_t>(o) * groups;
       const S* bi = biases + static_cast<size_t>(o) * groups;
+      if (o + kColumnsAhead < out) prefetch_column(wrow, row_bytes, sc, bi, groups);
       for (int r0 = 0; r0 < rows; r0 += kRows)
         columns<Bits>(x + static_cast<size_t>(r0) * in, in, wrow, sc, bi, sums.data() + static_cast<size_t>(r0) * groups,
                       groups, group_size, y + static_cast<size_t>(r0) * out + o, out,

@@ -167,6 +167,7 @@ void product(const float* x, const uint8_t* w, const S* scales, const S* biases,
       const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
       const S* sc = scales + static_cast<size_t>(o) * groups;
       const S* bi = biases + static_cast<size_t>(o) * groups;
+      if (o + kColumnsAhead < out) prefetch_column(wrow, row_bytes, sc, bi, groups);
       for (int r0 = 0; r0 < rows; r0 += kRows) {
         const T* q = a.q.data() + static_cast<size_t>(r0) * in;
         const float* d = a.d.data() + static_cast<size_t>(r0) * blocks;

@@ -24,6 +24,25 @@ inline float widen(const mlx::core::float16_t* p, size_t i) {
 }
 inline float widen(const float* p, size_t i) { return p[i]; }
 
+// A matvec's output columns ahead whose weights, scales and biases are requested while
+// the current one computes: the hardware prefetcher alone kept a large matrix (Gemma 3's
+// 262,144-row tied head) at ~12 GB/s, against ~35 for a plain streaming read here.
+constexpr int kColumnsAhead = 8;
+
+// Requests the bytes of the column kColumnsAhead after the one at (w, sc, bi).
+template <typename S>
+inline void prefetch_column(const uint8_t* w, int row_bytes, const S* sc, const S* bi, int groups) {
+  const uint8_t* wa = w + static_cast<size_t>(kColumnsAhead) * row_bytes;
+  for (int at = 0; at < row_bytes; at += 64) __builtin_prefetch(wa + at);
+  const int s_bytes = groups * static_cast<int>(sizeof(S));
+  const char* sa = reinterpret_cast<const char*>(sc + static_cast<size_t>(kColumnsAhead) * groups);
+  const char* ba = reinterpret_cast<const char*>(bi + static_cast<size_t>(kColumnsAhead) * groups);
+  for (int at = 0; at < s_bytes; at += 64) {
+    __builtin_prefetch(sa + at);
+    __builtin_prefetch(ba + at);
+  }
+}
+
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
