@@ -114,7 +114,9 @@ def test_fit_plans_a_pipeline_per_rank_before_launching(smollm2_gguf):
     assert first["layers"] == [0, 14] and second["layers"] == [15, 29]
     assert second["weights"] < first["weights"]  # rank 0 also holds the embedding (the tied head)
     assert report["max_positions"] == min(first["max_positions"], second["max_positions"])
-    assert report["max_positions"] >= 1.8 * report["one_process_max_positions"]
+    # two ranks hold 1.5x the positions from the split of the 3 growing layers alone, more
+    # as each sheds half the weights: 1.80x with the layers held as q8t, 1.795x stored at 5 bits
+    assert report["max_positions"] >= 1.75 * report["one_process_max_positions"]
     bad = CliRunner().invoke(fit, ["--budget", "600MiB", "--ranks", "31"])
     assert bad.exit_code != 0 and "at least one" in bad.output
     mixed = json.loads(CliRunner().invoke(fit, ["--budget", "600MiB,900MiB", "--ranks", "2", "--json"]).output)
@@ -145,7 +147,9 @@ def test_the_split_balances_positions_not_weights(gemma3_gguf):
     report = json.loads(out.output)
     first, second = report["ranks"]
     assert first["layers"][0] == 0 and second["layers"][1] == 17 and first["layers"][1] + 1 == second["layers"][0]
-    assert report["max_positions"] >= 1.8 * report["one_process_max_positions"]
+    # two ranks hold 1.5x the positions from the split of the 3 growing layers alone, more
+    # as each sheds half the weights: 1.80x with the layers held as q8t, 1.795x stored at 5 bits
+    assert report["max_positions"] >= 1.75 * report["one_process_max_positions"]
     from justfit import Engine
     from justfit.fit_ranks import ranks_report
     from justfit.pipeline import split_layers
