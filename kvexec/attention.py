@@ -218,6 +218,7 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
         blocks = _merged(blocks, H * L, block_tokens)
     native = rows_kernel() if observe is None else None
     native = native if native is not None and hasattr(native, "softmax_step") else None
+    fold = getattr(native, "attention_fold", None) if D % 16 == 0 else None
     for block in blocks:
         n = block.length
         if not _sees(q_start, L, block.start, n, window):
@@ -231,7 +232,10 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
             acc = mx.zeros((B, kvh, rep * L, D), dtype=mx.float32)
         direct = rep * L <= DIRECT_ROWS
         big = B * H * L * n >= EVAL_EVERY_BLOCK  # the scores' size
-        if native is not None:  # mask, max, exponentials and row sums as one operation on both cores
+        if fold is not None and not direct:  # scores, softmax and p V in cache-sized tiles: one operation
+            m_new, l, acc = fold(q, block.fmt.keys.decode(block.keys), block.fmt.values.decode(block.values), m, l,
+                                 acc, L, q_start, block.start, window or 0)
+        elif native is not None:  # mask, max, exponentials and row sums as one operation on both cores
             p, corr, m_new, rows = native.softmax_step(_block_scores(q, block, None, rep, L, direct), m, L, q_start,
                                                        block.start, window or 0)
             pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)

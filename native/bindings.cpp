@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "attention_fold.h"
 #include "decode_attention.h"
 #include "dequantize.h"
 #include "gated.h"
@@ -31,6 +32,9 @@ NB_MODULE(_ext, m) {
         "operation: a list.");
   m.def("dequantize", &justfit::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(),
         "stream"_a = nb::none(), "mx.dequantize in float32 for MLX's affine 4-, 5-, 6- or 8-bit weights, on both cores.");
+  m.def("attention_fold", &justfit::attention_fold, "q"_a, "k"_a, "v"_a, "m"_a, "l"_a, "acc"_a, "L"_a, "q_start"_a,
+        "k_start"_a, "window"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Prefill's online softmax attention over one float32 block of keys, folded: [m, l, acc] (attention_fold.h).");
   m.attr("ROUNDED_ACTIVATIONS") = justfit::rounded_available() ? nb::make_tuple(8, 16) : nb::make_tuple();
   m.def("rope", &justfit::rope, "x"_a, "inv_freqs"_a, "dims"_a, nb::kw_only(), "traditional"_a, "scale"_a, "offset"_a,
         "stream"_a = nb::none(), "mx.fast.rope for float32 x on the CPU, as one operation.");
