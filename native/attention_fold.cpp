@@ -12,6 +12,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "simd.h"
+#include "softmax.h"
 #include "stored.h"
 
 namespace justfit {
@@ -23,11 +24,6 @@ constexpr int kRowsPerTask = 32, kKeysPerTile = 64;
 struct Mask {
   int L, q_start, k_start, window;
   int qpos(int r) const { return q_start + r % L; }
-  // The visible keys of a query at qpos within keys [t0, t0 + nt) of the block: one run [lo, hi).
-  void run(int qpos, int t0, int nt, int& lo, int& hi) const {
-    hi = std::clamp(qpos - k_start - t0 + 1, 0, nt);
-    lo = window > 0 ? std::clamp(qpos - window + 1 - k_start - t0, 0, hi) : 0;
-  }
 };
 
 // S[i][j] = Q[i] . K[j] for rows [0, rows) (a multiple of 4) and the tile's keys (a
@@ -92,34 +88,6 @@ void weighted(const float* P, const float* V, float* O, int rows, int D, int nt)
 #endif
 }
 
-// One row's tile: mask, max against the running max, exponentials in place of its scores
-// (0 where masked), and the running state rescaled. Returns the correction applied to O.
-float softmax_row(float* s, int lo, int hi, int nt, float& m, float& l) {
-  const float inf = std::numeric_limits<float>::infinity();
-  float top = m;
-  for (int t = lo; t < hi; ++t) top = std::max(top, s[t]);
-  const float safe = top == -inf ? 0.f : top;
-  float sum = 0.f;
-  for (int t = 0; t < lo; ++t) s[t] = 0.f;
-  int t = lo;
-#ifdef __AVX2__
-  const __m256 shift = _mm256_set1_ps(safe);
-  __m256 acc = _mm256_setzero_ps();
-  for (; t + 8 <= hi; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-    _mm256_storeu_ps(s + t, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  sum = hsum(acc);
-#endif
-  for (; t < hi; ++t) sum += (s[t] = std::exp(s[t] - safe));
-  for (t = hi; t < nt; ++t) s[t] = 0.f;
-  const float corr = m == -inf ? 0.f : std::exp(m - safe);
-  l = l * corr + sum;
-  m = top;
-  return corr;
-}
-
 // One task's rows against every tile of the block; kt: the head's keys transposed, [D][ld].
 void fold_task(const float* q, const float* kt, size_t ld, const float* v, float* m, float* l, float* o, int rows, int D,
                int n, const Mask& mask, int r0, std::vector<float>& room) {
@@ -141,10 +109,12 @@ void fold_task(const float* q, const float* kt, size_t ld, const float* v, float
     const int first = mask.k_start + t0, last = first + nt - 1;
     if (first > qmax || (mask.window > 0 && qmin - last >= mask.window)) continue;  // no row sees the tile
     scores(Q, kt + t0, ld, S, padded, D, (nt + 15) / 16 * 16);
-    for (int i = 0; i < rows; ++i) {
+    for (int i = 0; i < rows; ++i) {  // exponentials in place of the scores; the running state rescaled
       int lo, hi;
-      mask.run(mask.qpos(r0 + i), t0, nt, lo, hi);
-      const float corr = softmax_row(S + i * kKeysPerTile, lo, hi, nt, m[i], l[i]);
+      float corr, sum;
+      visible_run(mask.qpos(r0 + i), first, mask.window, nt, lo, hi);
+      step_row(S + i * kKeysPerTile, S + i * kKeysPerTile, lo, hi, nt, m[i], &corr, &m[i], &sum);
+      l[i] = l[i] * corr + sum;
       if (corr != 1.f)
         for (int d = 0; d < D; ++d) O[i * D + d] *= corr;
     }

@@ -76,15 +76,13 @@ void Softmax::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("JustFit's softmax runs on the CPU only (on Metal, mx.softmax is MLX's own)");
 }
 
-namespace {
+void visible_run(int qpos, int k_start, int window, int n, int& lo, int& hi) {
+  hi = std::clamp(qpos - k_start + 1, 0, n);
+  lo = window > 0 ? std::clamp(qpos - window + 1 - k_start, 0, hi) : 0;
+}
 
-// One row: mask, max, exponentials and their sum (see softmax_step), from s into p.
-void step_row(const float* s, float* p, int n, float m, int qpos, int k_start, int window, float* corr, float* m_new,
-              float* rowsum) {
+void step_row(const float* s, float* p, int lo, int hi, int n, float m, float* corr, float* m_new, float* rowsum) {
   const float inf = std::numeric_limits<float>::infinity();
-  // visible keys are one run [lo, hi): not later than the query, not past the window
-  const int hi = std::clamp(qpos - k_start + 1, 0, n);
-  const int lo = window > 0 ? std::clamp(qpos - window + 1 - k_start, 0, hi) : 0;
   float top = m;
   for (int t = lo; t < hi; ++t) top = std::max(top, s[t]);
   const float safe = top == -inf ? 0.f : top;
@@ -107,8 +105,6 @@ void step_row(const float* s, float* p, int n, float m, int qpos, int k_start, i
   *m_new = top;
   *rowsum = sum;
 }
-
-}  // namespace
 
 std::vector<mx::array> softmax_step(const mx::array& s, const mx::array& m, int L, int q_start, int k_start,
                                     int window, mx::StreamOrDevice stream) {
@@ -136,9 +132,11 @@ void SoftmaxStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     const float* sp = sr.data<float>();
     const float* mp = mr.data<float>();
 #pragma omp parallel for schedule(static) if (static_cast<long>(rows) * n >= (1 << 16))
-    for (long r = 0; r < static_cast<long>(rows); ++r)
-      step_row(sp + r * n, p + r * n, n, mp[r], q_start + static_cast<int>(r % per) % L, k_start, window, corr + r,
-               m_new + r, rowsum + r);
+    for (long r = 0; r < static_cast<long>(rows); ++r) {
+      int lo, hi;
+      visible_run(q_start + static_cast<int>(r % per) % L, k_start, window, n, lo, hi);
+      step_row(sp + r * n, p + r * n, lo, hi, n, mp[r], corr + r, m_new + r, rowsum + r);
+    }
   });
 }
 

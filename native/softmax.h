@@ -37,6 +37,14 @@ class Softmax : public mx::Primitive {
 std::vector<mx::array> softmax_step(const mx::array& s, const mx::array& m, int L, int q_start, int k_start,
                                     int window, mx::StreamOrDevice stream = {});
 
+// The keys a query at qpos sees among n starting at k_start: one run [lo, hi) (not later
+// than the query; with window > 0, fewer than `window` positions earlier).
+void visible_run(int qpos, int k_start, int window, int n, int& lo, int& hi);
+
+// One row of the step over its visible run: p = exp(s - m_safe) there and 0 elsewhere
+// (p may be s), with the row's corr, m_new and sum of p.
+void step_row(const float* s, float* p, int lo, int hi, int n, float m, float* corr, float* m_new, float* rowsum);
+
 class SoftmaxStep : public mx::Primitive {
  public:
   SoftmaxStep(mx::Stream stream, int L, int q_start, int k_start, int window)
