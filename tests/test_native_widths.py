@@ -71,7 +71,7 @@ def test_5_and_6_bit_blocks_unpack_at_every_offset(bits):
     w, scales, biases = mx.quantize(mx.random.normal((7, 32)) * 3, 32, bits)
     x = mx.eye(32)
     ref = mx.dequantize(w, scales, biases, group_size=32, bits=bits).T
-    for activation_bits in (32, 16, 8):
+    for activation_bits in (32, 16, 8) if native.rounded_available() else (32,):
         got = native.kernels().quantized_matvec(x, w, scales, biases, 32, bits, activation_bits=activation_bits)
         tol = 1e-5 if activation_bits != 8 else 5e-2
         assert mx.allclose(got, ref, rtol=tol, atol=tol), activation_bits
