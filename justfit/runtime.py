@@ -48,6 +48,12 @@ def setup() -> Runtime:
     global _runtime
     with _lock:
         if _runtime is None:
+            # An idle OpenMP worker (the native kernels') spins for GOMP_SPINCOUNT rounds
+            # before it sleeps: at the default (300,000) it held a core through OpenBLAS's
+            # prefill GEMMs, which then ran on one. 10,000 still spans the gaps between a
+            # decode step's operations (sleeping there, OMP_WAIT_POLICY=passive, cost 3x):
+            # SmolLM2 prefill ~330 -> ~570 tok/s at 1K, decode unchanged.
+            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
             if "MLX_RANK" in os.environ:  # ranks of a pipeline may share this machine's cores
                 # An idle rank's OpenMP (the native kernel) and OpenBLAS threads would spin
                 # while it waits, starving the rank that computes: a two-rank decode ran

@@ -5,6 +5,7 @@ MLX memory only into a buffer JustFit made; PhaseSwap's hooked classes are its o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -87,6 +88,24 @@ print(json.dumps({"mlx_before_setup": before, "facts": facts(),
     assert out["mlx_before_setup"] is False
     assert out["facts"]["default_stream"] == out["exec_stream"]
     assert out["facts"]["system_openblas"] == (find_openblas() is not None)
+
+
+def test_setup_bounds_the_openmp_spin_before_anything_loads_it_and_keeps_a_users_choice():
+    """Idle OpenMP workers of the native kernels spin 10,000 rounds, not 300,000: at the
+    default they held a core through OpenBLAS's prefill GEMMs (docs/BENCHMARKS.md)."""
+    code = r"""
+import json, os, sys
+from justfit import runtime
+runtime.setup()
+maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
+print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "gomp_loaded_at_setup": "libgomp" in maps}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    run = lambda e: json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
+                                              timeout=120, check=True, env=e).stdout.strip().splitlines()[-1])
+    out = run(env)
+    assert out["spin"] == "10000" and not out["gomp_loaded_at_setup"]  # read when libgomp loads: later
+    assert run({**env, "GOMP_SPINCOUNT": "5"})["spin"] == "5"
 
 
 def test_setup_is_idempotent_and_shares_one_stream_across_threads():
