@@ -22,7 +22,7 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.activations import swiglu
 
 from kvexec import PagedKVCache
-from phaseswap.native import NativeRoPE, kernels
+from phaseswap.native import NativeRoPE, kernels, native_rms_norm
 
 
 def _native_call(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache,
@@ -68,10 +68,8 @@ class NativeGemmaRMSNorm(gemma3_text.RMSNorm):
     (MLX's CPU fallback for mx.fast.rms_norm makes five or six, and 1 + weight one more)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        ext, weight = kernels(), self["weight"]
-        if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or mx.default_device() != mx.cpu:
-            return super().__call__(x)
-        return ext.rms_norm(x, weight, self.eps, weight_offset=1.0)
+        y = native_rms_norm(x, self["weight"], self.eps, weight_offset=1.0)
+        return super().__call__(x) if y is None else y
 
 
 _SILU, _GELU_APPROX = 0, 1  # native/gated.h's kinds

@@ -96,13 +96,13 @@ void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   const int KVH = outputs[1].shape(1);
   encoder.dispatch([=, q = RowMajor{inputs[0]}, k = RowMajor{inputs[1]}, v = RowMajor{inputs[2]},
                     inv = inputs[3].data<float>(), dims = dims_, traditional = traditional_, scale = scale_,
-                    offset = offset_, normed = inputs.size() == 6,
+                    offset = offset_,
                     q_norm = HeadNorm{inputs.size() == 6 ? inputs[4].data<float>() : nullptr, norm_eps_, norm_offset_},
                     k_norm = HeadNorm{inputs.size() == 6 ? inputs[5].data<float>() : nullptr, norm_eps_, norm_offset_}]() mutable {
     std::vector<float> cs, sn;
     rope_angles(inv, L, dims, offset, scale, cs, sn);
-    to_heads(q.data<float>(), ys[0], B, L, H, D, cs.data(), sn.data(), dims, traditional, normed ? &q_norm : nullptr);
-    to_heads(k.data<float>(), ys[1], B, L, KVH, D, cs.data(), sn.data(), dims, traditional, normed ? &k_norm : nullptr);
+    to_heads(q.data<float>(), ys[0], B, L, H, D, cs.data(), sn.data(), dims, traditional, q_norm.weight ? &q_norm : nullptr);
+    to_heads(k.data<float>(), ys[1], B, L, KVH, D, cs.data(), sn.data(), dims, traditional, k_norm.weight ? &k_norm : nullptr);
     to_heads(v.data<float>(), ys[2], B, L, KVH, D, nullptr, nullptr, dims, traditional);
   });
 }

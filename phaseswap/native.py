@@ -38,11 +38,12 @@ def eligible(mod: nn.Module) -> bool:
     """Whether `mod` holds weights the kernel computes: affine 4-, 5-, 6- or 8-bit (a GGUF's
     Q5_0 and Q5_K are 5-bit), groups of 32k."""
     return (isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and getattr(mod, "mode", "affine") == "affine"
-            and mod.bits in getattr(kernels(), "MATVEC_BITS", (4, 8)) and mod.group_size % 32 == 0 and mod.group_size <= 256)
+            and mod.bits in getattr(kernels(), "MATVEC_BITS", (4, 8))
+            and mod.group_size % 32 == 0 and mod.group_size <= 256)
 
 
 def native_dequantize(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
-                mode: str = "affine") -> mx.array | None:
+                      mode: str = "affine") -> mx.array | None:
     """mx.dequantize in float32 through the native kernel (MLX's CPU dequantize unpacks a
     5-bit matrix bit by bit, ~60x slower; 4 and 8 bits ~20x), or None where it does not
     apply. Scales and biases as stored: float16 ones widen exactly."""
@@ -208,15 +209,22 @@ class NativeRoPE(nn.RoPE):
         return self.__dict__["_inv_freqs"]
 
 
+def native_rms_norm(x: mx.array, weight: mx.array, eps: float, weight_offset: float = 0.0) -> mx.array | None:
+    """mx.fast.rms_norm(x, weight + weight_offset, eps) as one native operation, or None
+    where it does not apply (not float32, not the CPU, no kernels)."""
+    ext = kernels()
+    if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return None
+    return ext.rms_norm(x, weight, eps, weight_offset=weight_offset)
+
+
 class NativeRMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose float32 CPU path is the native kernel: one operation where MLX's
     CPU fallback for mx.fast.rms_norm makes five or six."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        ext, weight = kernels(), self["weight"]
-        if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or mx.default_device() != mx.cpu:
-            return super().__call__(x)
-        return ext.rms_norm(x, weight, self.eps)
+        y = native_rms_norm(x, self["weight"], self.eps)
+        return super().__call__(x) if y is None else y
 
 
 _NATIVE_OPS = {nn.RoPE: NativeRoPE, nn.RMSNorm: NativeRMSNorm}
