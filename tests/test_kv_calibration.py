@@ -1,16 +1,17 @@
-"""Per-model KV calibration: the per-layer choice rule, determinism, the cache per
+"""Per-model KV calibration: the allocation of the KL budget over the layers, determinism, the cache per
 model identity, and a calibrated (mixed) configuration the caches and planner follow."""
 
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
 import kvexec
 import kvexec.calibrate as calibrate_mod
 from kvexec import KVConfig, get_format
-from kvexec.calibrate import Calibration, cached_calibration, calibrate, calibrated_config
+from kvexec.calibrate import Calibration, allocate, cached_calibration, calibrate, calibrated_config
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=2,
             num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
@@ -35,21 +36,45 @@ def tiny_model():
     return model
 
 
-def test_calibration_picks_the_smallest_format_within_tolerance_and_is_deterministic(tiny_model):
+def test_calibration_spends_the_kl_budget_within_tolerance_and_is_deterministic(tiny_model):
     a = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=0.05, max_tokens=600)
     b = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=0.05, max_tokens=600)
     assert a == b and len(a.formats) == 3 and a.tokens == 600
     sizes = [get_format(c).bytes_per_token(1, 64) for c in a.candidates]
     assert sizes == sorted(sizes)  # candidates are tried smallest first
     assert a.gain > 0  # the output moved when every layer's pages were quantized
-    allowed = (0.05 / (a.gain * 3)) ** 0.5  # the KL budget split evenly over 3 layers
-    for chosen, errors in zip(a.formats, a.errors):
-        fitting = [c for c in a.candidates if errors[c] <= allowed]
-        assert chosen == (fitting[0] if fitting else a.candidates[-1])
+    # within the KL budget as predicted (gain x summed squared errors), and no layer could
+    # take a smaller candidate and stay within it
+    predicted = lambda formats: a.gain * sum(e[get_format(f).label] ** 2 for f, e in zip(formats, a.errors))  # noqa: E731
+    assert predicted(a.formats) <= 0.05
+    for i, chosen in enumerate(a.formats):
+        for smaller in a.candidates[: a.candidates.index(get_format(chosen).label)]:
+            assert predicted(a.formats[:i] + (smaller,) + a.formats[i + 1:]) > 0.05
     # the errors order the formats as their widths do: 8-bit pages lose least
     assert all(e["q8c"] < e["k4crv3r"] for e in a.errors)
     tight = calibrate(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, tolerance=1e-9, max_tokens=600)
     assert tight.formats == ("q8c",) * 3  # nothing fits: the widest candidate
+
+
+def test_allocate_spends_the_budget_where_a_step_is_cheap():
+    costs, errors = [[1, 2], [1, 2]], [[0.5, 0.05], [0.2, 0.0]]
+    # predicted KL 0.25 + 0.04 fits 0.3 as it is (an even split, sqrt(0.15) = 0.39 a layer,
+    # would have stepped the first layer up)
+    assert allocate(costs, errors, 1.0, 0.3) == [0, 0]
+    assert allocate(costs, errors, 1.0, 0.2) == [1, 0]  # the step that saves most per byte
+    assert allocate(costs, errors, 1.0, 0.01) == [1, 1]
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # within the budget wherever the least errors are, no layer able to step down
+        layers, steps = int(rng.integers(1, 6)), int(rng.integers(2, 5))
+        costs = np.cumsum(rng.uniform(0.1, 1.0, (layers, steps)), axis=1).tolist()
+        errors = np.sort(rng.uniform(0.0, 1.0, (layers, steps)), axis=1)[:, ::-1].tolist()
+        tolerance = float(rng.uniform(0.0, layers * 0.5))
+        picks = allocate(costs, errors, 1.0, tolerance)
+        kl = [e[j] ** 2 for e, j in zip(errors, picks)]
+        if sum(e[-1] ** 2 for e in errors) <= tolerance:
+            assert sum(kl) <= tolerance
+            assert all(sum(kl) - kl[i] + errors[i][j] ** 2 > tolerance for i in range(layers) for j in range(picks[i]))
+    assert allocate([[1, 2]], [[0.5, 0.6]], 1.0, 0.01) == [0]  # nothing fits: the least error
 
 
 def test_calibration_is_cached_per_model_identity(tiny_model, tmp_path, monkeypatch):
