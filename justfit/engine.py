@@ -32,7 +32,7 @@ import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseSwap
 from phaseswap.native import install_ops
-from phaseswap.registry import NATIVE_FORMS, predict_working_bytes
+from phaseswap.predict import NATIVE_FORMS, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 

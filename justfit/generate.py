@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import greedy_sampler
 
-from phaseswap.registry import transformer_body
+from phaseswap.predict import transformer_body
 
 ProgressFn = Callable[[int, int], None]  # (processed, total)
 

@@ -20,7 +20,7 @@ from justfit.memory import tree_bytes, weight_bytes
 from kvexec import KVConfig, ladder, page_bytes_per_token
 from kvexec.segments import allocated_positions
 from phaseswap.policy import default_policy, get_policy
-from phaseswap.registry import predict_resident_bytes, predict_working_bytes
+from phaseswap.predict import predict_resident_bytes, predict_working_bytes
 
 # Allocator slack and small temporaries the terms below do not model: a share of them
 # plus a floor that matters only for tiny models (masks, RoPE tables, small arrays).

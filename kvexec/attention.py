@@ -6,8 +6,7 @@ accumulator) and dropped. Few query rows (decode) are scored straight on the sto
 form (`quantized_matmul` for quantized pages); many rows (prefill chunks) decode the
 block once and use dense GEMMs. Grouped-query heads share their KV head's block.
 
-Numpy writes into MLX-owned memory in one place only, `_softmax_step_numpy`, and
-only into the score buffer this module has just made for that step.
+The online softmax's steps are in kvexec/online.py.
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from kvexec.formats import KVFormat, get_format, rows_kernel, unrotate
 from kvexec.fused import fused_attention
+from kvexec.online import fold_block, softmax, softmax_step, softmax_step_numpy
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
@@ -127,55 +126,11 @@ def _sink_logits(sinks: mx.array, B: int, kvh: int, rep: int, L: int) -> mx.arra
     return mx.broadcast_to(sink, (B, kvh, rep, L, 1)).reshape(B, kvh, rep * L, 1)
 
 
-def _softmax_step(s: mx.array, m: mx.array):
-    """Unnormalized block probabilities against the running max. (mx.compile with
-    shapeless=True crashed MLX 0.32's CPU backend here; per-shape compiles would
-    recompile on every decode step, as the hot window grows.)"""
-    m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-    m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
-    return mx.exp(s - m_safe), mx.exp(m - m_safe), m_new, m_safe
-
-
 def _block_scores(q: mx.array, block: Block, visible, rep: int, L: int, direct: bool) -> mx.array:
     """The block's masked scores, [B, kvh, rep * L, n]: a new array only the caller
-    holds (`_softmax_step_numpy` may overwrite it)."""
+    holds (`softmax_step_numpy` may overwrite it)."""
     s = block.fmt.keys.scores(q, block.keys) if direct else q @ block.fmt.keys.decode(block.keys).swapaxes(-1, -2)
     return _masked(s, visible, rep, L)
-
-
-def _softmax_step_numpy(s: mx.array, m: mx.array):
-    """`_softmax_step` for large score blocks on the CPU backend: MLX's CPU `exp` is
-    scalar, numpy's vectorized one far faster, and at long prefill the exponentials are
-    most of attention's time.
-
-    The one place JustFit writes into MLX-owned memory: the probabilities overwrite
-    `s` in place, through numpy (a copy into a new MLX array would cost more than the
-    exponentials, and an MLX subtraction into a new one slows prefill attention).
-    `s` must be a buffer `_block_scores` just made and handed over, read by nothing
-    else, before or after; anything else (a view, a read-only buffer) takes the MLX path."""
-    mx.eval(s, m)
-    s_np, m_np = np.asarray(s), np.asarray(m)
-    if not (s_np.flags.c_contiguous and s_np.flags.writeable):
-        return _softmax_step(s, m)
-    m_new = np.maximum(m_np, s_np.max(axis=-1, keepdims=True))
-    m_safe = np.where(m_new == -np.inf, np.float32(0), m_new)
-    np.subtract(s_np, m_safe, out=s_np)
-    np.exp(s_np, out=s_np)
-    corr = np.exp(m_np - m_safe)
-    return s, mx.array(corr), mx.array(m_new), mx.array(m_safe)
-
-
-def _softmax(s: mx.array) -> mx.array:
-    """Softmax over the last axis in float32: the native kernel on the CPU (MLX's CPU
-    softmax takes its exponentials one at a time: at 8K decode most of attention)."""
-    ext = rows_kernel()
-    if ext is not None and hasattr(ext, "softmax") and s.dtype == mx.float32:
-        return ext.softmax(s)
-    return mx.softmax(s, axis=-1, precise=True)
-
-
-def _fold(l: mx.array, acc: mx.array, corr: mx.array, p: mx.array, pv: mx.array):
-    return l * corr + p.sum(axis=-1, keepdims=True), acc * corr + pv
 
 
 def blockwise_attention(
@@ -242,11 +197,11 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
             l, acc = l * corr + rows, acc * corr + pv
         else:
             visible = _visibility(q_start, L, block.start, n, window)
-            step = _softmax_step_numpy if big and _on_cpu() else _softmax_step
+            step = softmax_step_numpy if big and _on_cpu() else softmax_step
             # The scores go straight into the step: no name here outlives the numpy overwrite.
             p, corr, m_new, m_safe = step(_block_scores(q, block, visible, rep, L, direct), m)
             pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
-            l, acc = _fold(l, acc, corr, p, pv)
+            l, acc = fold_block(l, acc, corr, p, pv)
         m = m_new
         if observe is not None:
             seen.append((block, p.sum(axis=-1, keepdims=True), m_safe))
@@ -290,7 +245,7 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
         raise ValueError("no key is visible to these queries")
     if sinks is not None:  # a per-head logit that takes probability mass, no value
         scores.append(_sink_logits(sinks, B, kvh, rep, L))
-    p = _softmax(mx.concatenate(scores, axis=-1))
+    p = softmax(mx.concatenate(scores, axis=-1))
     sums, offset = {}, 0  # rotated values or not -> sum of p V over those blocks
     for block in used:
         pb = p[..., offset:offset + block.length]

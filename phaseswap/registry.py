@@ -23,10 +23,8 @@ from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, 
                              set_module, to_dense, to_grouped, to_q8t)
 
 from phaseswap.native import eligible, is_native, join_siblings, to_native
+from phaseswap.predict import NATIVE_FORMS, model_body, split_head
 
-# native: the stored weights where the native kernel computes them, q8t where it cannot;
-# native-int16 / native-int8 the same, their products on activations rounded to 16 / 8 bits.
-NATIVE_FORMS = {"native": 32, "native-int16": 16, "native-int8": 8}  # form -> activation bits
 RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", *NATIVE_FORMS)
 CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense,
            **{form: lambda mod, bits=bits: to_native(mod, bits) or to_q8t(mod) for form, bits in NATIVE_FORMS.items()}}
@@ -83,67 +81,6 @@ class Counters:
         return Counters(**{k: v - getattr(before, k) for k, v in vars(self).items()})
 
 
-# Bytes per weight of a linear converted to each resident form (see forms.py).
-_BYTES_PER_WEIGHT = {"q8t": 1 + 8 / Q8T_GROUP, "grouped": 1.5, "dense": 4.0,
-                     **{form: 1 + 8 / Q8T_GROUP for form in NATIVE_FORMS}}
-
-
-def predict_resident_bytes(model: nn.Module, form: str, dtype: mx.Dtype | None = None) -> int:
-    """What `Registry.build(model, form, dtype)` will hold, from shapes alone (nothing
-    is converted or read): lets a caller pick a form before paying for one."""
-    def nbytes(a: mx.array) -> int:
-        floating = dtype is not None and mx.issubdtype(a.dtype, mx.floating)
-        return a.size * (dtype.size if floating else a.dtype.size)
-
-    total = sum(nbytes(v) for _, v in tree_flatten(model.parameters()))
-    if form == "stored":
-        return total
-    per_weight = _BYTES_PER_WEIGHT[form]
-    body = _body(model)
-    linears = [m for _, m in model.named_modules() if is_linear(m)]
-    embed = body.embed_tokens
-    stored = {id(m): m for m in (*linears, embed) if form in NATIVE_FORMS and eligible(m)}
-    for mod in stored.values():  # held as stored, scales and biases too
-        total -= sum(nbytes(mod[k]) - mod[k].nbytes for k in ("scales", "biases"))
-    for mod in (m for m in linears if id(m) not in stored):
-        weights = dense_bytes(mod) // 4 - (mod["bias"].size if "bias" in mod else 0)
-        total += int(weights * per_weight) - sum(nbytes(v) for k, v in tree_flatten(mod.parameters())
-                                                 if k != "bias")
-    if not isinstance(getattr(model, "lm_head", None), nn.Module) and _split_head(form, embed):
-        total += int(dense_bytes(embed) // 4 * per_weight)  # the tied head's own form
-    if form == "dense":  # the embedding too
-        total += dense_bytes(embed) - sum(nbytes(v) for _, v in tree_flatten(embed.parameters()))
-    return total
-
-
-def _split_head(form: str, embed: nn.Module) -> bool:
-    """Whether a tied output head gets its own decode form (q8t) apart from the lookup table."""
-    return form in ("q8t", "grouped") or (form in NATIVE_FORMS and not eligible(embed))
-
-
-def predict_working_bytes(model: nn.Module) -> int:
-    """The largest dense working copy of one layer (what a prefill lease adds)."""
-    return max((sum(dense_bytes(m) for _, m in layer.named_modules() if is_linear(m))
-                for layer in _body(model).layers), default=0)
-
-
-def transformer_body(model: nn.Module) -> nn.Module | None:
-    """The transformer under the output head (`model.model`, with `embed_tokens` and a
-    list of `layers`), or None when the model is not shaped so."""
-    inner = getattr(model, "model", None)
-    if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list) \
-            and isinstance(getattr(inner, "embed_tokens", None), nn.Module):
-        return inner
-    return None
-
-
-def _body(model: nn.Module) -> nn.Module:
-    body = transformer_body(model)
-    if body is None:
-        raise ValueError(f"{type(model).__name__}: PhaseSwap needs model.model.{{embed_tokens, layers}}")
-    return body
-
-
 @dataclass
 class Registry:
     """The components of one model and the memory they hold."""
@@ -165,13 +102,13 @@ class Registry:
         if resident_form not in RESIDENT_FORMS:
             raise ValueError(f"resident form must be one of {RESIDENT_FORMS}, not {resident_form!r}")
         reg = cls(model, resident_form, offload_to)
-        body = _body(model)
+        body = model_body(model)
         comps = [Component("embed", "embed", body, "embed_tokens")]
         comps += [Component(f"layer.{i}", "layer", body, f"layers.{i}") for i, layer in enumerate(body.layers)
                   if tree_flatten(layer.parameters())]  # none: held elsewhere (a pipeline's stand-in)
         if isinstance(getattr(model, "lm_head", None), nn.Module):
             comps.append(Component("head", "head", model, "lm_head"))
-        elif _split_head(resident_form, body.embed_tokens) and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
+        elif split_head(resident_form, body.embed_tokens) and body.embed_tokens.weight.shape[0] % Q8T_GROUP == 0:
             # tied: the head gets its own decode form (in _convert)
             body.embed_tokens = TiedEmbedding(body.embed_tokens, body.embed_tokens)
             comps[0].scope = "embed_tokens.lookup"

@@ -9,7 +9,7 @@ from justfit.config import EngineConfig
 from justfit.memory import weight_bytes
 from justfit.models import load
 from justfit.planner import MIN_PREFILL_CHUNK
-from phaseswap.registry import predict_resident_bytes, predict_working_bytes
+from phaseswap.predict import predict_resident_bytes, predict_working_bytes
 from tests.tiny_models import write_mlx_folder
 
 

@@ -139,8 +139,8 @@ def test_numpy_softmax_step_writes_only_its_own_scores(monkeypatch):
     mx.eval(q, [b.keys for b in blocks], [b.values for b in blocks])
     inputs = [np.array(a) for a in (q, *(b.keys["x"] for b in blocks), *(b.values["x"] for b in blocks))]
     calls = []
-    real_step = attention._softmax_step_numpy
-    monkeypatch.setattr(attention, "_softmax_step_numpy", lambda s, m: calls.append(s.shape) or real_step(s, m))
+    real_step = attention.softmax_step_numpy
+    monkeypatch.setattr(attention, "softmax_step_numpy", lambda s, m: calls.append(s.shape) or real_step(s, m))
     with_numpy = attention.blockwise_attention(q, blocks, 2048 - 256, 32 ** -0.5)
     mx.eval(with_numpy)
     assert calls and calls[0][-1] == 2048  # the two blocks merged, 1M scores: the numpy step ran
