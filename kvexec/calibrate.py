@@ -41,7 +41,11 @@ from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
 VERSION = 4  # bump when the procedure changes: cached results of older ones are ignored
 # Smallest first is not required: candidates are ordered by bytes per position.
 CANDIDATES = ("k4a128v4r64", "k5a128v4r64", "k5a128v5r64", "k6a128v5r64", "k6a128v6r64", "k8c128v6r64", "q8c")
-TOLERANCE = 1e-3  # output KL (nats per token) all layers' pages together may add, in LAYOUT
+# Output KL (nats per token) all layers' pages together may add, in LAYOUT. Swept over
+# 1e-3, 9e-4 and 8e-4 (docs/BENCHMARKS.md): 9e-4 is the largest whose choice held
+# top-1 >= 99%, KL <= 1e-3 and perplexity within 0.5% on SmolLM2 at 4K and Gemma 3 at
+# 8K and 16K (1e-3 gave Gemma 3 98.94% at 16K).
+TOLERANCE = 9e-4
 # Every position but the sinks in pages: the harshest layout a long context has.
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4)
 TEXT = Path(__file__).with_name("calibration_text.txt")
