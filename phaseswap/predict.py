@@ -69,6 +69,7 @@ def transformer_body(model: nn.Module) -> nn.Module | None:
 
 
 def model_body(model: nn.Module) -> nn.Module:
+    """`transformer_body(model)`, or a clear error where the model is not shaped so."""
     body = transformer_body(model)
     if body is None:
         raise ValueError(f"{type(model).__name__}: PhaseSwap needs model.model.{{embed_tokens, layers}}")
