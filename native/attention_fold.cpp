@@ -21,11 +21,6 @@ namespace {
 
 constexpr int kRowsPerTask = 32, kKeysPerTile = 64;
 
-struct Mask {
-  int L, q_start, k_start, window;
-  int qpos(int r) const { return q_start + r % L; }
-};
-
 // S[i][j] = Q[i] . K[j] for rows [0, rows) (a multiple of 4) and the tile's keys (a
 // multiple of 16), KT [D][ld] the tile's keys transposed.
 void scores(const float* Q, const float* KT, size_t ld, float* S, int rows, int D, int nt) {
@@ -90,7 +85,7 @@ void weighted(const float* P, const float* V, float* O, int rows, int D, int nt)
 
 // One task's rows against every tile of the block; kt: the head's keys transposed, [D][ld].
 void fold_task(const float* q, const float* kt, size_t ld, const float* v, float* m, float* l, float* o, int rows, int D,
-               int n, const Mask& mask, int r0, std::vector<float>& room) {
+               int n, const BlockMask& mask, int r0, std::vector<float>& room) {
   const int padded = (rows + 3) / 4 * 4;
   room.assign(static_cast<size_t>(padded) * D + static_cast<size_t>(padded) * kKeysPerTile +
                   static_cast<size_t>(padded) * D, 0.f);
@@ -140,23 +135,18 @@ std::vector<mx::array> attention_fold(const mx::array& q, const mx::array& k, co
     throw std::invalid_argument("attention_fold: m and l must be [B, kv_heads, rows, 1], acc q's shape");
   if (L <= 0 || R % L != 0) throw std::invalid_argument("attention_fold: q's rows must be a multiple of L");
   return mx::array::make_arrays({rows, rows, q.shape()}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<AttentionFold>(mx::to_stream(s), L, q_start, k_start, window),
+                                std::make_shared<AttentionFold>(mx::to_stream(s), BlockMask{L, q_start, k_start, window}),
                                 {q, k, v, m, l, acc});
 }
 
 void AttentionFold::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) encoder.set_input_array(a);
-  for (auto& a : outputs) {
-    a.set_data(mx::allocator::malloc(a.nbytes()));
-    encoder.set_output_array(a);
-  }
+  auto& encoder = begin_cpu(stream(), inputs, outputs);
   const auto& q = inputs[0];
   const int heads = q.shape(0) * q.shape(1), R = q.shape(2), D = q.shape(3), n = inputs[1].shape(2);
   encoder.dispatch([qs = RowMajor{q}, ks = RowMajor{inputs[1]}, vs = RowMajor{inputs[2]}, ms = RowMajor{inputs[3]},
                     ls = RowMajor{inputs[4]}, as = RowMajor{inputs[5]}, m_out = outputs[0].data<float>(),
                     l_out = outputs[1].data<float>(), o_out = outputs[2].data<float>(), heads, R, D, n,
-                    mask = Mask{L_, q_start_, k_start_, window_}]() mutable {
+                    mask = mask_]() mutable {
     const float* qp = qs.data<float>();
     const float* kp = ks.data<float>();
     const float* vp = vs.data<float>();
@@ -191,7 +181,7 @@ void AttentionFold::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 
 bool AttentionFold::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const AttentionFold&>(other);
-  return L_ == o.L_ && q_start_ == o.q_start_ && k_start_ == o.k_start_ && window_ == o.window_;
+  return mask_ == o.mask_;
 }
 
 }  // namespace justfit

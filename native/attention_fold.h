@@ -9,6 +9,7 @@
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "softmax.h"
 
 namespace justfit {
 
@@ -26,8 +27,7 @@ std::vector<mx::array> attention_fold(const mx::array& q, const mx::array& k, co
 
 class AttentionFold : public mx::Primitive {
  public:
-  AttentionFold(mx::Stream stream, int L, int q_start, int k_start, int window)
-      : mx::Primitive(stream), L_(L), q_start_(q_start), k_start_(k_start), window_(window) {}
+  AttentionFold(mx::Stream stream, BlockMask mask) : mx::Primitive(stream), mask_(mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -35,7 +35,7 @@ class AttentionFold : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  int L_, q_start_, k_start_, window_;
+  BlockMask mask_;
 };
 
 }  // namespace justfit

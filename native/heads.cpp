@@ -84,14 +84,9 @@ std::vector<mx::array> rope_heads(const mx::array& q, const mx::array& k, const 
 }
 
 void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) encoder.set_input_array(a);
+  auto& encoder = begin_cpu(stream(), inputs, outputs);
   std::vector<float*> ys;
-  for (auto& y : outputs) {
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    encoder.set_output_array(y);
-    ys.push_back(y.data<float>());
-  }
+  for (auto& y : outputs) ys.push_back(y.data<float>());
   const int B = outputs[0].shape(0), H = outputs[0].shape(1), L = outputs[0].shape(2), D = outputs[0].shape(3);
   const int KVH = outputs[1].shape(1);
   encoder.dispatch([=, q = RowMajor{inputs[0]}, k = RowMajor{inputs[1]}, v = RowMajor{inputs[2]},

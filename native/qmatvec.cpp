@@ -203,12 +203,7 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<m
 
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& x = inputs[0];
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) encoder.set_input_array(a);
-  for (auto& y : outputs) {
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    encoder.set_output_array(y);
-  }
+  auto& encoder = begin_cpu(stream(), inputs, outputs);
   const int in = x.shape(-1), rows = x.size() / in;
   const int gs = group_size_, activation_bits = activation_bits_;
   const std::vector<int> widths = widths_;

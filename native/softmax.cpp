@@ -116,25 +116,22 @@ std::vector<mx::array> softmax_step(const mx::array& s, const mx::array& m, int 
   if (L <= 0 || s.shape(-2) % L != 0) throw std::invalid_argument("softmax_step: s's rows must be a multiple of L");
   return mx::array::make_arrays({s.shape(), row_shape, row_shape, row_shape},
                                 {mx::float32, mx::float32, mx::float32, mx::float32},
-                                std::make_shared<SoftmaxStep>(mx::to_stream(stream), L, q_start, k_start, window), {s, m});
+                                std::make_shared<SoftmaxStep>(mx::to_stream(stream), BlockMask{L, q_start, k_start, window}), {s, m});
 }
 
 void SoftmaxStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto& encoder = begin_cpu(stream(), inputs, outputs);
   const auto& s = inputs[0];
-  for (auto& a : outputs) a.set_data(mx::allocator::malloc(a.nbytes()));
-  for (auto& a : inputs) encoder.set_input_array(a);
-  for (auto& a : outputs) encoder.set_output_array(a);
   encoder.dispatch([sr = RowMajor{s}, mr = RowMajor{inputs[1]}, p = outputs[0].data<float>(),
                     corr = outputs[1].data<float>(), m_new = outputs[2].data<float>(),
                     rowsum = outputs[3].data<float>(), n = s.shape(-1), rows = s.size() / s.shape(-1),
-                    per = s.shape(-2), L = L_, q_start = q_start_, k_start = k_start_, window = window_]() mutable {
+                    per = s.shape(-2), mask = mask_]() mutable {
     const float* sp = sr.data<float>();
     const float* mp = mr.data<float>();
 #pragma omp parallel for schedule(static) if (static_cast<long>(rows) * n >= (1 << 16))
     for (long r = 0; r < static_cast<long>(rows); ++r) {
       int lo, hi;
-      visible_run(q_start + static_cast<int>(r % per) % L, k_start, window, n, lo, hi);
+      visible_run(mask.qpos(r % per), mask.k_start, mask.window, n, lo, hi);
       step_row(sp + r * n, p + r * n, lo, hi, n, mp[r], corr + r, m_new + r, rowsum + r);
     }
   });
@@ -146,7 +143,7 @@ void SoftmaxStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 
 bool SoftmaxStep::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const SoftmaxStep&>(other);
-  return L_ == o.L_ && q_start_ == o.q_start_ && k_start_ == o.k_start_ && window_ == o.window_;
+  return mask_ == o.mask_;
 }
 
 }  // namespace justfit

@@ -37,6 +37,15 @@ class Softmax : public mx::Primitive {
 std::vector<mx::array> softmax_step(const mx::array& s, const mx::array& m, int L, int q_start, int k_start,
                                     int window, mx::StreamOrDevice stream = {});
 
+// Which keys each query row of a block sees: a head's rows are L queries (repeated per
+// head of a group) from position q_start, the block's keys start at k_start; keys later
+// than the query, or with window > 0 `window` or more positions earlier, are masked.
+struct BlockMask {
+  int L, q_start, k_start, window;
+  int qpos(long row) const { return q_start + static_cast<int>(row % L); }  // row within its head
+  bool operator==(const BlockMask&) const = default;
+};
+
 // The keys a query at qpos sees among n starting at k_start: one run [lo, hi) (not later
 // than the query; with window > 0, fewer than `window` positions earlier).
 void visible_run(int qpos, int k_start, int window, int n, int& lo, int& hi);
@@ -47,8 +56,7 @@ void step_row(const float* s, float* p, int lo, int hi, int n, float m, float* c
 
 class SoftmaxStep : public mx::Primitive {
  public:
-  SoftmaxStep(mx::Stream stream, int L, int q_start, int k_start, int window)
-      : mx::Primitive(stream), L_(L), q_start_(q_start), k_start_(k_start), window_(window) {}
+  SoftmaxStep(mx::Stream stream, BlockMask mask) : mx::Primitive(stream), mask_(mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -56,7 +64,7 @@ class SoftmaxStep : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  int L_, q_start_, k_start_, window_;
+  BlockMask mask_;
 };
 
 }  // namespace justfit

@@ -14,7 +14,7 @@
 
 namespace justfit {
 
-// A primitive's single float32 output allocated and every array registered with the
+// A primitive's single output allocated and every array registered with the
 // stream's CPU encoder, which is returned for the kernel's dispatch.
 inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
                                                  mlx::core::array& out) {
@@ -22,6 +22,18 @@ inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const
   auto& encoder = mlx::core::cpu::get_command_encoder(stream);
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
+  return encoder;
+}
+
+// The same for a primitive with several outputs.
+inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
+                                                 std::vector<mlx::core::array>& outputs) {
+  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& out : outputs) {
+    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
   return encoder;
 }
 
