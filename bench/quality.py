@@ -99,16 +99,20 @@ def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 51
                                                       engine.kv_shape)})
         if f != "reference" and configs[f].layer_formats:
             out[-1]["layer_formats"] = layer_summary(configs[f].layer_formats)
+            growing = [i for i, c in enumerate(c for c in caches[f] if isinstance(c, kvexec.PagedKVCache))
+                       if c.store.window is None]
+            out[-1]["bits_per_value_growing"] = _bits_per_value(configs[f], engine.kv_shape, growing)
         if "@" in f:  # where the ladder left the pages: positions per format, all layers
             out[-1]["kv_formats"] = kvexec.page_formats(caches[f])
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
 
-def _bits_per_value(kv: KVConfig, kv_shape: tuple[int, int, int]) -> float | None:
+def _bits_per_value(kv: KVConfig, kv_shape: tuple[int, int, int], layers=None) -> float | None:
     """Page storage bits per K or V value, every scale, bias and norm included, over the
-    layers (for `FMT@SHARE`, FMT's before any page steps down; the reference's: fp32 or fp16)."""
-    return 8 * kvexec.page_bytes_per_token(kv, kv_shape[1], kv_shape[2]) / (2 * kv_shape[1] * kv_shape[2])
+    layers (`layers`: those attention layers; for `FMT@SHARE`, FMT's before any page steps
+    down; the reference's: fp32 or fp16)."""
+    return 8 * kvexec.page_bytes_per_token(kv, kv_shape[1], kv_shape[2], layers) / (2 * kv_shape[1] * kv_shape[2])
 
 
 def requested(spec: str) -> KVConfig:

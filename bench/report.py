@@ -40,9 +40,12 @@ def quality_markdown(result: dict) -> str:
     def num(r: dict, k: str, fmt: str) -> str:
         return format(r[k], fmt) if k in r else ""
 
-    return _table("KV fidelity", result, "system:l | format:l | bits/value:r | tokens / context:r | top-1:r | KL:r | "
-                  "ppl:r | ppl delta:r | pass-key:r", "format", lambda r: [
+    # bits/value over every layer, and over the layers holding every position where
+    # sliding-window layers (whose pages stop at the window) have other formats
+    return _table("KV fidelity", result, "system:l | format:l | bits/value:r | bits/value, full layers:r | "
+                  "tokens / context:r | top-1:r | KL:r | ppl:r | ppl delta:r | pass-key:r", "format", lambda r: [
                       r["system"], r.get("format", ""), num(r, "bits_per_value", ".3f"),
+                      num(r, "bits_per_value_growing", ".3f"),
                       str(r.get("tokens", r.get("context", ""))),
                       num(r, "top1", ".4f"), num(r, "kl", ".2e"), num(r, "ppl", ".3f"), num(r, "ppl_delta", "+.3%"),
                       f"{r['passkey_hits']}/{r['passkey_trials']}" if "passkey_hits" in r else ""])

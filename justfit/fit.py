@@ -27,7 +27,7 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         probe = engine.footprint(1, kv=kv, chunk=MIN_PREFILL_CHUNK)
         rows.append({
             "format": name,
-            "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
+            "bytes_per_position": probe.shape.bytes_per_position,
             "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
             "max_positions_offloaded": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK).max_positions(budget),

@@ -138,7 +138,7 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
         fkv = None if name is None else replace(kv or KVConfig(), format=name, layer_formats=())
         probe = _footprint(s, 1, bits, fkv, act_bytes)
         rows.append({"format": name or "mlx-lm",
-                     "bytes_per_position": probe.shape.page_row * (probe.shape.full_layers + len(probe.shape.windows)),
+                     "bytes_per_position": probe.shape.bytes_per_position,
                      "max_positions": probe.max_positions(budget),
                      "max_positions_offloaded": _footprint(s, 1, bits, fkv, act_bytes, True).max_positions(budget)})
     report = {"model_type": s.model_type, "params": s.params, "bits": bits, "budget": budget,

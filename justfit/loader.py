@@ -72,7 +72,8 @@ def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[
         phase = contextlib.nullcontext()
     try:
         with phase:
-            return cached_calibration(probe.model, probe.tokenizer, name, cache_dir, candidates, tolerance)
+            context = probe.config.get("text_config", probe.config).get("max_position_embeddings")
+            return cached_calibration(probe.model, probe.tokenizer, name, cache_dir, candidates, tolerance, context)
     finally:
         del probe
         trim_heap()

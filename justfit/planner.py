@@ -44,6 +44,7 @@ class _Shape:
     state_bytes: int  # constant per-sequence state (recurrent layers)
     kv_row: int  # bytes of K+V for one position in one layer, full precision
     page_row: float  # the same in the page format (== kv_row without KVExec)
+    window_row: float  # page_row of a sliding layer (per-layer formats may differ by kind)
     top_row: float  # == page_row, or under pressure the page format's (the segment being filled)
     full_tokens: int  # positions per layer held in full precision (sinks, hot window + chunk)
     rest_tokens: int  # the same between requests (sinks and the hot window)
@@ -56,6 +57,11 @@ class _Shape:
     vocab: int
     chunk: int
     act_bytes: int
+
+    @property
+    def bytes_per_position(self) -> float:
+        """Page bytes one more position adds over every attention layer (before a window fills)."""
+        return self.page_row * self.full_layers + self.window_row * len(self.windows)
 
 
 @dataclass(frozen=True)
@@ -108,13 +114,16 @@ class Footprint:
                 "transient": self.transient, "reserve": self.reserve, "total": self.total}
 
 
-def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None) -> tuple[float, float]:
+def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None, sliding: bool = False) -> tuple[float, float]:
     """(full-precision bytes, page bytes) of one layer holding `held` positions, of
-    which up to `full_tokens` (default: during prefill) in full precision."""
+    which up to `full_tokens` (default: during prefill) in full precision; `sliding`: a
+    sliding-window layer (its own page row; its ring's pages never step down)."""
     full = min(held, s.full_tokens if full_tokens is None else full_tokens)
     paged = held - full
     if s.block_tokens is not None and paged:  # segments are allocated ahead of use
         paged = allocated_positions(paged, s.page_tokens, s.block_tokens)
+    if sliding:
+        return full * s.kv_row, paged * s.window_row
     tail = min(paged, s.block_tokens or 0)  # the segment being filled keeps the page format
     return full * s.kv_row, paged * s.page_row + tail * (s.top_row - s.page_row)
 
@@ -128,7 +137,7 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     # fewer bytes in all, but more of them in pages (what a page limit must allow).
     rest = _layer_kv(s, held, s.rest_tokens)[1]
     # A sliding layer holds its window plus at most one chunk, one page and the hot window.
-    kv += sum(sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens))) for w in s.windows)
+    kv += sum(sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens), sliding=True)) for w in s.windows)
     keys = positions if s.block_tokens is None else min(positions, s.block_tokens)
     scores = chunk * s.heads * keys * 4 * 2  # scores and their exponentials
     blocks = 0 if s.block_tokens is None else 2 * keys * s.kv_row
@@ -168,9 +177,10 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
     act_bytes = act_bytes or (4 if _is_fp32(model) else 2)
-    full, windows, state = 0, [], 0
+    full, windows, window_layers, state = 0, [], [], 0
     for c in make_prompt_cache(model):
         if isinstance(c, RotatingKVCache):
+            window_layers.append(full + len(windows))  # its index among the attention layers
             windows.append(c.max_size)
         elif isinstance(c, KVCache):
             full += 1
@@ -180,23 +190,31 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
                             intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
                             weights=weight_bytes(model) if weights is None else weights, working=working,
-                            chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed)
+                            chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
+                            window_layers=tuple(window_layers))
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
                      kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int, weights: int,
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
-                     pressed: bool = False) -> Footprint:
+                     pressed: bool = False, window_layers: tuple[int, ...] = ()) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
-    --config` plans a model with before its weights are downloaded."""
+    --config` plans a model with before its weights are downloaded. `window_layers`:
+    the attention-layer indices of the sliding layers, where `kv` has per-layer formats
+    (calibration gives the two kinds different ones: a window's bytes do not grow)."""
     kv_row = 2 * kv_heads * head_dim * act_bytes
     if kv is None:
         page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
         rest_tokens = 0
-        top_row = page_row
+        top_row = window_row = page_row
     else:
-        top_row = page_bytes_per_token(kv, kv_heads, head_dim)
-        page_row = _pressed_row(kv, kv_heads, head_dim) if pressed else top_row
+        full, sliding = None, None  # every layer's formats, unless they split by kind
+        if kv.layer_formats and window_layers and len(kv.layer_formats) == full_layers + len(windows):
+            sliding = window_layers
+            full = tuple(sorted(set(range(len(kv.layer_formats))) - set(window_layers)))
+        top_row = page_bytes_per_token(kv, kv_heads, head_dim, full)
+        window_row = page_bytes_per_token(kv, kv_heads, head_dim, sliding)
+        page_row = _pressed_row(kv, kv_heads, head_dim, full) if pressed else top_row
         # The hot window's buffer also holds the last chunk appended until the next one.
         full_tokens = kv.sink_tokens + kv.hot_window + kv.page_size + chunk
         rest_tokens = kv.sink_tokens + kv.hot_window
@@ -204,7 +222,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         retain = kv.max_positions
     shape = _Shape(
         weights=weights, working=working, full_layers=full_layers, windows=tuple(windows), state_bytes=state_bytes,
-        kv_row=kv_row, page_row=page_row, top_row=top_row, full_tokens=full_tokens, rest_tokens=rest_tokens, page_tokens=page, block_tokens=block, retain=retain,
+        kv_row=kv_row, page_row=page_row, window_row=window_row, top_row=top_row, full_tokens=full_tokens, rest_tokens=rest_tokens, page_tokens=page, block_tokens=block, retain=retain,
         heads=heads, hidden=hidden,
         intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes,
@@ -212,10 +230,15 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
     return _estimate(shape, positions)
 
 
-def _pressed_row(kv: KVConfig, kv_heads: int, head_dim: int) -> float:
-    """Page bytes per position per layer once every page has stepped down its layer's
-    ladder (each layer's ladder starts at its own format in a calibrated config)."""
+def _pressed_row(kv: KVConfig, kv_heads: int, head_dim: int, layers=None) -> float:
+    """Page bytes per position per layer (of `layers`; None: all) once every page has
+    stepped down its layer's ladder (each layer's ladder starts at its own format in a
+    calibrated config)."""
     names = kv.layer_formats or (kv.format,)
+    if kv.layer_formats and layers is not None:
+        names = tuple(names[i] for i in layers)
+    if not names:
+        return 0.0
     last = [ladder(replace(kv, format=f, layer_formats=()), head_dim)[-1] for f in names]
     return sum(f.bytes_per_token(kv_heads, head_dim) for f in last) / len(last)
 

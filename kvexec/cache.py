@@ -167,10 +167,15 @@ def for_head_dim(config: KVConfig, head_dim: int) -> KVConfig:
     return replace(config, format="fp16", layer_formats=())
 
 
-def page_bytes_per_token(config: KVConfig, kv_heads: int, head_dim: int) -> float:
+def page_bytes_per_token(config: KVConfig, kv_heads: int, head_dim: int, layers=None) -> float:
     """Page bytes of one position in one layer: the format's, or with per-layer
-    formats (a calibrated configuration) their mean, so layers x this is exact."""
+    formats (a calibrated configuration) their mean over `layers` (attention-layer
+    indices; None: all), so len(layers) x this is exact for those layers."""
     names = config.layer_formats or (config.format,)
+    if config.layer_formats and layers is not None:
+        names = tuple(names[i] for i in layers)
+    if not names:
+        return 0.0
     return sum(get_format(f).bytes_per_token(kv_heads, head_dim) for f in names) / len(names)
 
 

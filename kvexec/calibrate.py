@@ -16,9 +16,13 @@ budget, the layer whose next step buys the most predicted KL per byte steps up; 
 layer that can step back down within the budget does. (Splitting the budget evenly,
 each layer held to the same error, chose 0.3-0.4 more bits per value at the same
 budget on SmolLM2 and Gemma 3: its discrete steps left most layers well under their
-share.) The result is deterministic (a fixed text, a fixed layout, a CPU pass); the
-measurement is cached per model identity and candidates (any tolerance chooses from it),
-so only a model's first load pays (10 s for SmolLM2, 35 s for Gemma 3 on a 2-core CPU).
+share.) A byte counts at the model's trained context: a sliding-window layer's pages
+stop growing at its window, so its bytes count window / context of a full layer's
+(Gemma 3: 512 / 32,768); its steps up come almost free, and the budget decides the
+formats of the full layers, which hold every position of a long context. The result
+is deterministic (a fixed text, a fixed layout, a CPU pass); the measurement is cached
+per model identity and candidates (any tolerance chooses from it), so only a model's
+first load pays (10 s for SmolLM2, 35 s for Gemma 3 on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ from kvexec.config import KVConfig
 from kvexec.formats import get_format
 from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
 
-VERSION = 4  # bump when the procedure changes: cached results of older ones are ignored
+VERSION = 5  # bump when the procedure changes: cached results of older ones are ignored
 # Smallest first is not required: candidates are ordered by bytes per position.
 CANDIDATES = ("k4a128v4r64", "k5a128v4r64", "k5a128v5r64", "k6a128v5r64", "k6a128v6r64", "k8c128v6r64", "q8c")
-# Output KL (nats per token) all layers' pages together may add, in LAYOUT. Swept over
-# 1e-3, 9e-4 and 8e-4 (docs/BENCHMARKS.md): 9e-4 is the largest whose choice held
-# top-1 >= 99%, KL <= 1e-3 and perplexity within 0.5% on SmolLM2 at 4K and Gemma 3 at
-# 8K and 16K (1e-3 gave Gemma 3 98.94% at 16K).
-TOLERANCE = 9e-4
+# Output KL (nats per token) all layers' pages together may add, in LAYOUT. Swept from
+# 4e-4 to 2.5e-3 (docs/BENCHMARKS.md): 8e-4 is the largest whose choice held top-1 >= 99%,
+# KL <= 1e-3 and perplexity within 0.5% on SmolLM2 at 4K and Gemma 3 at 8K and 16K
+# (9e-4 gave Gemma 3 98.90% at 8K; SmolLM2 alone held to 2e-3).
+TOLERANCE = 8e-4
 # Every position but the sinks in pages: the harshest layout a long context has.
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4)
 TEXT = Path(__file__).with_name("calibration_text.txt")
@@ -62,10 +66,14 @@ class Calibration:
     candidates: tuple[str, ...]
     tokens: int
     gain: float = 0.0  # output KL per summed squared attention error (see module doc)
+    shares: tuple[float, ...] = ()  # per layer, the share of the trained context it holds (empty: all 1)
 
-    def bits_per_value(self, kv_heads: int, head_dim: int) -> float:
-        """Mean storage bits per K or V value over the layers, metadata included."""
-        return sum(get_format(f).bits_per_value(kv_heads, head_dim) for f in self.formats) / len(self.formats)
+    def bits_per_value(self, kv_heads: int, head_dim: int, growing: bool = False) -> float:
+        """Mean storage bits per K or V value over the layers, metadata included; `growing`:
+        over the layers that hold every position (share 1), what a long context adds."""
+        formats = [f for f, s in zip(self.formats, self.shares or (1.0,) * len(self.formats))
+                   if not growing or s >= 1.0] or list(self.formats)
+        return sum(get_format(f).bits_per_value(kv_heads, head_dim) for f in formats) / len(formats)
 
     def summary(self) -> str:
         """e.g. "k5a128v4r64 x20, q8c x10" in first-layer order (allocated widths left out)."""
@@ -118,14 +126,18 @@ class Measurement:
     tokens: int
     gain: float  # output KL per summed squared attention error
     head_dim: int  # what the candidates' bytes per position are counted at
+    shares: tuple[float, ...]  # per layer, min(window, trained context) / trained context; 1 without a window
 
     def choose(self, tolerance: float) -> Calibration:
-        """Per layer, the candidate `allocate` gives it within the budget `tolerance`."""
-        costs = [[get_format(f).bytes_per_token(1, self.head_dim) for f in names] for names in self.formats]
+        """Per layer, the candidate `allocate` gives it within the budget `tolerance`,
+        bytes counted at the trained context (see module doc)."""
+        costs = [[share * get_format(f).bytes_per_token(1, self.head_dim) for f in names]
+                 for names, share in zip(self.formats, self.shares)]
         errors = [[e[c] for c in self.candidates] for e in self.errors]
         picks = allocate(costs, errors, self.gain, tolerance)
         chosen = tuple(names[j] for names, j in zip(self.formats, picks))
-        return Calibration(self.model, chosen, self.errors, tolerance, self.candidates, self.tokens, self.gain)
+        return Calibration(self.model, chosen, self.errors, tolerance, self.candidates, self.tokens, self.gain,
+                           self.shares)
 
 
 def allocate(costs: list[list[float]], errors: list[list[float]], gain: float, tolerance: float) -> list[int]:
@@ -154,10 +166,13 @@ def allocate(costs: list[list[float]], errors: list[list[float]], gain: float, t
     return picks
 
 
-def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, max_tokens: int = 512) -> Measurement:
-    """Every candidate's attention error on every layer, and the model's gain (see module doc)."""
+def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, max_tokens: int = 512,
+            context: int | None = None) -> Measurement:
+    """Every candidate's attention error on every layer, and the model's gain (see module
+    doc); `context`: the model's trained context (None: every layer's bytes count alike)."""
     ids = list(tokenizer.encode(TEXT.read_text(encoding="utf-8")))[:max_tokens]
     records, ref = record(model, ids, LAYOUT)
+    shares = tuple(1.0 if r.window is None or not context else min(r.window, context) / context for r in records)
     per_layer = _ordered(candidates, records)
     errors = layer_errors(records, per_layer, LAYOUT)
     probe = tuple(names[0] for names in per_layer)  # the smallest: the clearest signal, still small errors
@@ -166,13 +181,13 @@ def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, m
     labels = tuple(get_format(c).label for c in per_layer[0])
     rounded = tuple({get_format(c).label: round(e[c], 6) for c in names} for names, e in zip(per_layer, errors))
     return Measurement(identity, labels, tuple(tuple(n) for n in per_layer), rounded, len(ids), float(f"{gain:.6g}"),
-                       int(records[0].keys[0].shape[-1]))
+                       int(records[0].keys[0].shape[-1]), shares)
 
 
 def calibrate(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, tolerance: float = TOLERANCE,
-              max_tokens: int = 512) -> Calibration:
+              max_tokens: int = 512, context: int | None = None) -> Calibration:
     """Measure every candidate on every attention layer and choose per layer (see module doc)."""
-    return measure(model, tokenizer, identity, candidates, max_tokens).choose(tolerance)
+    return measure(model, tokenizer, identity, candidates, max_tokens, context).choose(tolerance)
 
 
 def cache_key(identity: str, candidates) -> str:
@@ -192,18 +207,19 @@ def cached_measurement(identity: str, cache_dir: Path, candidates=CANDIDATES) ->
     try:
         data = json.loads(_cache_path(identity, cache_dir, candidates).read_text(encoding="utf-8"))
         return Measurement(data["model"], tuple(data["candidates"]), tuple(tuple(f) for f in data["formats"]),
-                           tuple(data["errors"]), data["tokens"], float(data["gain"]), int(data["head_dim"]))
+                           tuple(data["errors"]), data["tokens"], float(data["gain"]), int(data["head_dim"]),
+                           tuple(float(s) for s in data["shares"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def cached_calibration(model: nn.Module, tokenizer, identity: str, cache_dir: Path, candidates=CANDIDATES,
-                       tolerance: float = TOLERANCE) -> Calibration:
+                       tolerance: float = TOLERANCE, context: int | None = None) -> Calibration:
     """`calibrate`, its measurement read from `cache_dir` when this model was measured with
     these candidates before (any tolerance chooses from the same measurement)."""
     found = cached_measurement(identity, cache_dir, candidates)
     if found is None:
-        found = measure(model, tokenizer, identity, candidates)
+        found = measure(model, tokenizer, identity, candidates, context=context)
         path = _cache_path(identity, cache_dir, candidates)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -2,6 +2,7 @@
 model identity, and a calibrated (mixed) configuration the caches and planner follow."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +12,7 @@ from mlx_lm.utils import _get_classes
 import kvexec
 import kvexec.calibrate as calibrate_mod
 from kvexec import KVConfig, get_format
-from kvexec.calibrate import Calibration, allocate, cached_calibration, calibrate, calibrated_config
+from kvexec.calibrate import Calibration, Measurement, allocate, cached_calibration, calibrate, calibrated_config, measure
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=2,
             num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
@@ -153,3 +154,40 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
     monkeypatch.setattr(justfit.loader, "load_lazily", measured_again)  # a cached load needs no second copy
     again = Engine(str(tiny_gemma3_dir), config=config)
     assert again.config.kv.layer_formats == formats
+
+
+def test_a_sliding_layers_bytes_count_as_its_share_of_the_trained_context():
+    """Two layers alike but for a window: stepping the sliding one up costs 1/64 of the
+    full one's bytes at the trained context, so the budget buys it first."""
+    names = ("k4crv4r", "q8c")
+    errors = ({"k4crv4r": 0.3, "q8c": 0.05},) * 2
+    alike = Measurement("m", names, (names, names), errors, 100, 1.0, 64, (1.0, 1.0))
+    windowed = Measurement("m", names, (names, names), errors, 100, 1.0, 64, (1.0, 1 / 64))
+    assert alike.choose(0.1).formats == ("q8c", "k4crv4r")  # equals: the first layer steps
+    chosen = windowed.choose(0.1)
+    assert chosen.formats == ("k4crv4r", "q8c") and chosen.shares == (1.0, 1 / 64)
+    assert chosen.bits_per_value(1, 64, growing=True) == pytest.approx(get_format("k4crv4r").bits_per_value(1, 64))
+    assert chosen.bits_per_value(1, 64) == pytest.approx(
+        (get_format("k4crv4r").bits_per_value(1, 64) + get_format("q8c").bits_per_value(1, 64)) / 2)
+
+
+def test_calibration_weighs_sliding_layers_and_the_planner_counts_each_kind(tiny_gemma3_dir):
+    from justfit.models import load
+    from justfit.planner import footprint
+
+    loaded = load(str(tiny_gemma3_dir))
+    kvexec.install(loaded.model)
+    m = measure(loaded.model, loaded.tokenizer, "g", ("k4crv4r", "q8c"), max_tokens=200, context=512)
+    assert m.shares == (16 / 512,) * 5 + (1.0,)  # five sliding layers of window 16, one full
+    kv = KVConfig(page_size=32, block_tokens=64, layer_formats=("q8c",) * 5 + ("k4crv4r",))
+    fp = footprint(loaded.model, loaded.config, 1024, 128, kv)
+    small, wide = (get_format(f).bytes_per_token(1, 32) for f in ("k4crv4r", "q8c"))
+    assert fp.shape.page_row == small and fp.shape.window_row == wide
+    assert fp.shape.bytes_per_position == small + 5 * wide
+    # past the windows only the full layer grows, by its own format's bytes per position
+    grown = footprint(loaded.model, loaded.config, 1024 + 640, 128, kv).kv - fp.kv
+    assert grown == pytest.approx(640 * small)
+    cache = kvexec.make_cache(loaded.model, replace(kv, hot_window=0))
+    loaded.model(mx.array(list(range(3, 203)))[None], cache=cache)
+    assert [c.store.fmt.name for c in cache] == list(kv.layer_formats)
+    assert kvexec.page_formats(cache)["k4crv4r"] == 192  # 200 - 4 sinks, whole pages; the rings hold ~16
