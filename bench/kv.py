@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from justfit import runtime
@@ -77,44 +78,57 @@ def bytes_per_position(context: int) -> list[dict]:
 
 
 def decode(context: int, formats: list[str], steps: int, policy: str = "auto") -> list[dict]:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    import kvexec
-    from justfit import Engine
-    from justfit.config import EngineConfig
-
-    from justfit.models import load
-    from bench.quality import requested
+    """Decode speed at `context` per row (stock mlx-lm, JustFit on mlx-lm's KV cache, then
+    each format spec), each row in a fresh process: in one process a row's speed
+    depended on its place, the first JustFit row 5-25% faster whichever format it ran
+    (`kv-decode-20261203-130252` against `-131204`, the same formats in the other order)."""
+    from bench.common import run_worker
 
     rows = []
     for name in ["mlx-lm", "justfit-mlx-lm-kv", *formats]:
-        if name == "mlx-lm":  # stock: quantized weights, fp16 activations, its own KV cache
-            model, dtype = load("smollm2").model, mx.float16
-        else:  # a format spec as bench.quality takes it ("calibrated" and allocated ones calibrate first)
-            kv = None if name == "justfit-mlx-lm-kv" else requested(name)
-            engine = Engine("smollm2", config=EngineConfig(kv=kv, policy=policy))
-            model, dtype = engine.model, mx.float32
-        paged = name not in ("mlx-lm", "justfit-mlx-lm-kv")
-        cache = kvexec.make_cache(model, engine.config.kv) if paged else make_prompt_cache(model)
-        for c in cache:
-            for start in range(0, context, 2048):
-                k = mx.random.normal((1, KV_HEADS, min(2048, context - start), D)).astype(dtype)
-                c.update_and_fetch(k, k)
-            mx.eval(c.state)
-        y = mx.array([[42]])
-        mx.eval(model(y, cache=cache))
-        start = time.perf_counter()
-        for _ in range(steps):
-            mx.eval(model(y, cache=cache))
-        tps = steps / (time.perf_counter() - start)
-        kv = sum(c.nbytes for c in cache)
-        rows.append({"system": name if "mlx-lm" in name else f"justfit-{name}", "context": context,
-                     "decode_tps": tps, "kv_mib": kv / 2**20})
+        row = run_worker("bench.kv", [name, str(context), str(steps), policy], timeout=3600)
+        rows.append(row if "error" not in row else {"system": name, "context": context, **row})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
+def _decode_row(name: str, context: int, steps: int, policy: str) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import kvexec
+    from bench.quality import requested
+    from justfit import Engine
+    from justfit.config import EngineConfig
+    from justfit.models import load
+
+    if name == "mlx-lm":  # stock: quantized weights, fp16 activations, its own KV cache
+        model, dtype, kv = load("smollm2").model, mx.float16, None
+    else:  # a format spec as bench.quality takes it ("calibrated" and allocated ones calibrate first)
+        kv = None if name == "justfit-mlx-lm-kv" else requested(name)
+        engine = Engine("smollm2", config=EngineConfig(kv=kv, policy=policy))
+        model, dtype, kv = engine.model, mx.float32, engine.config.kv
+    cache = kvexec.make_cache(model, kv) if kv is not None else make_prompt_cache(model)
+    for c in cache:
+        for start in range(0, context, 2048):
+            k = mx.random.normal((1, KV_HEADS, min(2048, context - start), D)).astype(dtype)
+            c.update_and_fetch(k, k)
+        mx.eval(c.state)
+    y = mx.array([[42]])
+    mx.eval(model(y, cache=cache))
+    start = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(model(y, cache=cache))
+    tps = steps / (time.perf_counter() - start)
+    return {"system": name if "mlx-lm" in name else f"justfit-{name}", "context": context,
+            "decode_tps": tps, "kv_mib": sum(c.nbytes for c in cache) / 2**20}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # one decode row (see `decode`)
+        name, context, steps, policy = argv[1:5]
+        print(json.dumps(_decode_row(name, int(context), int(steps), policy)))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     t = sub.add_parser("transient")

@@ -242,3 +242,26 @@ def test_capacity_runs_from_machines_of_one_kind_combine_and_others_do_not(tmp_p
     paths[1].write_text(json.dumps({**run, "machine": {**machine, "memory_gib": 16.0}}))
     with pytest.raises(ValueError, match="memory_gib"):
         combine_capacity(paths)
+
+
+def test_bench_kv_decode_runs_each_row_in_its_own_process(monkeypatch, capsys):
+    """bench.kv decode: one worker process per row (a row's place in one process biased
+    its speed), a failed row kept with its error; a worker times real SmolLM2 decode."""
+    import bench.common
+    from bench.kv import decode, main
+
+    calls = []
+
+    def worker(module, args, timeout, ranks=1):
+        calls.append((module, args))
+        return {"error": "exit 1: boom"} if args[0] == "q4" else {"system": args[0], "decode_tps": 1.0}
+
+    monkeypatch.setattr(bench.common, "run_worker", worker)
+    rows = decode(512, ["q8c", "q4"], 2)
+    assert [a[0] for _, a in calls] == ["mlx-lm", "justfit-mlx-lm-kv", "q8c", "q4"]
+    assert {m for m, _ in calls} == {"bench.kv"} and calls[2][1] == ["q8c", "512", "2", "auto"]
+    assert rows[-1] == {"system": "q4", "context": 512, "error": "exit 1: boom"}
+    capsys.readouterr()
+    main(["--worker", "q8c", "300", "2", "auto"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["system"] == "justfit-q8c" and row["context"] == 300 and row["decode_tps"] > 0 and row["kv_mib"] > 0
