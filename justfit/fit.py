@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
 from justfit.memory import format_size
 from justfit.planner import MIN_PREFILL_CHUNK
 from kvexec import FORMATS, KVConfig, get_format, ladder
@@ -43,7 +45,8 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         "kv_format": base.format if base else "mlx-lm",
         "formats": rows,
     }
-    steps = [f.label for f in ladder(base, head_dim)] if base else []
+    # the ladder of a layer whose pages step down: a full one (sliding layers' rings never do)
+    steps = [f.label for f in ladder(base, head_dim, _first_full_layer(engine.model))] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
                               "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK,
@@ -65,6 +68,12 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
             "decode": f"resident {reg.resident_form}",
         }
     return report
+
+
+def _first_full_layer(model) -> int:
+    """The index, among the attention layers, of the first that holds every position."""
+    attention = [c for c in make_prompt_cache(model) if isinstance(c, (KVCache, RotatingKVCache))]
+    return next((i for i, c in enumerate(attention) if not isinstance(c, RotatingKVCache)), 0)
 
 
 def _kv_label(kv: KVConfig) -> str:

@@ -16,12 +16,12 @@ if TYPE_CHECKING:
     from kvexec.store import PageStore
 
 
-def ladder(config: KVConfig, head_dim: int) -> list[KVFormat]:
+def ladder(config: KVConfig, head_dim: int, layer: int = 0) -> list[KVFormat]:
     """The page format, then each pressure format that stores this head_dim in pages
     of `page_size` and takes fewer bytes than the step before it, down to the last rung
     that holds the fidelity floor (when one is set). With per-layer formats (a
-    calibrated configuration), the first layer's ladder."""
-    steps = [get_format(config.layer_formats[0] if config.layer_formats else config.format)]
+    calibrated configuration), attention layer `layer`'s ladder."""
+    steps = [get_format(config.layer_formats[layer] if config.layer_formats else config.format)]
     measured = dict(config.measured_top1)
     for name in config.pressure:
         if config.fidelity_floor is not None and measured.get(name, -1.0) < config.fidelity_floor:

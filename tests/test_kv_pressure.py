@@ -169,3 +169,12 @@ def test_justfit_fit_reports_the_ladder(tiny_gemma3_dir):
     assert r["pressure"]["ladder"] == ["q8c", "k8cv4", "q4c", "q3c"]
     assert r["pressure"]["max_positions"] > rows["q8c"]["max_positions"]
     assert r["plan"]["fits"] and r["plan"]["pages"] == "kept in q8c"  # 300 positions need no stepping
+
+
+def test_justfit_fit_shows_the_ladder_of_a_layer_that_steps_down(tiny_gemma3_dir):
+    from justfit.fit import fit_report
+
+    # sliding layers in q8c, the full one (the sixth) in k8cv4, as calibration chooses
+    kv = KVConfig(layer_formats=("q8c",) * 5 + ("k8cv4",))
+    r = fit_report(Engine(str(tiny_gemma3_dir), config=EngineConfig(kv=kv)), 64 * 2**20)
+    assert r["pressure"]["ladder"] == ["k8cv4", "q4c", "q3c"]  # the full layer's: the rings never step down
