@@ -234,13 +234,10 @@ def _pressed_row(kv: KVConfig, kv_heads: int, head_dim: int, layers=None) -> flo
     """Page bytes per position per layer (of `layers`; None: all) once every page has
     stepped down its layer's ladder (each layer's ladder starts at its own format in a
     calibrated config)."""
-    names = kv.layer_formats or (kv.format,)
-    if kv.layer_formats and layers is not None:
-        names = tuple(names[i] for i in layers)
-    if not names:
-        return 0.0
-    last = [ladder(replace(kv, format=f, layer_formats=()), head_dim)[-1] for f in names]
-    return sum(f.bytes_per_token(kv_heads, head_dim) for f in last) / len(last)
+    last = tuple(ladder(replace(kv, format=f, layer_formats=()), head_dim)[-1].name
+                 for f in kv.layer_formats or (kv.format,))
+    return page_bytes_per_token(replace(kv, format=last[0], layer_formats=last if kv.layer_formats else ()),
+                                kv_heads, head_dim, layers)
 
 
 def _is_fp32(model: nn.Module) -> bool:
