@@ -6,8 +6,9 @@ process on the same prompt tokens.
     python -m bench.speed --quick                 # 256 tokens, 8 decoded: a minute
     python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp, -q8_0 and -q4_0
 
-Systems: `justfit-default` (engine defaults: PhaseSwap policy auto, i.e. cpu-int16 where
-the native kernel is built, KV q8c, OpenBLAS;
+Systems: `justfit-default` (what `justfit chat` and `serve` run: PhaseSwap policy auto,
+i.e. cpu-int16 where the native kernel is built, calibrated KV pages, OpenBLAS; another
+page format with `--kv-format`;
 `justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
 two local ranks, justfit.launch); stock `generate_step` on the same
 quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
@@ -33,7 +34,7 @@ SYSTEMS = ("justfit-default", "mlx-lm", "mlx-lm-tuned", "mlx-lm-dense")
 QUICK = {"contexts": "256", "decode": 8, "systems": "justfit-default,mlx-lm"}
 
 
-def _worker(system: str, model: str, context: int, decode: int) -> dict:
+def _worker(system: str, model: str, context: int, decode: int, kv_format: str = "calibrated") -> dict:
     if system.startswith("justfit") or system == "mlx-lm-dense":
         from justfit import runtime
 
@@ -45,10 +46,11 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
     if system.startswith("justfit"):  # "justfit-default", "justfit@POLICY" or "justfit-default@RANKS"
         from justfit import Engine, SamplingParams
         from justfit.config import EngineConfig
+        from kvexec import KVConfig
 
         policy, ranks = _policy_ranks(system)
         group = mx.distributed.init() if ranks > 1 else None
-        engine = Engine(model, config=EngineConfig(policy=policy), group=group)
+        engine = Engine(model, config=EngineConfig(policy=policy, kv=KVConfig(format=kv_format)), group=group)
         if group is not None and group.rank() > 0:
             engine.follow()  # until rank 0 is done; only rank 0 prints
             os._exit(0)
@@ -68,7 +70,7 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
                 "read_bytes": justfit_read_bytes(engine, context + decode) if group is None else None,
                 "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20,
                 "blas": active_blas(), "weights_dtype": f"{engine.policy.name}: {engine.swap.registry.resident_form}",
-                "kv_dtype": f"{engine.config.kv.format} pages" if engine.config.kv else "mlx-lm cache",
+                "kv_dtype": f"{_pages(engine.config.kv)} pages" if engine.config.kv else "mlx-lm cache",
                 "prefill_step": st.prefill_chunk}
 
     from mlx_lm.generate import generate_step
@@ -109,6 +111,13 @@ def _worker(system: str, model: str, context: int, decode: int) -> dict:
             "kv_bits": setup.kv_bits, "prefill_step": setup.prefill_step, **({"note": note} if note else {})}
 
 
+def _pages(kv) -> str:
+    """The page format, or a calibrated configuration's per-layer summary."""
+    from kvexec.calibrate import layer_summary
+
+    return layer_summary(kv.layer_formats) if kv.layer_formats else kv.format
+
+
 def _policy_ranks(system: str) -> tuple[str, int]:
     """"justfit@cpu" -> ("cpu", 1); "justfit-default@2" -> ("auto", 2): a layer
     pipeline over two ranks (justfit.pipeline)."""
@@ -134,14 +143,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR",
                     help="folder with llama.cpp's llama-bench (or the binary), run on the same GGUF")
-    ap.add_argument("--worker", nargs=4, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--kv-format", default="calibrated",
+                    help="page format of the JustFit rows (default: the CLI's, calibrated per model)")
+    ap.add_argument("--worker", nargs=5, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE", "KV"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from bench.common import apply_quick
 
     apply_quick(args, QUICK, argv)
     if args.worker:
-        system, model, context, decode = args.worker
-        print(json.dumps(_worker(system, model, int(context), int(decode))))
+        system, model, context, decode, kv_format = args.worker
+        print(json.dumps(_worker(system, model, int(context), int(decode), kv_format)))
         return {}
 
     from bench.common import machine_info, progress_bar, publish, run_worker
@@ -157,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeat):
                 bar.set_postfix_str(f"{system} @ {context:,}")
                 ranks = _policy_ranks(system)[1] if system.startswith("justfit") else 1
-                runs.append(run_worker("bench.speed", [system, args.model, str(context), str(args.decode)],
+                runs.append(run_worker("bench.speed", [system, args.model, str(context), str(args.decode), args.kv_format],
                                        args.timeout, ranks))
                 bar.update()
             ok = [r for r in runs if "error" not in r]

@@ -28,7 +28,7 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from kvexec.formats import ROWS_KERNEL_MAX, Codec, rows_kernel
+from kvexec.formats import ROWS_KERNEL_MAX, Codec, channels_dequantized, rows_kernel
 
 WIDTHS = (2, 3, 4, 5, 6, 8)  # what mx.quantize stores
 NAME = re.compile(r"k(\d)a(\d+)v(\d)(r?)(\d*)~([2-8.]+)")
@@ -175,6 +175,9 @@ class AllocatedCodec:
 
     def decode(self, enc: dict[str, mx.array]) -> mx.array:
         """The stored keys back as fp32 [B, kv_heads, tokens, head_dim]."""
+        native = channels_dequantized(self.native_parts(enc), self.group_size, len(self.widths[0]))
+        if native is not None:
+            return native
         parts = [codec.decode(self._part(enc, b)) for b, codec, _ in self._classes]
         return self._pick(mx.concatenate(parts, axis=-1), self._inverse)
 

@@ -45,6 +45,32 @@ def rows_kernel():
     return ext if ext is not None and mx.default_device() == mx.cpu else None
 
 
+def dequantized(enc: dict[str, mx.array], group_size: int, bits: int) -> mx.array:
+    """Stored groups back as float32: JustFit's native dequantize on the CPU where it reads
+    the width (MLX's unpacks 5- and 6-bit groups bit by bit: a prefill block's keys and
+    values took several times its attention), else MLX's."""
+    ext = rows_kernel()
+    if ext is not None and hasattr(ext, "dequantize") and bits in getattr(ext, "DEQUANTIZE_BITS", ()) \
+            and group_size % 32 == 0:
+        return ext.dequantize(enc["w"], enc["scales"], enc["biases"], group_size, bits)
+    return mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
+                         group_size=group_size, bits=bits)
+
+
+def channels_dequantized(parts: list, group_size: int, head_dim: int) -> mx.array | None:
+    """Keys stored per channel, given as `native_parts` gives them ([(w, scales, biases,
+    bits, columns)]), back as float32 [B, kv_heads, tokens, head_dim] in one native
+    operation on the CPU; None where it does not apply (the caller decodes in MLX)."""
+    ext = rows_kernel()
+    widths = getattr(ext, "DEQUANTIZE_BITS", ())
+    if ext is None or not hasattr(ext, "dequantize_channels") or group_size % 32 \
+            or any(bits not in widths for *_, bits, _ in parts):
+        return None
+    columns = [idx for *_, idx in parts] if parts[0][-1] is not None else []
+    return ext.dequantize_channels([w for w, *_ in parts], [s for _, s, *_ in parts], [b for _, _, b, *_ in parts],
+                                   columns, group_size, [bits for *_, bits, _ in parts], head_dim)
+
+
 def _rotation(x: mx.array) -> mx.array:
     from kvexec.rotated import rotation
 
@@ -91,9 +117,11 @@ class Codec:
         """The stored form back as fp32 vectors."""
         if not self.quantized:
             return enc["x"].astype(mx.float32)
-        x = mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
-                          group_size=self.group_size, bits=self.bits)
-        x = x.swapaxes(-1, -2) if self.per_channel else x
+        x = channels_dequantized(self.native_parts(enc), self.group_size, enc["w"].shape[-2]) \
+            if self.per_channel else None
+        if x is None:
+            x = dequantized(enc, self.group_size, self.bits)
+            x = x.swapaxes(-1, -2) if self.per_channel else x
         return x @ _rotation(x).swapaxes(-1, -2) if self.rotated else x
 
     # Storage along the token axis: -2 for per-token layouts, -1 (in packed units) per channel.

@@ -30,6 +30,9 @@ NB_MODULE(_ext, m) {
         "bits"_a, nb::kw_only(), "activation_bits"_a = 32, "stream"_a = nb::none(),
         "quantized_matvec of one x with several weights (same in and group_size; bits: one per weight) as one "
         "operation: a list.");
+  m.def("dequantize_channels", &justfit::dequantize_channels, "w"_a, "scales"_a, "biases"_a, "columns"_a,
+        "group_size"_a, "bits"_a, "head_dim"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Keys stored per channel (each part's channels at columns[i]) back as float32 [B, kv_heads, T, head_dim].");
   m.def("dequantize", &justfit::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(),
         "stream"_a = nb::none(), "mx.dequantize in float32 for MLX's affine 4-, 5-, 6- or 8-bit weights, on both cores.");
   m.def("attention_fold", &justfit::attention_fold, "q"_a, "k"_a, "v"_a, "m"_a, "l"_a, "acc"_a, "L"_a, "q_start"_a,
@@ -64,4 +67,5 @@ NB_MODULE(_ext, m) {
         "One block of prefill's online softmax, masked: [p, corr, m_new, rowsum] (see native/softmax.h).");
   m.attr("ROWS_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths quantized_matmul_rows reads
   m.attr("MATVEC_BITS") = nb::make_tuple(4, 5, 6, 8);       // the widths quantized_matvec reads
+  m.attr("DEQUANTIZE_BITS") = nb::make_tuple(2, 3, 4, 5, 6, 8);  // the widths dequantize reads
 }

@@ -94,6 +94,10 @@ inline void floats32(const uint8_t* src, __m256 q[4]) {
   } else if constexpr (Bits == 8) {
     for (int k = 0; k < 4; ++k)
       q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * k))));
+  } else if constexpr (Bits < 4) {  // 2 and 3 bits (allocated key channels): rare enough to unpack one by one
+    alignas(32) float v[32];
+    for (int j = 0; j < 32; ++j) v[j] = static_cast<float>(stream_value<Bits>(src, j));
+    for (int k = 0; k < 4; ++k) q[k] = _mm256_load_ps(v + 8 * k);
   } else {
     __m256i lo, hi;
     words32<Bits>(src, lo, hi);

@@ -133,6 +133,8 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
         assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
         assert r["blas"] and r["weights_dtype"] and r["kv_dtype"] and r["prefill_step"]
     assert rows["mlx-lm"]["kv_dtype"] == "float16" and "reference BLAS" in rows["mlx-lm"]["blas"]
+    # the CLI's default pages: each layer's calibrated format, summarized
+    assert rows["justfit-default"]["kv_dtype"].endswith(" pages") and " x" in rows["justfit-default"]["kv_dtype"]
     # decode against the memory floor: bytes read per token over the measured bandwidth
     assert len(out["read_bandwidth_gbs"]) == 2 and min(out["read_bandwidth_gbs"]) > 0
     for name in ("justfit-default", "mlx-lm"):

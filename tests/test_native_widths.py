@@ -28,7 +28,7 @@ def _ops(y: mx.array) -> list[str]:
     return [line.split('label ="')[1].split('"')[0] for line in dot.getvalue().splitlines() if 'label ="' in line]
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_native_dequantize_is_mlx_s(bits, group):
     w, scales, biases = mx.quantize(mx.random.normal((3, 40, 256), key=mx.random.key(bits + group)), group, bits)
@@ -42,14 +42,55 @@ def test_native_dequantize_is_mlx_s(bits, group):
 
 def test_native_dequantize_refuses_what_it_cannot_read():
     ext = native.kernels()
-    w, scales, biases = mx.quantize(mx.random.normal((8, 64)), 32, 3)
-    with pytest.raises(ValueError, match="bits"):
-        ext.dequantize(w, scales, biases, 32, 3)
     w, scales, biases = mx.quantize(mx.random.normal((8, 64)), 32, 4)
+    with pytest.raises(ValueError, match="bits"):
+        ext.dequantize(w, scales, biases, 32, 7)
     with pytest.raises(ValueError, match="shapes"):
         ext.dequantize(w, scales[:, :1], biases[:, :1], 32, 4)
     with pytest.raises(ValueError, match="float16"):
         ext.dequantize(w, scales, biases.astype(mx.float16), 32, 4)
+
+
+def _mlx_only(monkeypatch) -> None:
+    import kvexec.formats
+
+    monkeypatch.setattr(kvexec.formats, "rows_kernel", lambda: None)
+
+
+@pytest.mark.parametrize("fmt", ["q8c", "q4c", "k4a128v4r64~5632.2365", "k5a64v5r64~6653.3566"])
+def test_keys_stored_per_channel_decode_natively_as_mlx_does(fmt, monkeypatch):
+    """One native operation (every width's channels put back in place, tokens-major) where
+    MLX took a dequantize per width, a transpose, a concatenation and a gather; equal to
+    that, whole segments and views of part of one."""
+    from kvexec import get_format
+
+    keys = get_format(fmt).keys
+    D = 4 if "~" in fmt else 64
+    x = mx.random.normal((2, 2, 384, D), key=mx.random.key(len(fmt)))
+    storage = keys.allocate((2, 2), 512, D)
+    keys.write(storage, keys.encode(x), 0, 384)
+    views = [keys.encode(x), keys.view(storage, 0, 256), keys.view(storage, 128, 384)]
+    got = [keys.decode(v) for v in views]
+    assert "JustFitDequantizeChannels" in _ops(got[0])
+    with monkeypatch.context() as m:
+        _mlx_only(m)
+        ref = [keys.decode(v) for v in views]
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and mx.array_equal(g, r)
+
+
+def test_native_channel_dequantize_refuses_parts_that_do_not_agree():
+    ext = native.kernels()
+    w, scales, biases = mx.quantize(mx.random.normal((1, 2, 8, 256)), 128, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        ext.dequantize_channels([w], [scales], [biases], [], 128, [4], 16)
+    with pytest.raises(ValueError, match="columns"):
+        ext.dequantize_channels([w], [scales], [biases], [mx.zeros((3, 8), dtype=mx.int32)], 128, [4], 8)
+    with pytest.raises(ValueError, match="per part"):  # two parts need their columns
+        ext.dequantize_channels([w, w], [scales, scales], [biases, biases], [], 128, [4, 4], 16)
+    cols = [mx.zeros((2, 8), dtype=mx.int32)] * 2
+    with pytest.raises(ValueError, match="shapes"):
+        ext.dequantize_channels([w, w[..., :16]], [scales, scales], [biases, biases], cols, 128, [4, 4], 16)
 
 
 @pytest.mark.parametrize("bits", [5, 6])
