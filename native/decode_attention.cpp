@@ -20,6 +20,7 @@ namespace justfit {
 namespace {
 
 constexpr int kQuantizedHead = 10;  // a quantized block's ints before its parts' widths
+constexpr size_t kParallelFull = 1 << 15;  // a full block's multiply-adds from which both cores share it
 
 // Copies made where an input cannot be read in place (kept until the kernel returns).
 using Copies = std::vector<std::vector<uint8_t>>;
@@ -122,7 +123,10 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
     float* s = scores.data() + offset;
     if (b.kind == kFull) {
       const FloatRows k = float_rows(in[b.first], copies);
-      for (size_t i = 0; i < nrows; ++i) {
+      // the hot window holds up to two pages of positions in full precision: at a short
+      // context most of the arithmetic, so on both cores
+#pragma omp parallel for schedule(static) if (nrows * b.length * D >= kParallelFull)
+      for (long i = 0; i < static_cast<long>(nrows); ++i) {
         const float* qi = qs.data() + i * D;
         const float* kb = k.data + static_cast<int64_t>(i / R) * k.batch;
         for (int t = 0; t < b.length; ++t) {
@@ -155,7 +159,8 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
     const float* p = scores.data() + offset;
     if (b.kind == kFull) {
       const FloatRows v = float_rows(in[b.first + 1], copies);
-      for (size_t i = 0; i < nrows; ++i) {
+#pragma omp parallel for schedule(static) if (nrows * b.length * D >= kParallelFull)
+      for (long i = 0; i < static_cast<long>(nrows); ++i) {
         const float* vb = v.data + static_cast<int64_t>(i / R) * v.batch;
         float* acc = plain.data() + i * D;
         for (int t = 0; t < b.length; ++t) {

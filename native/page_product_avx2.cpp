@@ -116,30 +116,35 @@ void tiles(const float* xb, int D, const std::vector<Part>& parts, int heads, in
       }
     }
   }
-  for (int n = n0; n < n1; n += 8 * NV) {
-    __m256 acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_setzero_ps();
-    const float* part_xs = xs.data();
-    for (const Part& part : parts) {
-      const size_t row_bytes = static_cast<size_t>(part.stride) * part.bits / 8;
-      const uint8_t* w = part.w + static_cast<size_t>(b) * part.batch_rows * row_bytes;
-      const uint8_t* end = part.w + (static_cast<size_t>(batch - 1) * part.batch_rows + part.rows - 1) * row_bytes +
-                           static_cast<size_t>(N) * part.bits / 8;
-      switch (part.bits) {
-        case 2: tile_part<2, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 3: tile_part<3, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 4: tile_part<4, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 5: tile_part<5, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        case 6: tile_part<6, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
-        default: tile_part<8, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc); break;
+  // Part by part over the span's tiles (each part's loop free of the width's dispatch),
+  // the tiles of y accumulating in cache between parts.
+  const float* part_xs = xs.data();
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const Part& part = parts[p];
+    const size_t row_bytes = static_cast<size_t>(part.stride) * part.bits / 8;
+    const uint8_t* w = part.w + static_cast<size_t>(b) * part.batch_rows * row_bytes;
+    const uint8_t* end = part.w + (static_cast<size_t>(batch - 1) * part.batch_rows + part.rows - 1) * row_bytes +
+                         static_cast<size_t>(N) * part.bits / 8;
+    auto pass = [&]<int Bits>() {
+      for (int n = n0; n < n1; n += 8 * NV) {
+        __m256 acc[MR][NV];
+        for (int m = 0; m < MR; ++m)
+          for (int j = 0; j < NV; ++j)
+            acc[m][j] = p == 0 ? _mm256_set1_ps(bias[m]) : _mm256_loadu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j);
+        tile_part<Bits, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc);
+        for (int m = 0; m < MR; ++m)
+          for (int j = 0; j < NV; ++j) _mm256_storeu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j, acc[m][j]);
       }
-      part_xs += static_cast<size_t>(part.rows) * MR;
+    };
+    switch (part.bits) {
+      case 2: pass.template operator()<2>(); break;
+      case 3: pass.template operator()<3>(); break;
+      case 4: pass.template operator()<4>(); break;
+      case 5: pass.template operator()<5>(); break;
+      case 6: pass.template operator()<6>(); break;
+      default: pass.template operator()<8>(); break;
     }
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j)
-        _mm256_storeu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j,
-                         _mm256_add_ps(acc[m][j], _mm256_set1_ps(bias[m])));
+    part_xs += static_cast<size_t>(part.rows) * MR;
   }
 }
 
@@ -163,7 +168,7 @@ void product(const float* x, const std::vector<Part>& parts, float* y, int batch
              int group_size, int ldy) {
   const int width = group_size % 16 == 0 ? 16 : 8;
   int span = group_size;
-  while (span > width && span % (2 * width) == 0 && static_cast<long>(batch) * (N / span) < 16) span /= 2;
+  while (span > width && span % (2 * width) == 0 && static_cast<long>(batch) * (N / span) < 4) span /= 2;
   const int spans = N / span;
 #pragma omp parallel
   {
