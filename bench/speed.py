@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeat):
                 bar.set_postfix_str(f"{system} @ {context:,}")
                 ranks = _policy_ranks(system)[1] if system.startswith("justfit") else 1
-                runs.append(run_worker("bench.speed", [system, args.model, str(context), str(args.decode), args.kv_format],
-                                       args.timeout, ranks))
+                worker = [system, args.model, str(context), str(args.decode), args.kv_format]
+                runs.append(run_worker("bench.speed", worker, args.timeout, ranks))
                 bar.update()
             ok = [r for r in runs if "error" not in r]
             row = {"system": system, "model": args.model, "context": context, "decode_tokens": args.decode,

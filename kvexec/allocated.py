@@ -28,7 +28,8 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from kvexec.formats import ROWS_KERNEL_MAX, Codec, channels_dequantized, rows_kernel
+from kvexec.formats import Codec
+from kvexec.kernels import ROWS_KERNEL_MAX, channels_dequantized, rows_kernel
 
 WIDTHS = (2, 3, 4, 5, 6, 8)  # what mx.quantize stores
 NAME = re.compile(r"k(\d)a(\d+)v(\d)(r?)(\d*)~([2-8.]+)")

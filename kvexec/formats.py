@@ -18,57 +18,14 @@ calibrated width per channel are `k<mean>a<group>v...~<widths>` (kvexec/allocate
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kvexec.kernels import ROWS_KERNEL_MAX, channels_dequantized, dequantized, rows_kernel
+
 _NAME = re.compile(r"k(\d)(c?)(r?)(\d*)v(\d)(r?)(\d*)")
-ROWS_KERNEL_MAX = 32  # query rows (decode, short chunks) the native page product takes
-
-
-@functools.cache
-def _page_kernels():
-    """The built extension module when it has the page product, else None (looked up once)."""
-    try:
-        from justfit_native import kernels
-    except ImportError:
-        return None
-    ext = kernels()
-    return ext if ext is not None and hasattr(ext, "quantized_matmul_rows") else None
-
-
-def rows_kernel():
-    """JustFit's native kernels where built and computing on the CPU, else None."""
-    ext = _page_kernels()
-    return ext if ext is not None and mx.default_device() == mx.cpu else None
-
-
-def dequantized(enc: dict[str, mx.array], group_size: int, bits: int) -> mx.array:
-    """Stored groups back as float32: JustFit's native dequantize on the CPU where it reads
-    the width (MLX's unpacks 5- and 6-bit groups bit by bit: a prefill block's keys and
-    values took several times its attention), else MLX's."""
-    ext = rows_kernel()
-    if ext is not None and hasattr(ext, "dequantize") and bits in getattr(ext, "DEQUANTIZE_BITS", ()) \
-            and group_size % 32 == 0:
-        return ext.dequantize(enc["w"], enc["scales"], enc["biases"], group_size, bits)
-    return mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
-                         group_size=group_size, bits=bits)
-
-
-def channels_dequantized(parts: list, group_size: int, head_dim: int) -> mx.array | None:
-    """Keys stored per channel, given as `native_parts` gives them ([(w, scales, biases,
-    bits, columns)]), back as float32 [B, kv_heads, tokens, head_dim] in one native
-    operation on the CPU; None where it does not apply (the caller decodes in MLX)."""
-    ext = rows_kernel()
-    widths = getattr(ext, "DEQUANTIZE_BITS", ())
-    if ext is None or not hasattr(ext, "dequantize_channels") or group_size % 32 \
-            or any(bits not in widths for *_, bits, _ in parts):
-        return None
-    columns = [idx for *_, idx in parts] if parts[0][-1] is not None else []
-    return ext.dequantize_channels([w for w, *_ in parts], [s for _, s, *_ in parts], [b for _, _, b, *_ in parts],
-                                   columns, group_size, [bits for *_, bits, _ in parts], head_dim)
 
 
 def _rotation(x: mx.array) -> mx.array:

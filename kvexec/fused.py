@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvexec.formats import rows_kernel
+from kvexec.kernels import rows_kernel
 
 _FULL, _QUANTIZED = 0, 1
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kvexec.formats import rows_kernel
+from kvexec.kernels import rows_kernel
 
 
 def softmax_step(s: mx.array, m: mx.array):

@@ -93,7 +93,8 @@ mx::array dequantize_channels(const std::vector<mx::array>& w, const std::vector
   int channels = 0;
   std::vector<mx::array> inputs;
   for (size_t i = 0; i < parts; ++i) {
-    if (!dequantize_width(bits[i])) throw std::invalid_argument("dequantize_channels: bits must be 2, 3, 4, 5, 6 or 8");
+    if (!dequantize_width(bits[i]))
+      throw std::invalid_argument("dequantize_channels: bits must be 2, 3, 4, 5, 6 or 8");
     if (w[i].dtype() != mx::uint32 || w[i].ndim() != 4 || scales[i].shape() != biases[i].shape() ||
         scales[i].ndim() != 4 || scales[i].dtype() != biases[i].dtype() || scales[i].dtype() != scales[0].dtype() ||
         (scales[i].dtype() != mx::float16 && scales[i].dtype() != mx::float32))
@@ -110,9 +111,11 @@ mx::array dequantize_channels(const std::vector<mx::array>& w, const std::vector
     inputs.insert(inputs.end(), {w[i], scales[i], biases[i]});
     if (!columns.empty()) inputs.push_back(columns[i]);
   }
-  if (channels != head_dim) throw std::invalid_argument("dequantize_channels: the parts' channels must sum to head_dim");
+  if (channels != head_dim)
+    throw std::invalid_argument("dequantize_channels: the parts' channels must sum to head_dim");
   return mx::array({w[0].shape(0), w[0].shape(1), T, head_dim}, mx::float32,
-                   std::make_shared<DequantizeChannels>(mx::to_stream(s), group_size, bits, !columns.empty()), inputs);
+                   std::make_shared<DequantizeChannels>(mx::to_stream(s), group_size, bits, !columns.empty()),
+                   inputs);
 }
 
 void DequantizeChannels::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -149,15 +152,17 @@ void DequantizeChannels::eval_cpu(const std::vector<mx::array>& inputs, std::vec
             const int64_t at = static_cast<int64_t>(l) * n + i;  // the channel's row within its part
             const int column = cols[p] ? cols[p][static_cast<int64_t>(l % kvh) * n + i] : i;
             with_stored<2, 3, 4, 5, 6, 8>(bits[p], half, sc[p], bi[p], [&]<int B>(auto* s, auto* b) {
-              const uint8_t* wr = w[p] + at * (static_cast<int64_t>(T) * B / 8) + static_cast<int64_t>(g) * group_size * B / 8;
-              dequantize_row<B>(wr, s + at * groups + g, b + at * groups + g, tile.data() + static_cast<size_t>(column) * group_size,
-                                group_size, group_size);
+              const uint8_t* wr =
+                  w[p] + at * (static_cast<int64_t>(T) * B / 8) + static_cast<int64_t>(g) * group_size * B / 8;
+              float* row = tile.data() + static_cast<size_t>(column) * group_size;
+              dequantize_row<B>(wr, s + at * groups + g, b + at * groups + g, row, group_size, group_size);
             });
           }
         }
         float* out = yp + (static_cast<int64_t>(l) * T + static_cast<int64_t>(g) * group_size) * D;
         for (int t = 0; t < group_size; ++t)
-          for (int d = 0; d < D; ++d) out[static_cast<int64_t>(t) * D + d] = tile[static_cast<size_t>(d) * group_size + t];
+          for (int d = 0; d < D; ++d)
+            out[static_cast<int64_t>(t) * D + d] = tile[static_cast<size_t>(d) * group_size + t];
       }
     }
   });

@@ -26,7 +26,9 @@ mx::array dequantize_channels(const std::vector<mx::array>& w, const std::vector
                               const std::vector<mx::array>& biases, const std::vector<mx::array>& columns,
                               int group_size, const std::vector<int>& bits, int head_dim, mx::StreamOrDevice s = {});
 
-constexpr bool dequantize_width(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8; }
+constexpr bool dequantize_width(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
 
 class Dequantize : public QuantizedPrimitive {
  public:

@@ -1,8 +1,8 @@
 // See page_product.h: the AVX2 path (the portable one is in page_product.cpp). The scale
 // folds into x (x[m, k] * scale[k, g], once per group) and the biases' share (x[m, k] *
-// bias summed over k) is added once per group at the end. Up to 4 rows x 16 columns of
-// the output stay in registers while every row of W goes by, 8 values widened at a
-// time. Work is split with OpenMP.
+// bias summed over k) starts each group's sums. Up to 4 rows x 16 columns of the output
+// stay in registers while every row of a part of W goes by, 8 values widened at a time.
+// Work is split with OpenMP.
 #ifdef __AVX2__
 #include "page_product.h"
 
@@ -130,10 +130,12 @@ void tiles(const float* xb, int D, const std::vector<Part>& parts, int heads, in
         __m256 acc[MR][NV];
         for (int m = 0; m < MR; ++m)
           for (int j = 0; j < NV; ++j)
-            acc[m][j] = p == 0 ? _mm256_set1_ps(bias[m]) : _mm256_loadu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j);
+            acc[m][j] = p == 0 ? _mm256_set1_ps(bias[m])
+                               : _mm256_loadu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j);
         tile_part<Bits, MR, NV>(part_xs, w, row_bytes, part.rows, n, end, acc);
         for (int m = 0; m < MR; ++m)
-          for (int j = 0; j < NV; ++j) _mm256_storeu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j, acc[m][j]);
+          for (int j = 0; j < NV; ++j)
+            _mm256_storeu_ps(yb + static_cast<size_t>(m0 + m) * ldy + n + 8 * j, acc[m][j]);
       }
     };
     switch (part.bits) {

@@ -52,9 +52,9 @@ def test_native_dequantize_refuses_what_it_cannot_read():
 
 
 def _mlx_only(monkeypatch) -> None:
-    import kvexec.formats
+    import kvexec.kernels
 
-    monkeypatch.setattr(kvexec.formats, "rows_kernel", lambda: None)
+    monkeypatch.setattr(kvexec.kernels, "rows_kernel", lambda: None)
 
 
 @pytest.mark.parametrize("fmt", ["q8c", "q4c", "k4a128v4r64~5632.2365", "k5a64v5r64~6653.3566"])
