@@ -77,10 +77,6 @@ void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   });
 }
 
-}  // namespace justfit
-
-namespace justfit {
-
 mx::array dequantize_channels(const std::vector<mx::array>& w, const std::vector<mx::array>& scales,
                               const std::vector<mx::array>& biases, const std::vector<mx::array>& columns,
                               int group_size, const std::vector<int>& bits, int head_dim, mx::StreamOrDevice s) {
