@@ -34,7 +34,7 @@ NB_MODULE(_ext, m) {
         "group_size"_a, "bits"_a, "head_dim"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Keys stored per channel (each part's channels at columns[i]) back as float32 [B, kv_heads, T, head_dim].");
   m.def("dequantize", &justfit::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(),
-        "stream"_a = nb::none(), "mx.dequantize in float32 for MLX's affine 4-, 5-, 6- or 8-bit weights, on both cores.");
+        "stream"_a = nb::none(), "mx.dequantize in float32 for MLX's affine 2- to 6- and 8-bit weights, on both cores.");
   m.def("attention_fold", &justfit::attention_fold, "q"_a, "k"_a, "v"_a, "m"_a, "l"_a, "acc"_a, "L"_a, "q_start"_a,
         "k_start"_a, "window"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Prefill's online softmax attention over one float32 block of keys, folded: [m, l, acc] (attention_fold.h).");

@@ -1,6 +1,7 @@
 """The native kernels on 5- and 6-bit weights (a GGUF's Q5_0 / Q5_K import as MLX's 5-bit
-affine form) and the native dequantization that makes prefill's dense working copies:
-equal to MLX's own (float16 scales exactly), for every width the matvec reads; shapes
+affine form) and the native dequantization that makes prefill's dense working copies and
+decoded pages: equal to MLX's own (float16 scales exactly), at every width MLX stores;
+keys stored per channel decoded in one operation as MLX's several would; shapes
 and widths it cannot take are refused; the cpu-native forms of a 5-bit model are native
 (not re-quantized to q8t) and compute what mlx-lm's classes do."""
 
