@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-
 from justfit.memory import format_size
-from justfit.planner import MIN_PREFILL_CHUNK
+from justfit.planner import MIN_PREFILL_CHUNK, cache_layout
 from kvexec import FORMATS, KVConfig, get_format, ladder
 from kvexec.calibrate import layer_summary
 
@@ -72,8 +70,8 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
 
 def _first_full_layer(model) -> int:
     """The index, among the attention layers, of the first that holds every position."""
-    attention = [c for c in make_prompt_cache(model) if isinstance(c, (KVCache, RotatingKVCache))]
-    return next((i for i, c in enumerate(attention) if not isinstance(c, RotatingKVCache)), 0)
+    full, windows, sliding, _ = cache_layout(model)
+    return next((i for i in range(full + len(windows)) if i not in sliding), 0)
 
 
 def _kv_label(kv: KVConfig) -> str:

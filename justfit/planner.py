@@ -166,6 +166,22 @@ def attention_shape(model: nn.Module, config: dict) -> tuple[int, int, int]:
     return heads, arg("num_key_value_heads", heads), arg("head_dim") or arg("hidden_size") // heads
 
 
+def cache_layout(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """The model's caches as mlx-lm makes them: how many attention layers hold every
+    position, each sliding layer's window, the sliding layers' indices among the attention
+    layers, and the bytes of every other cache's state (recurrent layers)."""
+    full, windows, window_layers, state = 0, [], [], 0
+    for c in make_prompt_cache(model):
+        if isinstance(c, RotatingKVCache):
+            window_layers.append(full + len(windows))  # its index among the attention layers
+            windows.append(c.max_size)
+        elif isinstance(c, KVCache):
+            full += 1
+        else:
+            state += tree_bytes(getattr(c, "state", []))
+    return full, tuple(windows), tuple(window_layers), state
+
+
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
               act_bytes: int | None = None, pressed: bool = False) -> Footprint:
@@ -177,21 +193,13 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
     act_bytes = act_bytes or (4 if _is_fp32(model) else 2)
-    full, windows, window_layers, state = 0, [], [], 0
-    for c in make_prompt_cache(model):
-        if isinstance(c, RotatingKVCache):
-            window_layers.append(full + len(windows))  # its index among the attention layers
-            windows.append(c.max_size)
-        elif isinstance(c, KVCache):
-            full += 1
-        else:
-            state += tree_bytes(getattr(c, "state", []))
-    return layers_footprint(positions, full_layers=full, windows=tuple(windows), state_bytes=state, heads=heads,
+    full, windows, window_layers, state = cache_layout(model)
+    return layers_footprint(positions, full_layers=full, windows=windows, state_bytes=state, heads=heads,
                             kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
                             intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
-                            window_layers=tuple(window_layers))
+                            window_layers=window_layers)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,

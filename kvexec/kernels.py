@@ -32,10 +32,13 @@ def dequantized(enc: dict[str, mx.array], group_size: int, bits: int) -> mx.arra
     """Stored groups back as float32: JustFit's native dequantize on the CPU where it reads
     the width (MLX's unpacks 5- and 6-bit groups bit by bit: a prefill block's keys and
     values took several times its attention), else MLX's."""
-    ext = rows_kernel()
-    if ext is not None and hasattr(ext, "dequantize") and bits in getattr(ext, "DEQUANTIZE_BITS", ()) \
-            and group_size % 32 == 0:
-        return ext.dequantize(enc["w"], enc["scales"], enc["biases"], group_size, bits)
+    native = None
+    if rows_kernel() is not None:
+        from justfit_native import dequantize
+
+        native = dequantize(enc["w"], enc["scales"], enc["biases"], group_size, bits)
+    if native is not None:
+        return native
     return mx.dequantize(enc["w"], enc["scales"].astype(mx.float32), enc["biases"].astype(mx.float32),
                          group_size=group_size, bits=bits)
 

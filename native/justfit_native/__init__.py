@@ -1,6 +1,6 @@
 """JustFit's native CPU kernels for MLX (built from native/*.cpp): `kernels()` gives the
-extension module, used by phaseswap.native (weights, RoPE, RMS norm) and kvexec.formats
-(attention over quantized pages)."""
+extension module, used by phaseswap.native (weights, RoPE, RMS norm) and kvexec.kernels
+(attention over quantized pages); `dequantize` is the native dequantization both use."""
 
 import functools
 
@@ -19,3 +19,16 @@ def kernels():
     except (ImportError, TypeError, RuntimeError):
         return None
     return _ext
+
+
+def dequantize(w, scales, biases, group_size: int, bits: int):
+    """mx.dequantize in float32 by the native kernel on the CPU (MLX's unpacks 5- and 6-bit
+    values bit by bit), or None where it does not apply: not built, off the CPU, a width or
+    group it does not read, scales and biases not both float16 or both float32."""
+    import mlx.core as mx
+
+    ext = kernels()
+    if (ext is None or mx.default_device() != mx.cpu or bits not in getattr(ext, "DEQUANTIZE_BITS", ())
+            or group_size % 32 or scales.dtype not in (mx.float16, mx.float32) or biases.dtype != scales.dtype):
+        return None
+    return ext.dequantize(w, scales, biases, group_size, bits)
