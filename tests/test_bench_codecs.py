@@ -1,0 +1,90 @@
+"""The key and value codec study (bench/codecs.py): RoPE undone and redone exactly, the QJL
+residual's unbiased inner products, every codec measured on every layer of a tiny model,
+and the bits-at-equal-error interpolation the savings are read from."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import _get_classes
+
+import kvexec
+from bench.codecs import allocated, bits_at, family, pre_rope, qjl, rope, savings, study
+from kvexec.rotated import RotatedCodec
+
+TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
+            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
+
+
+class ByteTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    mx.random.seed(0)
+    model_class, args_class = _get_classes(TINY)
+    model = model_class(args_class.from_dict(TINY))
+    model.apply(lambda a: a.astype(mx.float32))
+    mx.eval(model.parameters())
+    kvexec.install(model)
+    return model
+
+
+def test_pre_rope_keys_are_quantized_where_rope_has_not_spun_them(tiny_model):
+    module = tiny_model.layers[0].self_attn.rope
+    x = mx.random.normal((1, 2, 256, 64))
+    assert float(mx.abs(rope(rope(x, module, inverse=True), module) - x).max()) < 1e-5
+    # keys constant per channel before RoPE: stored per channel they are exact there, while
+    # after RoPE the fast pairs sweep their whole circle within each group of tokens
+    raw = mx.broadcast_to(mx.random.normal((1, 2, 1, 64)), (1, 2, 256, 64))
+    keys = rope(raw, module)
+    q = np.abs(np.random.default_rng(0).standard_normal((2, 256, 64))) + 0.1
+    before, bits_before = pre_rope(q, keys, 4, module)
+    after, bits_after = allocated(q, keys, 4)
+    assert bits_before == bits_after == 4 + 32 / 128
+    err = lambda got: float(mx.sqrt(((got - keys) ** 2).sum() / (keys**2).sum()))  # noqa: E731
+    assert err(before) < 1e-3 < 0.01 < err(after)
+
+
+def test_qjl_residual_makes_inner_products_unbiased():
+    rng = np.random.default_rng(1)
+    mean = rng.standard_normal(64).astype(np.float32) * 3
+    k = mx.array(mean + rng.standard_normal((1, 1, 1, 64)).astype(np.float32))
+    q = mx.array(mean / np.linalg.norm(mean))
+    exact = float((k @ q).item())
+    estimates = [float((qjl(k, 2, seed)[0] @ q).item()) for seed in range(400)]
+    assert qjl(k, 2)[1] == 2 + 32 / 64  # one-bit codes, one bit of signs, two fp16 norms per token
+    assert abs(np.mean(estimates) / exact - 1) < 0.03  # unbiased over the sketch's draws
+    mse_only = RotatedCodec(1).decode(RotatedCodec(1).encode(k))
+    assert float((mse_only @ q).item()) / exact < 0.9  # the codebook alone shrinks q . k
+
+
+def test_study_measures_every_codec_on_every_layer(tiny_model):
+    result = study(tiny_model, ByteTokenizer(), max_tokens=256)
+    assert result["tokens"] == 256
+    for side in ("keys", "values"):
+        families = {}
+        for name, row in result[side].items():
+            assert len(row["errors"]) == TINY["num_hidden_layers"]
+            assert row["summed_squares"] == pytest.approx(sum(e * e for e in row["errors"]))
+            families.setdefault(family(name), []).append(row)
+        for rows in families.values():  # within a family more bits lose less
+            ordered = [r["summed_squares"] for r in sorted(rows, key=lambda r: r["bits"])]
+            assert ordered == sorted(ordered, reverse=True)
+    assert {"a", "pre", "j", "o4a", "r", "qjl", "c", "cr"} <= {family(n) for n in result["keys"]}
+    assert result["keys"]["a5"]["bits"] == 5.25 and result["values"]["vr64-5"]["bits"] == 5.5
+    saved = savings(result["keys"], "a")
+    assert set(saved["pre"]) == {"a3", "a4", "a5", "a6"} and "a" not in saved
+
+
+def test_bits_at_interpolates_log_error_in_bits():
+    rows = [{"bits": 4.0, "summed_squares": 1e-2}, {"bits": 5.0, "summed_squares": 1e-3}]
+    assert bits_at(rows, 1e-2) == pytest.approx(4.0)
+    assert bits_at(rows, math.sqrt(1e-5)) == pytest.approx(4.5)
+    assert bits_at(rows, 1e-4) == pytest.approx(6.0)  # past the ends along the nearest pair
+    side = {"a4": rows[0], "a5": rows[1], "x4": {"bits": 3.5, "summed_squares": 1e-2},
+            "x5": {"bits": 4.5, "summed_squares": 1e-3}}
+    assert savings(side, "a") == {"x": {"a4": 0.5, "a5": 0.5}}
