@@ -136,10 +136,10 @@ class AllocatedCodec:
         return out
 
     @cached_property
-    def _product_args(self) -> tuple[list[tuple[str, str, str]], list[mx.array], list[int]]:
-        """Per width: its storage names, its channel indices, its bits (the native product's arguments)."""
-        names = [(f"b{b}.w", f"b{b}.scales", f"b{b}.biases") for b, _, _ in self._classes]
-        return names, [idx for _, _, idx in self._classes], [b for b, _, _ in self._classes]
+    def native_layout(self) -> list:
+        """Per width, widest first: the storage names of its codes, scales and biases, its
+        bits and its channels [kv_heads, n] (the native kernels' parts)."""
+        return [(f"b{b}.w", f"b{b}.scales", f"b{b}.biases", b, idx) for b, _, idx in self._classes]
 
     @cached_property
     def _inverse(self) -> mx.array:
@@ -207,9 +207,10 @@ class AllocatedCodec:
         ext = rows_kernel()
         if (ext is not None and hasattr(ext, "quantized_matmul_rows_split") and q.dtype == mx.float32
                 and q.shape[-2] <= ROWS_KERNEL_MAX):
-            names, columns, bits = self._product_args
-            return ext.quantized_matmul_rows_split(q, [enc[w] for w, _, _ in names], [enc[s] for _, s, _ in names],
-                                                   [enc[b] for _, _, b in names], columns, self.group_size, bits)
+            parts = self.native_layout
+            return ext.quantized_matmul_rows_split(q, [enc[p[0]] for p in parts], [enc[p[1]] for p in parts],
+                                                   [enc[p[2]] for p in parts], [p[4] for p in parts], self.group_size,
+                                                   [p[3] for p in parts])
         out = None
         for b, codec, idx in self._classes:
             s = codec._untransposed(self._pick(q, idx), self._part(enc, b))
@@ -217,10 +218,8 @@ class AllocatedCodec:
         return out
 
     def native_parts(self, storage: dict[str, mx.array]) -> list:
-        """Every width's channels as the native decode attention takes them: [(w, scales,
-        biases, bits, columns)] (kvexec/fused.py)."""
-        names, columns, bits = self._product_args
-        return [(storage[w], storage[s], storage[b], n, idx) for (w, s, b), idx, n in zip(names, columns, bits)]
+        """`native_layout` with the storage's arrays: [(w, scales, biases, bits, columns)]."""
+        return [(storage[w], storage[s], storage[b], n, idx) for w, s, b, n, idx in self.native_layout]
 
     def weighted(self, p: mx.array, enc: dict[str, mx.array], rotate: bool = True) -> mx.array:
         """Values are never stored this way (their error is not weighted by queries)."""

@@ -162,12 +162,17 @@ class Codec:
         return mx.quantized_matmul(x, enc["w"], enc["scales"], enc["biases"], transpose=False,
                                    group_size=self.group_size, bits=self.bits)
 
+    @property
+    def native_layout(self) -> list | None:
+        """Keys stored per channel as the native kernels take them: per part, the storage
+        names of its codes, scales and biases, its bits and its columns (None: all, in
+        order); None for other layouts."""
+        return [("w", "scales", "biases", self.bits, None)] if self.tokens_last else None
+
     def native_parts(self, storage: dict[str, mx.array]) -> list | None:
-        """Keys stored per channel as the native decode attention takes them: [(w, scales,
-        biases, bits, columns)] (kvexec/fused.py); None for other layouts."""
-        if not self.tokens_last:
-            return None
-        return [(storage["w"], storage["scales"], storage["biases"], self.bits, None)]
+        """`native_layout` with the storage's arrays: [(w, scales, biases, bits, columns)]."""
+        layout = self.native_layout
+        return None if layout is None else [(storage[w], storage[s], storage[b], n, c) for w, s, b, n, c in layout]
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> float:
         """Storage bytes of one token over `kv_heads` heads, scales and biases included."""

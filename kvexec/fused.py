@@ -14,8 +14,11 @@ logits, attention-mass observers) keeps the two-pass path (`fused_attention` ret
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
+from kvexec.formats import KVFormat
 from kvexec.kernels import rows_kernel
 
 _FULL, _QUANTIZED = 0, 1
@@ -26,30 +29,42 @@ def _kernel():
     return ext if ext is not None and hasattr(ext, "decode_attention") else None
 
 
+@functools.lru_cache(maxsize=1024)
+def _layout(fmt: KVFormat, widths: tuple[int, ...]):
+    """What the kernel needs of a quantized format, looked up once per format: (the spec's
+    ints after start and length, per key part its storage names and columns, whether
+    anything is rotated); None where the kernel cannot take it."""
+    keys, values = fmt.keys, fmt.values
+    layout = getattr(keys, "native_layout", None)
+    if layout is None or not values.quantized or values.per_channel or not hasattr(values, "group_size"):
+        return None
+    if values.bits not in widths or any(bits not in widths for *_, bits, _ in layout):
+        return None
+    columns = layout[0][-1] is not None
+    ints = [keys.group_size, int(keys.rotated), values.bits, values.group_size, int(values.rotated), int(columns),
+            len(layout)] + [bits for *_, bits, _ in layout]
+    parts = [((w, s, b), [idx] if columns else []) for w, s, b, _, idx in layout]
+    return ints, parts, keys.rotated or values.rotated
+
+
 def _spec(block, widths: tuple[int, ...]):
     """(ints, arrays, rotated) describing `block` to the kernel, or None where it cannot take it."""
-    keys, values = block.fmt.keys, block.fmt.values
-    if not keys.quantized and not values.quantized:
+    if not block.fmt.quantized:
         k, v = block.stored_keys.get("x"), block.stored_values.get("x")
         if k is None or v is None or k.dtype != mx.float32 or v.dtype != mx.float32:
             return None
         return [_FULL, block.start, block.length], [k, v], False
-    parts_of = getattr(keys, "native_parts", None)
-    if parts_of is None or not values.quantized or values.per_channel or not hasattr(values, "group_size"):
+    layout = _layout(block.fmt, widths)
+    if layout is None:
         return None
+    ints, parts, rotated = layout
     # the storage itself (the kernel reads its first `length` tokens: no slice operations)
     stored_k, stored_v = block.stored_keys, block.stored_values
-    parts = parts_of(stored_k)
-    if parts is None or values.bits not in widths or any(bits not in widths for *_, bits, _ in parts):
-        return None
-    columns = parts[0][-1] is not None
     arrays = []
-    for w, s, b, _, idx in parts:
-        arrays += [w, s, b] + ([idx] if columns else [])
+    for (w, s, b), columns in parts:
+        arrays += [stored_k[w], stored_k[s], stored_k[b], *columns]
     arrays += [stored_v["w"], stored_v["scales"], stored_v["biases"]]
-    ints = [_QUANTIZED, block.start, block.length, keys.group_size, int(keys.rotated), values.bits,
-            values.group_size, int(values.rotated), int(columns), len(parts)] + [bits for *_, bits, _ in parts]
-    return ints, arrays, keys.rotated or values.rotated
+    return [_QUANTIZED, block.start, block.length, *ints], arrays, rotated
 
 
 def fused_attention(queries: mx.array, blocks: list, q_start: int, scale: float,
