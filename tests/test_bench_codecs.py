@@ -7,30 +7,18 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import _get_classes
 
-import kvexec
 from bench.codecs import allocated, bits_at, family, pre_rope, qjl, rope, savings, study
 from kvexec.rotated import RotatedCodec
+from tests.tiny_models import ByteTokenizer, paged_model
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
 
 
-class ByteTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
-    mx.random.seed(0)
-    model_class, args_class = _get_classes(TINY)
-    model = model_class(args_class.from_dict(TINY))
-    model.apply(lambda a: a.astype(mx.float32))
-    mx.eval(model.parameters())
-    kvexec.install(model)
-    return model
+    return paged_model(TINY)
 
 
 def test_pre_rope_keys_are_quantized_where_rope_has_not_spun_them(tiny_model):

@@ -7,34 +7,21 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import _get_classes
 
 import kvexec
 import kvexec.calibrate as calibrate_mod
 from kvexec import KVConfig, get_format
 from kvexec.calibrate import Calibration, Measurement, allocate, cached_calibration, calibrate, calibrated_config, measure
+from tests.tiny_models import ByteTokenizer, paged_model
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=2,
             num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
 CANDIDATES = ("k4crv3r", "k4crv4r", "k6cv4r", "q8c")
 
 
-class ByteTokenizer:
-    """Text as its UTF-8 bytes: the tiny model's vocabulary is the 256 byte values."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
-    mx.random.seed(0)
-    model_class, args_class = _get_classes(TINY)
-    model = model_class(args_class.from_dict(TINY))
-    model.apply(lambda a: a.astype(mx.float32))
-    mx.eval(model.parameters())
-    kvexec.install(model)
-    return model
+    return paged_model(TINY)
 
 
 def test_calibration_spends_the_kl_budget_within_tolerance_and_is_deterministic(tiny_model):
