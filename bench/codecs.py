@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from kvexec.allocated import AllocatedCodec, allocate_widths, channel_weights  # noqa: E402
 from kvexec.formats import Codec  # noqa: E402
-from kvexec.rotated import RotatedCodec, lloyd_max_gaussian, rotation  # noqa: E402
+from kvexec.rotated import RotatedCodec  # noqa: E402
 
 GROUP = 128  # tokens per per-channel key group, as the default's keys
 SKETCH_SEED = 0x51C
