@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-SUITES = ("batch", "blas", "capacity", "kv", "parity", "plan", "quality", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "kv", "parity", "plan", "quality", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -20,6 +20,7 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     speed    prefill/decode speed next to stock mlx-lm
     quality  KV format fidelity: top-1, KL, perplexity, pass-key
     kv       KV transient, bytes per position, decode speed at a context
+    codecs   key and value codecs' attention error per layer at equal bits
     plan     planner's predicted peak vs measured; a run with layers offloaded under a tight budget
     state    time to first token from a snapshot vs cold prefill; snapshot size
     sessions 2 or 4 sessions sharing one budget, swapped to disk in turn
