@@ -207,10 +207,9 @@ class AllocatedCodec:
         ext = rows_kernel()
         if (ext is not None and hasattr(ext, "quantized_matmul_rows_split") and q.dtype == mx.float32
                 and q.shape[-2] <= ROWS_KERNEL_MAX):
-            parts = self.native_layout
-            return ext.quantized_matmul_rows_split(q, [enc[p[0]] for p in parts], [enc[p[1]] for p in parts],
-                                                   [enc[p[2]] for p in parts], [p[4] for p in parts], self.group_size,
-                                                   [p[3] for p in parts])
+            w, scales, biases, bits, columns = zip(*self.native_parts(enc))
+            return ext.quantized_matmul_rows_split(q, list(w), list(scales), list(biases), list(columns),
+                                                   self.group_size, list(bits))
         out = None
         for b, codec, idx in self._classes:
             s = codec._untransposed(self._pick(q, idx), self._part(enc, b))

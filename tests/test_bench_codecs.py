@@ -10,7 +10,7 @@ import pytest
 
 from bench.codecs import allocated, bits_at, family, pre_rope, qjl, rope, savings, study
 from kvexec.rotated import RotatedCodec
-from tests.tiny_models import ByteTokenizer, paged_model
+from tests.tiny_paged import ByteTokenizer, paged_model
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)

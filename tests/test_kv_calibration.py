@@ -12,7 +12,7 @@ import kvexec
 import kvexec.calibrate as calibrate_mod
 from kvexec import KVConfig, get_format
 from kvexec.calibrate import Calibration, Measurement, allocate, cached_calibration, calibrate, calibrated_config, measure
-from tests.tiny_models import ByteTokenizer, paged_model
+from tests.tiny_paged import ByteTokenizer, paged_model
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=2,
             num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True)
