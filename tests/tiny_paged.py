@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 class ByteTokenizer:
     """Text as its UTF-8 bytes: a tiny model's vocabulary of the 256 byte values."""
 
