@@ -22,28 +22,42 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.activations import swiglu
 
 from kvexec import PagedKVCache
-from phaseswap.native import NativeRoPE, kernels, native_rms_norm
+from phaseswap.native import NativeRoPE, fused_group, fused_products, kernels, native_rms_norm
 
 
-def _native_call(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache,
-                 norms: tuple | None = None) -> mx.array | None:
-    """The layer's output through the native path, or None where it does not apply.
+def _heads_settings(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache, norms: tuple | None):
+    """rope_heads' settings for the layer's native path, or None where it does not apply.
     `norms`: Gemma's per-head q and k norms (the 1 + weight kind), applied before rotation."""
     ext = kernels()
     if (ext is None or not hasattr(ext, "rope_heads") or type(cache) is not PagedKVCache
             or type(layer.rope) is not NativeRoPE or x.dtype != mx.float32 or mx.default_device() != mx.cpu):
         return None
-    rope, settings = layer.rope, {}
-    if norms is not None:
-        q_norm, k_norm = norms
-        if q_norm.eps != k_norm.eps or q_norm["weight"].dtype != mx.float32 or k_norm["weight"].dtype != mx.float32:
-            return None
-        settings = {"norms": (q_norm["weight"], k_norm["weight"]), "norm_eps": q_norm.eps, "norm_offset": 1.0}
-    q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
-    q, k, v = ext.rope_heads(q, k, v, layer.n_heads, layer.n_kv_heads, rope.inv_freqs(), rope.dims,
-                             traditional=rope.traditional, scale=rope.scale, offset=cache.offset, **settings)
+    if norms is None:
+        return {}
+    q_norm, k_norm = norms
+    if q_norm.eps != k_norm.eps or q_norm["weight"].dtype != mx.float32 or k_norm["weight"].dtype != mx.float32:
+        return None
+    return {"norms": (q_norm["weight"], k_norm["weight"]), "norm_eps": q_norm.eps, "norm_offset": 1.0}
+
+
+def _attend(layer: llama.Attention | gemma3_text.Attention, q: mx.array, k: mx.array, v: mx.array, cache,
+            settings: dict) -> mx.array:
+    """The projections' heads split and rotated in one operation, stored, and attended
+    over the pages: [B, L, heads * D], the output projection's input."""
+    rope = layer.rope
+    q, k, v = kernels().rope_heads(q, k, v, layer.n_heads, layer.n_kv_heads, rope.inv_freqs(), rope.dims,
+                                   traditional=rope.traditional, scale=rope.scale, offset=cache.offset, **settings)
     cache.update_and_fetch(k, v)
-    return layer.o_proj(cache.attend(q, layer.scale, tokens_major=True))
+    return cache.attend(q, layer.scale, tokens_major=True)
+
+
+def _native_call(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache,
+                 norms: tuple | None = None) -> mx.array | None:
+    """The layer's output through the native path, or None where it does not apply."""
+    settings = _heads_settings(layer, x, cache, norms)
+    if settings is None:
+        return None
+    return layer.o_proj(_attend(layer, layer.q_proj(x), layer.k_proj(x), layer.v_proj(x), cache, settings))
 
 
 class NativeLlamaAttention(llama.Attention):
@@ -102,7 +116,55 @@ class NativeGemmaMLP(gemma3_text.MLP):
         return self.down_proj(nn.gelu_approx(gate) * up if h is None else h)
 
 
-_NATIVE_LAYERS = {llama.Attention: NativeLlamaAttention, llama.MLP: NativeLlamaMLP, gemma3_text.MLP: NativeGemmaMLP,
+def _native_block(block: llama.TransformerBlock | gemma3_text.TransformerBlock, x: mx.array, cache,
+                  gemma: bool) -> mx.array | None:
+    """A decoder layer in six native operations plus the page writes, or None where that
+    does not apply: norm and q/k/v products; heads; attention; output projection and
+    residual (Gemma: its norm between); norm, gate/up products and activation; down
+    projection and residual (Gemma: its norm between). Each fused step computes what the
+    layer's own native operations do one by one, bit for bit: MLX's dispatch of the other
+    eight (~5 us each, and the graph's building) was a quarter of a decode step."""
+    attn, mlp = block.self_attn, block.mlp
+    settings = _heads_settings(attn, x, cache, (attn.q_norm, attn.k_norm) if gemma else None)
+    if settings is None:
+        return None
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    if gemma:
+        norms += [block.pre_feedforward_layernorm, block.post_feedforward_layernorm]
+    groups = [fused_group(m) for m in (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)]
+    if ([len(g) if g else 0 for g in groups] != [3, 1, 2, 1]
+            or any(n["weight"].dtype != mx.float32 or n.eps != norms[0].eps for n in norms)):
+        return None
+    qkv, o, gate_up, down = groups
+    w = [n["weight"] for n in norms]
+    fused = {"norm_eps": norms[0].eps, "norm_offset": 1.0 if gemma else 0.0}
+    q, k, v = fused_products(x, qkv, norm=w[0], **fused)
+    attended = _attend(attn, q, k, v, cache, settings)
+    after_norm = {"post_norm": w[1]} if gemma else {}
+    h = fused_products(attended, o, residual=x, **after_norm, **fused)[0]
+    gated = fused_products(h, gate_up, norm=w[2] if gemma else w[1], gate=_GELU_APPROX if gemma else _SILU, **fused)[0]
+    after_norm = {"post_norm": w[3]} if gemma else {}
+    return fused_products(gated, down, residual=h, **after_norm, **fused)[0]
+
+
+class NativeLlamaBlock(llama.TransformerBlock):
+    """mlx-lm's llama decoder layer (same parameters) in fused native steps where they apply."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
+        out = _native_block(self, x, cache, gemma=False)
+        return super().__call__(x, mask, cache) if out is None else out
+
+
+class NativeGemmaBlock(gemma3_text.TransformerBlock):
+    """mlx-lm's Gemma 3 decoder layer (same parameters) in fused native steps where they apply."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
+        out = _native_block(self, x, cache, gemma=True)
+        return super().__call__(x, mask, cache) if out is None else out
+
+
+_NATIVE_LAYERS = {llama.TransformerBlock: NativeLlamaBlock, gemma3_text.TransformerBlock: NativeGemmaBlock,
+                  llama.Attention: NativeLlamaAttention, llama.MLP: NativeLlamaMLP, gemma3_text.MLP: NativeGemmaMLP,
                   gemma3_text.Attention: NativeGemmaAttention, gemma3_text.RMSNorm: NativeGemmaRMSNorm}
 
 

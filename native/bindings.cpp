@@ -18,6 +18,7 @@
 #include "softmax.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
@@ -26,10 +27,22 @@ NB_MODULE(_ext, m) {
         "bits"_a, nb::kw_only(), "activation_bits"_a = 32, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for MLX's affine-quantized weights (4, 5, 6 or 8 bits), float32; "
         "activation_bits 8 or 16: x's blocks of 32 rounded to int8 or int16 and multiplied in integers (AVX2).");
-  m.def("quantized_matvecs", &justfit::quantized_matvecs, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "activation_bits"_a = 32, "stream"_a = nb::none(),
-        "quantized_matvec of one x with several weights (same in and group_size; bits: one per weight) as one "
-        "operation: a list.");
+  m.def(
+      "quantized_matvecs",
+      [](const mx::array& x, const std::vector<mx::array>& w, const std::vector<mx::array>& scales,
+         const std::vector<mx::array>& biases, int group_size, const std::vector<int>& bits, int activation_bits,
+         std::optional<mx::array> norm, std::optional<mx::array> post_norm, std::optional<mx::array> residual,
+         float norm_eps, float norm_offset, int gate, mx::StreamOrDevice s) {
+        return justfit::quantized_matvecs(x, w, scales, biases, group_size, bits, activation_bits,
+                                          {norm, post_norm, residual, norm_eps, norm_offset, gate}, s);
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(), "activation_bits"_a = 32,
+      "norm"_a = nb::none(), "post_norm"_a = nb::none(), "residual"_a = nb::none(), "norm_eps"_a = 0.f,
+      "norm_offset"_a = 0.f, "gate"_a = -1, "stream"_a = nb::none(),
+      "quantized_matvec of one x with several weights (same in and group_size; bits: one per weight) as one "
+      "operation: a list. Fused steps (qmatvec.h MatvecFusion): x RMS-normed by `norm` first; `gate` 0 (silu) "
+      "or 1 (gelu_approx): two products become [act(y0) * y1]; the single output RMS-normed by `post_norm`, "
+      "then `residual` added (norms: weight + norm_offset, norm_eps).");
   m.def("dequantize_channels", &justfit::dequantize_channels, "w"_a, "scales"_a, "biases"_a, "columns"_a,
         "group_size"_a, "bits"_a, "head_dim"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Keys stored per channel (each part's channels at columns[i]) back as float32 [B, kv_heads, T, head_dim].");

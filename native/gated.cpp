@@ -45,7 +45,9 @@ inline __m256 act8(__m256 x, int kind) {
 }
 #endif
 
-void gate(const float* g, const float* u, float* y, size_t n, int kind) {
+}  // namespace
+
+void gated_span(const float* g, const float* u, float* y, size_t n, int kind) {
   size_t i = 0;
 #ifdef __AVX2__
   for (; i + 8 <= n; i += 8)
@@ -53,8 +55,6 @@ void gate(const float* g, const float* u, float* y, size_t n, int kind) {
 #endif
   for (; i < n; ++i) y[i] = act(g[i], kind) * u[i];
 }
-
-}  // namespace
 
 mx::array gated_activation(const mx::array& gate, const mx::array& up, int kind, mx::StreamOrDevice s) {
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape())
@@ -76,7 +76,7 @@ void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, std::vector
 #pragma omp parallel for schedule(static) if (spans > 1)
     for (long k = 0; k < spans; ++k) {
       const size_t at = static_cast<size_t>(k) * kSpan;
-      gate(gp + at, up + at, yp + at, std::min(kSpan, n - at), kind);
+      gated_span(gp + at, up + at, yp + at, std::min(kSpan, n - at), kind);
     }
   });
 }

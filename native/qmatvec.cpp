@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "gated.h"
 #include "qmatvec_int.h"
+#include "rms_norm.h"
 #include "simd.h"
 #include "stored.h"
 #include "unpack.h"
@@ -164,13 +166,13 @@ int checked_out(const mx::array& x, const mx::array& w, const mx::array& scales,
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, int activation_bits,
                            mx::StreamOrDevice s) {
-  return quantized_matvecs(x, {w}, {scales}, {biases}, group_size, std::vector<int>{bits}, activation_bits, s)[0];
+  return quantized_matvecs(x, {w}, {scales}, {biases}, group_size, std::vector<int>{bits}, activation_bits, {}, s)[0];
 }
 
 std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<mx::array>& w,
                                          const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
                                          int group_size, const std::vector<int>& bits, int activation_bits,
-                                         mx::StreamOrDevice s) {
+                                         const MatvecFusion& fusion, mx::StreamOrDevice s) {
   if (bits.size() != w.size()) throw std::invalid_argument("quantized_matvec: one bit width per weight");
   for (int b : bits)
     if (!matvec_width(b)) throw std::invalid_argument("quantized_matvec: bits must be 4, 5, 6 or 8");
@@ -196,9 +198,33 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<m
     shapes.push_back(shape);
     inputs.insert(inputs.end(), {w[i], scales[i], biases[i]});
   }
+  const int out = shapes[0].back();
+  const bool single = fusion.gate >= 0 || w.size() == 1;
+  if (fusion.gate >= 0) {
+    if (fusion.gate != kSilu && fusion.gate != kGeluApprox) throw std::invalid_argument("quantized_matvec: unknown gate");
+    if (w.size() != 2 || shapes[1] != shapes[0])
+      throw std::invalid_argument("quantized_matvec: a gate takes two weights of one shape");
+    shapes.resize(1);
+  }
+  if ((fusion.post_norm || fusion.residual) && !single)
+    throw std::invalid_argument("quantized_matvec: post_norm and residual need a single output");
+  auto vector_of = [](const std::optional<mx::array>& a, int n, const char* what) {
+    if (a && (a->dtype() != mx::float32 || a->ndim() != 1 || a->shape(0) != n))
+      throw std::invalid_argument(std::string("quantized_matvec: ") + what + " must be a float32 vector of its width");
+  };
+  vector_of(fusion.norm, x.shape(-1), "norm");
+  vector_of(fusion.post_norm, out, "post_norm");
+  if (fusion.residual && (fusion.residual->dtype() != mx::float32 || fusion.residual->shape() != shapes[0]))
+    throw std::invalid_argument("quantized_matvec: residual must be float32 of the output's shape");
+  for (auto* a : {&fusion.norm, &fusion.post_norm, &fusion.residual})
+    if (*a) inputs.push_back(**a);
+  const QuantizedMatvec::Steps steps{fusion.norm.has_value(), fusion.post_norm.has_value(), fusion.residual.has_value(),
+                                     fusion.norm_eps, fusion.norm_offset, fusion.gate};
   auto stream = mx::to_stream(s);
-  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(w.size(), mx::float32),
-                                std::make_shared<QuantizedMatvec>(stream, group_size, bits, activation_bits), inputs);
+  const size_t outputs = shapes.size();
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(outputs, mx::float32),
+                                std::make_shared<QuantizedMatvec>(stream, group_size, bits, activation_bits, steps),
+                                inputs);
 }
 
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -207,16 +233,39 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   const int in = x.shape(-1), rows = x.size() / in;
   const int gs = group_size_, activation_bits = activation_bits_;
   const std::vector<int> widths = widths_;
+  const Steps steps = steps_;
   const bool half = inputs[2].dtype() == mx::float16;
-  std::vector<RowMajor> weights;  // w, scales, biases of each output in turn
+  const size_t products = widths.size();
+  std::vector<RowMajor> weights;  // w, scales, biases of each product in turn
+  for (size_t i = 1; i <= 3 * products; ++i) weights.push_back(RowMajor{inputs[i]});
+  std::vector<RowMajor> extra;    // the fusion's arrays, in Steps' order
+  for (size_t i = 1 + 3 * products; i < inputs.size(); ++i) extra.push_back(RowMajor{inputs[i]});
+  float* y0 = outputs[0].data<float>();
   std::vector<float*> ys;
-  for (size_t i = 1; i < inputs.size(); ++i) weights.push_back(RowMajor{inputs[i]});
   for (auto& y : outputs) ys.push_back(y.data<float>());
   // One operation for several products of the same x (a layer's q, k, v): MLX's dispatch
   // is paid once, and x is read (and rounded) for each in turn.
-  encoder.dispatch([=, xs = RowMajor{x}, weights = std::move(weights)]() mutable {
+  encoder.dispatch([=, xs = RowMajor{x}, weights = std::move(weights), extra = std::move(extra)]() mutable {
+    size_t next = 0;
+    const float* norm_w = steps.norm ? extra[next++].data<float>() : nullptr;
+    const float* post_w = steps.post_norm ? extra[next++].data<float>() : nullptr;
+    const float* residual = steps.residual ? extra[next++].data<float>() : nullptr;
     const float* xp = xs.data<float>();
-    for (size_t k = 0; k < ys.size(); ++k) {
+    std::vector<float> normed;
+    if (norm_w) {
+      normed.resize(static_cast<size_t>(rows) * in);
+      for (int r = 0; r < rows; ++r)
+        rms_norm_row(xp + static_cast<size_t>(r) * in, norm_w, normed.data() + static_cast<size_t>(r) * in, in,
+                     steps.eps, steps.offset);
+      xp = normed.data();
+    }
+    const int out0 = weights[0].a.shape(0);
+    std::vector<float> gated;  // the two products a gate combines
+    if (steps.gate >= 0) {
+      gated.resize(2 * static_cast<size_t>(rows) * out0);
+      ys = {gated.data(), gated.data() + static_cast<size_t>(rows) * out0};
+    }
+    for (size_t k = 0; k < products; ++k) {
       const uint8_t* wp = weights[3 * k].data<uint8_t>();
       const uint8_t* sp = weights[3 * k + 1].data<uint8_t>();
       const uint8_t* bp = weights[3 * k + 2].data<uint8_t>();
@@ -229,6 +278,14 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
         matvec<B>(xp, wp, ss, bs, ys[k], rows, in, out, gs);
       });
     }
+    const size_t n = static_cast<size_t>(rows) * out0;
+    if (steps.gate >= 0) gated_span(ys[0], ys[1], y0, n, steps.gate);
+    if (post_w)
+      for (int r = 0; r < rows; ++r)
+        rms_norm_row(y0 + static_cast<size_t>(r) * out0, post_w, y0 + static_cast<size_t>(r) * out0, out0, steps.eps,
+                     steps.offset);
+    if (residual)
+      for (size_t i = 0; i < n; ++i) y0[i] = residual[i] + y0[i];
   });
 }
 

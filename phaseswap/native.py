@@ -77,6 +77,15 @@ def _fallback(x: mx.array, mod: nn.Module) -> mx.array:
                                transpose=True, group_size=mod.group_size, bits=mod.bits)
 
 
+def _products(ext, x: mx.array, mods: list[nn.Module], **steps) -> list[mx.array]:
+    """The kernel's products of x with native linears of one input width, group size,
+    activation rounding and scales dtype, as one operation (with `steps` fused)."""
+    first = mods[0]
+    return ext.quantized_matvecs(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
+                                 [m["biases"] for m in mods], first.group_size, [m.bits for m in mods],
+                                 activation_bits=first.__dict__.get("activation_bits", 32), **steps)
+
+
 class _Joint:
     """Sibling native linears applied to one x (a layer's q, k and v projections; gate and
     up) as one operation: the first sibling called with a new x computes every sibling's
@@ -91,18 +100,35 @@ class _Joint:
     def product(self, mod: nn.Module, x: mx.array) -> mx.array | None:
         """`mod`'s x @ W^T, or None where the kernel cannot take x (the caller falls back)."""
         if self.x is not x or id(mod) not in self.ready:
-            ext, first = kernels(), self.members[0]
+            ext = kernels()
             if ext is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
                 return None
-            ys = ext.quantized_matvecs(x, [m["weight"] for m in self.members], [m["scales"] for m in self.members],
-                                       [m["biases"] for m in self.members], first.group_size,
-                                       [m.bits for m in self.members],
-                                       activation_bits=first.__dict__.get("activation_bits", 32))
+            ys = _products(ext, x, self.members)
             self.x, self.ready = x, {id(m): y for m, y in zip(self.members, ys)}
         y = self.ready.pop(id(mod))
         if not self.ready:
             self.x = None
         return y
+
+
+def fused_group(mod: nn.Module) -> list[nn.Module] | None:
+    """`mod` and the siblings it was joined with (join_siblings), in their order, where
+    the kernel can take their products with fused steps (`fused_products`); else None
+    (not a native linear, a bias, scales of another dtype)."""
+    if not isinstance(mod, NativeQuantizedLinear):
+        return None
+    joint = mod.__dict__.get("_joint")
+    mods = joint.members if joint is not None else [mod]
+    if mod["scales"].dtype not in SCALE_DTYPES or any("bias" in m for m in mods):
+        return None
+    return mods
+
+
+def fused_products(x: mx.array, mods: list[nn.Module], **steps) -> list[mx.array]:
+    """The products of x with `mods` (a `fused_group`) as one native operation with the
+    kernel's fused `steps` (norm, post_norm, residual, norm_eps, norm_offset, gate: see
+    justfit_native's quantized_matvecs). x float32 on the CPU, the kernels built."""
+    return _products(kernels(), x, mods, **steps)
 
 
 # Siblings mlx-lm's layers apply to the same input one after another.

@@ -1,6 +1,7 @@
 """mlx-lm's layers with JustFit's CPU kernels (justfit/native_layers.py): the gated MLP
-activation equals MLX's, the native llama and Gemma 3 attention, MLPs and norms compute
-what mlx-lm's own classes do on the same weights and paged cache, a decode step makes a
+activation equals MLX's, the native llama and Gemma 3 layers, attention, MLPs and norms
+compute what mlx-lm's own classes do on the same weights and paged cache, a layer's fused
+steps what its native operations do one by one (bit for bit), a decode step makes a
 handful of operations a layer, and anything the kernels cannot take runs mlx-lm's code."""
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from mlx_lm.models.activations import swiglu
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from justfit.native_layers import (NativeGemmaAttention, NativeGemmaMLP, NativeGemmaRMSNorm, NativeLlamaAttention,
-                                   NativeLlamaMLP)
+from justfit.native_layers import (NativeGemmaAttention, NativeGemmaBlock, NativeGemmaMLP, NativeGemmaRMSNorm,
+                                   NativeLlamaAttention, NativeLlamaBlock, NativeLlamaMLP)
 from phaseswap import native
 from tests.tiny_models import write_mlx_folder
 
@@ -56,17 +57,45 @@ def _step_logits(engine: Engine, tokens: list[int]) -> list[mx.array]:
     return out
 
 
+def _back_to(engine: Engine, classes: dict) -> int:
+    """Give the engine's modules of `classes`' keys (hooked by PhaseSwap or not: every
+    form is resident at decode) the class each maps to, the same modules and weights;
+    how many."""
+    count = 0
+    for _, m in engine.model.named_modules():
+        base = getattr(type(m), "phaseswap_base", type(m))
+        if base in classes:
+            m.__class__ = classes[base]
+            count += 1
+    return count
+
+
+_LLAMA_BLOCKS = {NativeLlamaBlock: llama.TransformerBlock}
+_GEMMA_BLOCKS = {NativeGemmaBlock: gemma3_text.TransformerBlock}
+
+
 def test_native_layers_compute_what_mlx_lm_s_classes_do(q4_dir):
     engine = Engine(str(q4_dir), config=EngineConfig(policy="cpu-native"))
-    layers = [m for _, m in engine.model.named_modules() if isinstance(m, (NativeLlamaAttention, NativeLlamaMLP))]
-    assert len(layers) == 6  # 3 layers: attention and MLP each
     tokens = list(range(40, 70))
     fast = _step_logits(engine, tokens)
-    for m in layers:  # back to mlx-lm's own classes, the same modules and weights
-        m.__class__ = llama.Attention if isinstance(m, NativeLlamaAttention) else llama.MLP
+    assert _back_to(engine, _LLAMA_BLOCKS) == 3
+    assert _back_to(engine, {NativeLlamaAttention: llama.Attention, NativeLlamaMLP: llama.MLP}) == 6
     plain = _step_logits(engine, tokens)
     for a, b in zip(fast, plain):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4), float(mx.abs(a - b).max())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_layer_s_fused_steps_compute_its_native_operations_bit_for_bit(q4_dir, gemma_dir, family):
+    folder, blocks = (q4_dir, _LLAMA_BLOCKS) if family == "llama" else (gemma_dir, _GEMMA_BLOCKS)
+    engine = Engine(str(folder), config=EngineConfig(policy="cpu-int16"))
+    tokens = list(range(40, 70))
+    fused = _step_logits(engine, tokens)
+    assert _decode_ops(engine).count("JustFitRmsNorm") == 1  # the final norm: the layers' are fused
+    assert _back_to(engine, blocks) >= 2  # the blocks mlx-lm's; attention, MLPs and norms still native
+    one_by_one = _step_logits(engine, tokens)
+    for a, b in zip(fused, one_by_one):
+        assert mx.array_equal(a, b)
 
 
 def _decode_ops(engine: Engine) -> list[str]:
@@ -85,8 +114,10 @@ def test_a_decode_step_makes_a_handful_of_operations_a_layer(q4_dir):
     per_layer = {name: ops.count(name) / 3 for name in set(ops)}
     assert per_layer["JustFitDecodeAttention"] == per_layer["JustFitRopeHeads"] == 1
     assert ops.count("JustFitQuantizedMatvec") == 4 * 3 + 1  # q/k/v joined, o, gate/up joined, down; the head
-    assert per_layer["JustFitGatedActivation"] == 1
-    assert per_layer.get("Transpose", 0) < 1 and per_layer.get("Concatenate", 0) < 1  # none in the layers
+    # the norms, the activation and the residual adds are inside the products
+    assert ops.count("JustFitRmsNorm") == 1 and "JustFitGatedActivation" not in ops  # the final norm
+    for name in ("Transpose", "Concatenate", "Add"):
+        assert per_layer.get(name, 0) < 1  # none in the layers
 
 
 def test_gemma_s_mlp_takes_the_native_gate(tmp_path):
@@ -109,18 +140,15 @@ def gemma_dir(tmp_path_factory):  # 5-bit, as a GGUF's Q5_0 layers import
 
 def test_gemma_s_native_attention_and_norms_compute_what_mlx_lm_s_do(gemma_dir):
     engine = Engine(str(gemma_dir), config=EngineConfig(policy="cpu-int16"))
-    swapped = {NativeGemmaAttention: gemma3_text.Attention, NativeGemmaRMSNorm: gemma3_text.RMSNorm}
-    mods = [m for _, m in engine.model.named_modules() if type(m) in swapped]
-    assert sum(isinstance(m, NativeGemmaAttention) for m in mods) >= 2
-    assert sum(isinstance(m, NativeGemmaRMSNorm) for m in mods) >= 6 * 2  # four a layer, q and k's, the final
     tokens = list(range(40, 70))
     fast = _step_logits(engine, tokens)
     ops = _decode_ops(engine)
     layers = ops.count("JustFitDecodeAttention")
     assert layers >= 2 and ops.count("JustFitRopeHeads") == layers  # q/k norms in the heads' operation
-    assert ops.count("JustFitRmsNorm") == 4 * layers + 1  # a layer's four and the final one
-    for m in mods:  # back to mlx-lm's own classes, the same modules and weights
-        m.__class__ = swapped[type(m)]
+    assert ops.count("JustFitRmsNorm") == 1  # a layer's four in its products; the final one
+    assert _back_to(engine, _GEMMA_BLOCKS) == layers
+    assert _back_to(engine, {NativeGemmaAttention: gemma3_text.Attention}) == layers
+    assert _back_to(engine, {NativeGemmaRMSNorm: gemma3_text.RMSNorm}) >= 6 * layers + 1  # four a layer, q and k's
     plain = _step_logits(engine, tokens)
     for a, b in zip(fast, plain):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4 * float(mx.abs(b).max())), float(mx.abs(a - b).max())
