@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "full_block.h"
 #include "page_product.h"
 #include "softmax.h"
 #include "stored.h"
@@ -20,7 +21,6 @@ namespace justfit {
 namespace {
 
 constexpr int kQuantizedHead = 10;  // a quantized block's ints before its parts' widths
-constexpr size_t kParallelFull = 1 << 15;  // a full block's multiply-adds from which both cores share it
 
 // Copies made where an input cannot be read in place (kept until the kernel returns).
 using Copies = std::vector<std::vector<uint8_t>>;
@@ -34,11 +34,6 @@ const T* row_major(const mx::array& a, Copies& copies) {
 }
 
 // Rows of D floats: in place where the strides allow (a slice of the hot window), else a copy.
-struct FloatRows {
-  const float* data;
-  int64_t row, batch;
-};
-
 FloatRows float_rows(const mx::array& a, Copies& copies) {
   if (auto st = in_place_strides(a)) return {a.data<float>(), st->first, st->second};
   return {row_major<float>(a, copies), a.shape(-1), static_cast<int64_t>(a.shape(-2)) * a.shape(-1)};
@@ -114,21 +109,9 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
   for (const auto& b : blocks) {
     float* s = scores.data() + offset;
     if (b.kind == kFull) {
-      const FloatRows k = float_rows(in[b.first], copies);
       // the hot window holds up to two pages of positions in full precision: at a short
       // context most of the arithmetic, so on both cores
-#pragma omp parallel for schedule(static) if (nrows * b.length * D >= kParallelFull)
-      for (long i = 0; i < static_cast<long>(nrows); ++i) {
-        const float* qi = qs.data() + i * D;
-        const float* kb = k.data + static_cast<int64_t>(i / R) * k.batch;
-        for (int t = 0; t < b.length; ++t) {
-          const float* kt = kb + t * k.row;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < D; ++d) dot += qi[d] * kt[d];
-          s[i * total + t] = dot;
-        }
-      }
+      full_scores(qs.data(), float_rows(in[b.first], copies), batch, R, D, b.length, s, total);
     } else {
       std::vector<Part> parts;
       for (int p = 0, i = b.first; p < b.parts; ++p, i += b.columns ? 4 : 3)
@@ -150,18 +133,7 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
   for (const auto& b : blocks) {
     const float* p = scores.data() + offset;
     if (b.kind == kFull) {
-      const FloatRows v = float_rows(in[b.first + 1], copies);
-#pragma omp parallel for schedule(static) if (nrows * b.length * D >= kParallelFull)
-      for (long i = 0; i < static_cast<long>(nrows); ++i) {
-        const float* vb = v.data + static_cast<int64_t>(i / R) * v.batch;
-        float* acc = plain.data() + i * D;
-        for (int t = 0; t < b.length; ++t) {
-          const float pt = p[i * total + t];
-          const float* vt = vb + t * v.row;
-#pragma omp simd
-          for (int d = 0; d < D; ++d) acc[d] += pt * vt[d];
-        }
-      }
+      full_values(p, float_rows(in[b.first + 1], copies), batch, R, D, b.length, total, plain.data());
     } else {
       const int i = b.first + b.parts * (b.columns ? 4 : 3);
       Part values = part_of(in[i], in[i + 1], in[i + 2], b.value_bits, b.value_group, nullptr, copies);
