@@ -70,7 +70,8 @@ inline void load_values(const uint8_t* row, int n, const uint8_t* end, __m256 v[
   }
 }
 
-constexpr int kTileRows = 4;  // input rows whose output tiles stay in registers together
+constexpr int kTileRows = 4;
+constexpr int kAhead = 256;  // columns ahead whose bytes a tile asks for  // input rows whose output tiles stay in registers together
 
 // One part's rows into the MR x NV*8 output tile at columns [n, n + 8 NV) of group g:
 // acc[m] += sum over k of (x[m, column k] * scale[k, g]) * w[k, n..]; the scaled x comes
@@ -80,6 +81,10 @@ inline void tile_part(const float* xs, const uint8_t* w, size_t row_bytes, int K
                       __m256 acc[MR][NV]) {
   for (int k = 0; k < K; ++k) {
     const uint8_t* row = w + k * row_bytes;
+    // Keys stored per channel: each of a page's rows is a separate stream (64 for a
+    // SmolLM2 head), more than the hardware prefetcher follows, so every new cache line
+    // was a demand miss; ask for the line kAhead columns on.
+    _mm_prefetch(reinterpret_cast<const char*>(row + static_cast<size_t>(n + kAhead) * Bits / 8), _MM_HINT_T0);
     __m256 v[NV];
     load_values<Bits, NV>(row, n, end, v);
     for (int m = 0; m < MR; ++m) {
