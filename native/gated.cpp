@@ -45,15 +45,25 @@ inline __m256 act8(__m256 x, int kind) {
 }
 #endif
 
-}  // namespace
-
-void gated_span(const float* g, const float* u, float* y, size_t n, int kind) {
+void gate(const float* g, const float* u, float* y, size_t n, int kind) {
   size_t i = 0;
 #ifdef __AVX2__
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_mul_ps(act8(_mm256_loadu_ps(g + i), kind), _mm256_loadu_ps(u + i)));
 #endif
   for (; i < n; ++i) y[i] = act(g[i], kind) * u[i];
+}
+
+}  // namespace
+
+void gated(const float* g, const float* u, float* y, size_t n, int kind) {
+  constexpr size_t kSpan = 1 << 14;
+  const long spans = static_cast<long>((n + kSpan - 1) / kSpan);
+#pragma omp parallel for schedule(static) if (spans > 1)
+  for (long k = 0; k < spans; ++k) {
+    const size_t at = static_cast<size_t>(k) * kSpan;
+    gate(g + at, u + at, y + at, std::min(kSpan, n - at), kind);
+  }
 }
 
 mx::array gated_activation(const mx::array& gate, const mx::array& up, int kind, mx::StreamOrDevice s) {
@@ -68,17 +78,7 @@ void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   auto& y = outputs[0];
   auto& encoder = begin_cpu(stream(), inputs, y);
   encoder.dispatch([g = RowMajor{inputs[0]}, u = RowMajor{inputs[1]}, yp = y.data<float>(), n = y.size(),
-                    kind = kind_]() mutable {
-    const float* gp = g.data<float>();
-    const float* up = u.data<float>();
-    constexpr size_t kSpan = 1 << 14;
-    const long spans = static_cast<long>((n + kSpan - 1) / kSpan);
-#pragma omp parallel for schedule(static) if (spans > 1)
-    for (long k = 0; k < spans; ++k) {
-      const size_t at = static_cast<size_t>(k) * kSpan;
-      gated_span(gp + at, up + at, yp + at, std::min(kSpan, n - at), kind);
-    }
-  });
+                    kind = kind_]() mutable { gated(g.data<float>(), u.data<float>(), yp, n, kind); });
 }
 
 void GatedActivation::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

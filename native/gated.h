@@ -17,8 +17,8 @@ enum GateKind { kSilu = 0, kGeluApprox = 1 };
 // silu(x) = x * sigmoid(x); gelu_approx(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
 mx::array gated_activation(const mx::array& gate, const mx::array& up, int kind, mx::StreamOrDevice s = {});
 
-// y[i] = act(g[i]) * u[i] for n elements, on the calling thread (a fused product's gate too).
-void gated_span(const float* g, const float* u, float* y, size_t n, int kind);
+// y[i] = act(g[i]) * u[i] for n elements, spans of them on both cores (a fused product's gate too).
+void gated(const float* g, const float* u, float* y, size_t n, int kind);
 
 class GatedActivation : public mx::Primitive {
  public:

@@ -260,10 +260,10 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       xp = normed.data();
     }
     const int out0 = weights[0].a.shape(0);
-    std::vector<float> gated;  // the two products a gate combines
+    std::vector<float> pair;  // the two products a gate combines
     if (steps.gate >= 0) {
-      gated.resize(2 * static_cast<size_t>(rows) * out0);
-      ys = {gated.data(), gated.data() + static_cast<size_t>(rows) * out0};
+      pair.resize(2 * static_cast<size_t>(rows) * out0);
+      ys = {pair.data(), pair.data() + static_cast<size_t>(rows) * out0};
     }
     for (size_t k = 0; k < products; ++k) {
       const uint8_t* wp = weights[3 * k].data<uint8_t>();
@@ -279,7 +279,7 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       });
     }
     const size_t n = static_cast<size_t>(rows) * out0;
-    if (steps.gate >= 0) gated_span(ys[0], ys[1], y0, n, steps.gate);
+    if (steps.gate >= 0) gated(ys[0], ys[1], y0, n, steps.gate);
     if (post_w)
       for (int r = 0; r < rows; ++r)
         rms_norm_row(y0 + static_cast<size_t>(r) * out0, post_w, y0 + static_cast<size_t>(r) * out0, out0, steps.eps,

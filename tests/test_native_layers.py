@@ -38,6 +38,47 @@ def test_the_gated_activations_equal_mlx_s(n):
         ext.gated_activation(gate, up, 2)
 
 
+@pytest.mark.parametrize("activation_bits", [32, 16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fused_steps_compute_what_each_operation_does_bit_for_bit(activation_bits, offset):
+    """A layer's norm before its products, the gate that joins two of them, the norm
+    after one and the residual added to it, inside the product's operation: the same
+    bits as the native norm, activation and MLX's add one by one, for 1 and 3 rows."""
+    ext = native.kernels()
+    quantized = [mx.quantize(mx.random.normal((n, 128), key=mx.random.key(n)), 32, 4) for n in (96, 96, 128)]
+    (gw, gs, gb), (uw, us, ub), (dw, ds, db) = quantized
+    pair, down = ([gw, uw], [gs, us], [gb, ub]), ([dw], [ds], [db])
+    norm, post = mx.random.normal((128,), key=mx.random.key(1)), mx.random.normal((128,), key=mx.random.key(2))
+    steps = {"activation_bits": activation_bits, "norm_eps": 1e-5, "norm_offset": offset}
+    for rows in (1, 3):
+        x = mx.random.normal((1, rows, 128), key=mx.random.key(rows))
+        h = mx.random.normal((1, rows, 128), key=mx.random.key(rows + 9))
+        (fused,) = ext.quantized_matvecs(x, *pair, 32, [4, 4], norm=norm, gate=1, **steps)
+        normed = ext.rms_norm(x, norm, 1e-5, weight_offset=offset)
+        g, u = ext.quantized_matvecs(normed, *pair, 32, [4, 4], activation_bits=activation_bits)
+        assert fused.shape == (1, rows, 96) and mx.array_equal(fused, ext.gated_activation(g, u, 1))
+        (fused,) = ext.quantized_matvecs(x, *down, 32, [4], post_norm=post, residual=h, **steps)
+        y = ext.quantized_matvec(x, dw, ds, db, 32, 4, activation_bits=activation_bits)
+        assert mx.array_equal(fused, h + ext.rms_norm(y, post, 1e-5, weight_offset=offset))
+
+
+def test_fused_steps_refuse_what_they_cannot_compute():
+    ext = native.kernels()
+    w, scales, biases = mx.quantize(mx.random.normal((64, 128)), 32, 4)
+    x = mx.random.normal((1, 128))
+    one, two = ([w], [scales], [biases]), ([w, w], [scales, scales], [biases, biases])
+    with pytest.raises(ValueError, match="two weights"):
+        ext.quantized_matvecs(x, *one, 32, [4], gate=0)
+    with pytest.raises(ValueError, match="gate"):
+        ext.quantized_matvecs(x, *two, 32, [4, 4], gate=7)
+    with pytest.raises(ValueError, match="single output"):
+        ext.quantized_matvecs(x, *two, 32, [4, 4], residual=mx.zeros((1, 64)))
+    with pytest.raises(ValueError, match="norm"):
+        ext.quantized_matvecs(x, *one, 32, [4], norm=mx.ones((64,)))  # x's width is 128
+    with pytest.raises(ValueError, match="residual"):
+        ext.quantized_matvecs(x, *one, 32, [4], residual=mx.zeros((1, 128)))
+
+
 @pytest.fixture(scope="module")
 def q4_dir(tmp_path_factory):
     return write_mlx_folder(tmp_path_factory.mktemp("layers") / "q4", "llama", seed=5, quantize_bits=4,
