@@ -12,7 +12,9 @@ import glob
 import os
 import sys
 
-_CANDIDATES = (
+_CANDIDATES = (  # the OpenMP build first: it shares the native kernels' OpenMP threads
+    "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-openmp/libopenblas.so.0",
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -37,6 +39,12 @@ def find_openblas() -> str | None:
             return path
     hits = sorted(glob.glob("/usr/lib/*/libopenblas*.so*"))
     return hits[0] if hits else None
+
+
+def openmp_build(path: str | None) -> bool:
+    """Whether the OpenBLAS at `path` is Debian's OpenMP build, whose GEMMs run on the
+    same OpenMP threads as the native kernels (the pthread build has threads of its own)."""
+    return path is not None and "openblas-openmp" in path
 
 
 def preload() -> str | None:
@@ -71,4 +79,4 @@ def active_blas() -> str:
     system = [l for l in maps.splitlines() if "/libopenblas" in l]
     if _loaded or system:
         return f"OpenBLAS ({_loaded or system[0].split()[-1]})"
-    return "reference BLAS bundled with mlx[cpu] (slow; install libopenblas0-pthread)"
+    return "reference BLAS bundled with mlx[cpu] (slow; install libopenblas0-openmp)"

@@ -49,11 +49,14 @@ def setup() -> Runtime:
     with _lock:
         if _runtime is None:
             # An idle OpenMP worker (the native kernels') spins for GOMP_SPINCOUNT rounds
-            # before it sleeps: at the default (300,000) it held a core through OpenBLAS's
-            # prefill GEMMs, which then ran on one. 10,000 still spans the gaps between a
-            # decode step's operations (sleeping there, OMP_WAIT_POLICY=passive, cost 3x):
-            # SmolLM2 prefill ~330 -> ~570 tok/s at 1K, decode unchanged.
-            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+            # before it sleeps. Beside OpenBLAS's pthread build, a long spin held a core
+            # through its prefill GEMMs (at the default 300,000: SmolLM2 prefill ~330
+            # against ~570 tok/s at 10,000). The OpenMP build's GEMMs run on the same
+            # threads, so the worker may spin through a decode step's gaps, where each
+            # sleep and wake cost time: 1,000,000 rounds, one step in ten no longer
+            # 1.5-2.5x the median (decode 14% faster at 2K, prefill unchanged).
+            shared = blas.openmp_build(blas.find_openblas()) and "MLX_RANK" not in os.environ
+            os.environ.setdefault("GOMP_SPINCOUNT", "1000000" if shared else "10000")
             if "MLX_RANK" in os.environ:  # ranks of a pipeline may share this machine's cores
                 # An idle rank's OpenMP (the native kernel) and OpenBLAS threads would spin
                 # while it waits, starving the rank that computes: a two-rank decode ran

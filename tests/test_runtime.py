@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from justfit import runtime
-from justfit.blas import active_blas, find_openblas
+from justfit.blas import active_blas, find_openblas, openmp_build
 from kvexec import attention
 from kvexec.formats import get_format
 
@@ -90,9 +90,10 @@ print(json.dumps({"mlx_before_setup": before, "facts": facts(),
     assert out["facts"]["system_openblas"] == (find_openblas() is not None)
 
 
-def test_setup_bounds_the_openmp_spin_before_anything_loads_it_and_keeps_a_users_choice():
-    """Idle OpenMP workers of the native kernels spin 10,000 rounds, not 300,000: at the
-    default they held a core through OpenBLAS's prefill GEMMs (docs/BENCHMARKS.md)."""
+def test_setup_sets_the_openmp_spin_before_anything_loads_it_and_keeps_a_users_choice():
+    """Idle OpenMP workers of the native kernels spin 1,000,000 rounds beside OpenBLAS's
+    OpenMP build (one pool of threads), 10,000 beside any other: at GNU OpenMP's default
+    (300,000) they held a core through the pthread build's prefill GEMMs (docs/BENCHMARKS.md)."""
     code = r"""
 import json, os, sys
 from justfit import runtime
@@ -104,7 +105,10 @@ print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "gomp_loaded_at_setu
     run = lambda e: json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
                                               timeout=120, check=True, env=e).stdout.strip().splitlines()[-1])
     out = run(env)
-    assert out["spin"] == "10000" and not out["gomp_loaded_at_setup"]  # read when libgomp loads: later
+    shared = openmp_build(find_openblas())
+    assert out["spin"] == ("1000000" if shared else "10000")
+    assert shared or not out["gomp_loaded_at_setup"]  # read when libgomp loads: later (or with the BLAS)
+    assert run({**env, "JUSTFIT_BLAS": "none"})["spin"] == "10000"
     assert run({**env, "GOMP_SPINCOUNT": "5"})["spin"] == "5"
 
 
