@@ -55,9 +55,10 @@ def setup() -> Runtime:
             # threads, so the worker may spin through a decode step's gaps, where each
             # sleep and wake cost time: 1,000,000 rounds, one step in ten no longer
             # 1.5-2.5x the median (decode 14% faster at 2K, prefill unchanged).
-            shared = blas.openmp_build(blas.find_openblas()) and "MLX_RANK" not in os.environ
+            rank = "MLX_RANK" in os.environ
+            shared = blas.openmp_build(blas.find_openblas()) and not rank
             os.environ.setdefault("GOMP_SPINCOUNT", "1000000" if shared else "10000")
-            if "MLX_RANK" in os.environ:  # ranks of a pipeline may share this machine's cores
+            if rank:  # ranks of a pipeline may share this machine's cores
                 # An idle rank's OpenMP (the native kernel) and OpenBLAS threads would spin
                 # while it waits, starving the rank that computes: a two-rank decode ran
                 # 10x slower here. Read once, when each library loads: so before them.

@@ -70,8 +70,8 @@ inline void load_values(const uint8_t* row, int n, const uint8_t* end, __m256 v[
   }
 }
 
-constexpr int kTileRows = 4;
-constexpr int kAhead = 256;  // columns ahead whose bytes a tile asks for  // input rows whose output tiles stay in registers together
+constexpr int kTileRows = 4;  // input rows whose output tiles stay in registers together
+constexpr int kAhead = 256;   // columns ahead whose bytes a tile asks for
 
 // One part's rows into the MR x NV*8 output tile at columns [n, n + 8 NV) of group g:
 // acc[m] += sum over k of (x[m, column k] * scale[k, g]) * w[k, n..]; the scaled x comes
