@@ -16,13 +16,16 @@ CPU version computes one element at a time, ~12 ms for a 512-token SmolLM2 chunk
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.activations import swiglu
 
 from kvexec import PagedKVCache
-from phaseswap.native import NativeRoPE, fused_group, fused_products, kernels, native_rms_norm
+from phaseswap.native import NativeRoPE, fused_group, kernels, native_rms_norm, products_args
 
 
 def _heads_settings(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache, norms: tuple | None):
@@ -116,6 +119,101 @@ class NativeGemmaMLP(gemma3_text.MLP):
         return self.down_proj(nn.gelu_approx(gate) * up if h is None else h)
 
 
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_GEMMA_NORMS = _NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def _modules(block: llama.TransformerBlock | gemma3_text.TransformerBlock, gemma: bool) -> tuple:
+    """The modules a decoder layer's fused steps read, looked up in the modules' dicts
+    by C-level maps (an nn.Module's attribute lookup costs ~1 us): their ids tell
+    whether `_BlockSteps` still holds."""
+    attn, mlp = block["self_attn"], block["mlp"]
+    found = (attn, mlp, *map(attn.get, _ATTENTION_PARTS), *map(mlp.get, _MLP_PARTS),
+             *map(block.get, _GEMMA_NORMS if gemma else _NORMS))
+    return found + (attn["q_norm"], attn["k_norm"]) if gemma else found
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One fused step's linears and quantized_matvecs' settings (the arrays are read from
+    the linears at each call: PhaseSwap may lease others for a call)."""
+
+    linears: tuple
+    settings: tuple  # group_size, bits
+    keywords: dict   # activation rounding, norm eps and offset, gate
+
+    def __call__(self, x: mx.array, **arrays) -> list[mx.array]:
+        ext, mods = kernels(), self.linears
+        return ext.quantized_matvecs(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
+                                     [m["biases"] for m in mods], *self.settings, **self.keywords, **arrays)
+
+
+@dataclass(frozen=True)
+class _BlockSteps:
+    """A decoder layer's fused native steps with their settings gathered once (a layer's
+    Python took ~65 us a decode step gathering them, a third of its graph building):
+    kept while the layer holds the same modules (`_modules`, held here so that no id is
+    reused while it is compared; they are the layer's own)."""
+
+    modules: tuple
+    qkv: _Step
+    o: _Step
+    gate_up: _Step
+    down: _Step
+    norms: tuple  # the layer's norms (Gemma: four; llama: two), their weights read at each call
+    gemma: bool
+
+    def heads(self) -> dict:
+        """rope_heads' keywords: Gemma's per-head q and k norms."""
+        if not self.gemma:
+            return {}
+        q_norm, k_norm = self.modules[-2:]
+        return {"norms": (q_norm["weight"], k_norm["weight"]), "norm_eps": q_norm.eps, "norm_offset": 1.0}
+
+
+def _block_steps(block: llama.TransformerBlock | gemma3_text.TransformerBlock, gemma: bool,
+                 modules: tuple) -> _BlockSteps | None:
+    """The layer's fused steps, or None where they do not apply (a linear that is not
+    native or not joined with its siblings, a bias, norms of another dtype or eps)."""
+    attn, mlp = block.self_attn, block.mlp
+    norms = tuple(block[name] for name in (_GEMMA_NORMS if gemma else _NORMS))
+    groups = [fused_group(m) for m in (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)]
+    if ([len(g) if g else 0 for g in groups] != [3, 1, 2, 1]
+            or any(n["weight"].dtype != mx.float32 or n.eps != norms[0].eps for n in norms)):
+        return None
+    if gemma:
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        if q_norm.eps != k_norm.eps or q_norm["weight"].dtype != mx.float32 or k_norm["weight"].dtype != mx.float32:
+            return None
+    fused = {"norm_eps": norms[0].eps, "norm_offset": 1.0 if gemma else 0.0}
+
+    def step(mods, **extra):
+        (_, _, _, group_size, bits), keywords = products_args(mods)
+        return _Step(tuple(mods), (group_size, bits), {**keywords, **fused, **extra})
+
+    qkv, o, gate_up, down = groups
+    gate = _GELU_APPROX if gemma else _SILU
+    return _BlockSteps(modules, step(qkv), step(o), step(gate_up, gate=gate), step(down), norms, gemma)
+
+
+def _steps_for(block: llama.TransformerBlock | gemma3_text.TransformerBlock, gemma: bool) -> _BlockSteps | None:
+    """The layer's `_BlockSteps`, made again when its modules changed (nothing is kept
+    where the steps do not apply: e.g. prefill's leased dense linears, which must go
+    when their lease ends)."""
+    modules = _modules(block, gemma)
+    kept = block.__dict__.get("_native_steps")  # not a parameter: kept out of the module's tree
+    if kept is not None and len(kept.modules) == len(modules) and all(map(operator.is_, kept.modules, modules)):
+        return kept
+    steps = _block_steps(block, gemma, modules)
+    if steps is None:
+        block.__dict__.pop("_native_steps", None)
+    else:
+        block.__dict__["_native_steps"] = steps
+    return steps
+
+
 def _native_block(block: llama.TransformerBlock | gemma3_text.TransformerBlock, x: mx.array, cache,
                   gemma: bool) -> mx.array | None:
     """A decoder layer in six native operations plus the page writes, or None where that
@@ -124,27 +222,18 @@ def _native_block(block: llama.TransformerBlock | gemma3_text.TransformerBlock, 
     projection and residual (Gemma: its norm between). Each fused step computes what the
     layer's own native operations do one by one, bit for bit: the other eight operations'
     dispatch and graph building were ~8% of a SmolLM2 decode step."""
-    attn, mlp = block.self_attn, block.mlp
-    settings = _heads_settings(attn, x, cache, (attn.q_norm, attn.k_norm) if gemma else None)
-    if settings is None:
+    attn = block["self_attn"]
+    if _heads_settings(attn, x, cache, None) is None:
         return None
-    norms = [block.input_layernorm, block.post_attention_layernorm]
-    if gemma:
-        norms += [block.pre_feedforward_layernorm, block.post_feedforward_layernorm]
-    groups = [fused_group(m) for m in (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)]
-    if ([len(g) if g else 0 for g in groups] != [3, 1, 2, 1]
-            or any(n["weight"].dtype != mx.float32 or n.eps != norms[0].eps for n in norms)):
+    steps = _steps_for(block, gemma)
+    if steps is None:
         return None
-    qkv, o, gate_up, down = groups
-    w = [n["weight"] for n in norms]
-    fused = {"norm_eps": norms[0].eps, "norm_offset": 1.0 if gemma else 0.0}
-    q, k, v = fused_products(x, qkv, norm=w[0], **fused)
-    attended = _attend(attn, q, k, v, cache, settings)
-    after_norm = {"post_norm": w[1]} if gemma else {}
-    h = fused_products(attended, o, residual=x, **after_norm, **fused)[0]
-    gated = fused_products(h, gate_up, norm=w[2] if gemma else w[1], gate=_GELU_APPROX if gemma else _SILU, **fused)[0]
-    after_norm = {"post_norm": w[3]} if gemma else {}
-    return fused_products(gated, down, residual=h, **after_norm, **fused)[0]
+    w = [n["weight"] for n in steps.norms]
+    q, k, v = steps.qkv(x, norm=w[0])
+    attended = _attend(attn, q, k, v, cache, steps.heads())
+    (h,) = steps.o(attended, residual=x, **({"post_norm": w[1]} if gemma else {}))
+    (gated,) = steps.gate_up(h, norm=w[2] if gemma else w[1])
+    return steps.down(gated, residual=h, **({"post_norm": w[3]} if gemma else {}))[0]
 
 
 class NativeLlamaBlock(llama.TransformerBlock):

@@ -265,19 +265,21 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       pair.resize(2 * static_cast<size_t>(rows) * out0);
       ys = {pair.data(), pair.data() + static_cast<size_t>(rows) * out0};
     }
+    std::vector<RoundedProduct> rounded;
     for (size_t k = 0; k < products; ++k) {
       const uint8_t* wp = weights[3 * k].data<uint8_t>();
       const uint8_t* sp = weights[3 * k + 1].data<uint8_t>();
       const uint8_t* bp = weights[3 * k + 2].data<uint8_t>();
       const int out = weights[3 * k].a.shape(0), bits = widths[k];
       if (activation_bits != 32) {
-        matvec_rounded(xp, wp, sp, bp, half, ys[k], rows, in, out, gs, bits, activation_bits);
+        rounded.push_back({wp, sp, bp, ys[k], out, bits});
         continue;
       }
       with_stored<4, 5, 6, 8>(bits, half, sp, bp, [&]<int B>(auto* ss, auto* bs) {
         matvec<B>(xp, wp, ss, bs, ys[k], rows, in, out, gs);
       });
     }
+    if (!rounded.empty()) matvecs_rounded(xp, rounded, half, rows, in, gs, activation_bits);
     const size_t n = static_cast<size_t>(rows) * out0;
     if (steps.gate >= 0) gated(ys[0], ys[1], y0, n, steps.gate);
     if (post_w)

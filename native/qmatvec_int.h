@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace justfit {
 
@@ -19,5 +20,19 @@ bool rounded_available();
 // so y is exactly (to float32 summation) the product with the rounded x.
 void matvec_rounded(const float* x, const uint8_t* w, const void* scales, const void* biases, bool half, float* y,
                     int rows, int in, int out, int group_size, int bits, int activation_bits);
+
+// One of several products of the same x: the weight, its scales and biases, its output.
+struct RoundedProduct {
+  const uint8_t* w;
+  const void* scales;
+  const void* biases;
+  float* y;
+  int out, bits;
+};
+
+// matvec_rounded for each of `products` (same x, in, group_size and scales dtype); one
+// row of x runs them as one parallel loop (the same bits as one by one).
+void matvecs_rounded(const float* x, const std::vector<RoundedProduct>& products, bool half, int rows, int in,
+                     int group_size, int activation_bits);
 
 }  // namespace justfit

@@ -77,13 +77,20 @@ def _fallback(x: mx.array, mod: nn.Module) -> mx.array:
                                transpose=True, group_size=mod.group_size, bits=mod.bits)
 
 
+def products_args(mods: list[nn.Module]) -> tuple[tuple, dict]:
+    """quantized_matvecs' arguments for native linears of one input width, group size,
+    activation rounding and scales dtype: (positional, keywords), x aside."""
+    first = mods[0]
+    return (([m["weight"] for m in mods], [m["scales"] for m in mods], [m["biases"] for m in mods],
+             first.group_size, [m.bits for m in mods]),
+            {"activation_bits": first.__dict__.get("activation_bits", 32)})
+
+
 def _products(ext, x: mx.array, mods: list[nn.Module], **steps) -> list[mx.array]:
     """The kernel's products of x with native linears of one input width, group size,
     activation rounding and scales dtype, as one operation (with `steps` fused)."""
-    first = mods[0]
-    return ext.quantized_matvecs(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
-                                 [m["biases"] for m in mods], first.group_size, [m.bits for m in mods],
-                                 activation_bits=first.__dict__.get("activation_bits", 32), **steps)
+    args, settings = products_args(mods)
+    return ext.quantized_matvecs(x, *args, **settings, **steps)
 
 
 class _Joint:
@@ -113,7 +120,7 @@ class _Joint:
 
 def fused_group(mod: nn.Module) -> list[nn.Module] | None:
     """`mod` and the siblings it was joined with (join_siblings), in their order, where
-    the kernel can take their products with fused steps (`fused_products`); else None
+    the kernel can take their products with fused steps (quantized_matvecs'); else None
     (not a native linear, a bias, scales of another dtype)."""
     if not isinstance(mod, NativeQuantizedLinear):
         return None
@@ -122,13 +129,6 @@ def fused_group(mod: nn.Module) -> list[nn.Module] | None:
     if mod["scales"].dtype not in SCALE_DTYPES or any("bias" in m for m in mods):
         return None
     return mods
-
-
-def fused_products(x: mx.array, mods: list[nn.Module], **steps) -> list[mx.array]:
-    """The products of x with `mods` (a `fused_group`) as one native operation with the
-    kernel's fused `steps` (norm, post_norm, residual, norm_eps, norm_offset, gate: see
-    justfit_native's quantized_matvecs). x float32 on the CPU, the kernels built."""
-    return _products(kernels(), x, mods, **steps)
 
 
 # Siblings mlx-lm's layers apply to the same input one after another.

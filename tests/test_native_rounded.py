@@ -72,3 +72,27 @@ def test_rounded_policies_hold_cpu_native_s_bytes_and_logits_within_the_rounding
     a, b = plain.model(ids), rounded.model(ids)  # the resident (decode) forms, every row
     worst = float(mx.abs(a - b).max()) / float(mx.abs(a).max())
     assert 0 < worst < (0.05 if bits == 8 else 5e-4)
+
+
+@needs_kernel
+@pytest.mark.skipif(not native.rounded_available(), reason="rounded activations need AVX2")
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
+def test_several_products_of_one_row_are_each_product_bit_for_bit(activation_bits, scale_dtype):
+    """One row's products with weights of every width (one parallel loop over all their
+    columns) are the same bits as each weight's own product; widths not a multiple of 4
+    columns, or several rows, take the product one by one."""
+    ext = native.kernels()
+    for outs in ([96, 32, 40, 64], [36, 30]):
+        weights = []
+        for i, (out, bits) in enumerate(zip(outs, [4, 5, 6, 8])):
+            w, s, b = mx.quantize(mx.random.normal((out, 256), key=mx.random.key(i)), 64, bits)
+            weights.append((w, s.astype(scale_dtype), b.astype(scale_dtype), bits))
+        for rows in (1, 3):
+            x = mx.random.normal((1, rows, 256), key=mx.random.key(rows))
+            joint = ext.quantized_matvecs(x, [w for w, *_ in weights], [s for _, s, *_ in weights],
+                                          [b for *_, b, _ in weights], 64, [bits for *_, bits in weights],
+                                          activation_bits=activation_bits)
+            for got, (w, s, b, bits) in zip(joint, weights):
+                alone = ext.quantized_matvec(x, w, s, b, 64, bits, activation_bits=activation_bits)
+                assert mx.array_equal(got, alone)
