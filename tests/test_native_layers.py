@@ -139,6 +139,34 @@ def test_a_layer_s_fused_steps_compute_its_native_operations_bit_for_bit(q4_dir,
         assert mx.array_equal(a, b)
 
 
+def test_a_layer_s_steps_follow_its_modules_and_hold_no_leased_weights(q4_dir):
+    """The fused steps' settings are kept across steps, made again when a linear is
+    replaced (the new one's weights are the ones computed), and nothing is kept after a
+    call that could not take them (prefill's leased dense linears must go with the lease)."""
+    engine = Engine(str(q4_dir), config=EngineConfig(policy="cpu-int16"))
+    tokens = list(range(40, 70))
+    before = _step_logits(engine, tokens)
+    block = engine.model.model.layers[1]
+    kept = block.__dict__["_native_steps"]
+    _step_logits(engine, tokens)
+    assert block.__dict__["_native_steps"] is kept
+    down = block.mlp["down_proj"]
+    twice = type(down).__new__(type(down))  # the same linear with its scales doubled
+    twice.__dict__.update(down.__dict__)
+    dict.update(twice, dict(down))
+    twice["scales"], twice["biases"] = down["scales"] * 2, down["biases"] * 2
+    block.mlp["down_proj"] = twice
+    after = _step_logits(engine, tokens)
+    assert block.__dict__["_native_steps"] is not kept and not mx.array_equal(before[-1], after[-1])
+    block.mlp["down_proj"] = down
+    assert all(mx.array_equal(a, b) for a, b in zip(before, _step_logits(engine, tokens)))
+    assert "_native_steps" in block.__dict__
+    engine.swap.prefill_forms = dict.fromkeys(engine.swap.prefill_forms, "dense")
+    with engine.swap.phase("prefill"):  # dense linears leased for a long chunk: not fused
+        mx.eval(engine.model(mx.array([tokens * 2]), cache=engine.new_cache()))
+    assert "_native_steps" not in block.__dict__
+
+
 def _decode_ops(engine: Engine) -> list[str]:
     """The operations of one decode step after a 20-token prefill."""
     cache = engine.new_cache()
