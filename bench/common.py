@@ -34,7 +34,7 @@ def machine_info() -> dict:
     import mlx.core as mx
     import psutil
 
-    from justfit.blas import active_blas
+    from justfit.blas import active_blas, find_openblas
 
     commit = _STARTED_AT_COMMIT
     from importlib.metadata import version
@@ -43,7 +43,9 @@ def machine_info() -> dict:
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(), "mlx_backend": str(mx.default_device()),
-        "blas": active_blas(), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
+        # this process may have loaded MLX before OpenBLAS could be; workers start fresh
+        "blas": active_blas(), "worker_blas": f"OpenBLAS ({find_openblas()})" if find_openblas() else "reference BLAS",
+        "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
         "python": platform.python_version(), "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

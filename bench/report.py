@@ -7,8 +7,11 @@ from bench.capacity_report import capacity_markdown, capacity_plot, capacity_rat
 
 
 def _machine_line(m: dict) -> str:
+    blas = m.get("blas")
+    if m.get("worker_blas") and not str(blas).startswith(m["worker_blas"]):
+        blas = f"{m['worker_blas']} in fresh (worker) processes, {blas} in the harness"
     return (f"{m.get('cpu')} x{m.get('cores')}, {m.get('memory_gib')} GiB, MLX {m.get('mlx')} "
-            f"({m.get('mlx_backend')}), mlx-lm {m.get('mlx_lm')}, BLAS {m.get('blas')}, commit {m.get('commit')}, "
+            f"({m.get('mlx_backend')}), mlx-lm {m.get('mlx_lm')}, BLAS {blas}, commit {m.get('commit')}, "
             f"{m.get('date')}")
 
 
