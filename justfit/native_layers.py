@@ -25,7 +25,7 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.activations import swiglu
 
 from kvexec import PagedKVCache
-from phaseswap.native import NativeRoPE, fused_group, kernels, native_rms_norm, products_args
+from phaseswap.native import NativeRoPE, fused_group, kernels, native_rms_norm, products_args, stored_arrays
 
 
 def _heads_settings(layer: llama.Attention | gemma3_text.Attention, x: mx.array, cache, norms: tuple | None):
@@ -145,9 +145,7 @@ class _Step:
     keywords: dict   # activation rounding, norm eps and offset, gate
 
     def __call__(self, x: mx.array, **arrays) -> list[mx.array]:
-        ext, mods = kernels(), self.linears
-        return ext.quantized_matvecs(x, [m["weight"] for m in mods], [m["scales"] for m in mods],
-                                     [m["biases"] for m in mods], *self.settings, **self.keywords, **arrays)
+        return kernels().quantized_matvecs(x, *stored_arrays(self.linears), *self.settings, **self.keywords, **arrays)
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,16 @@ def _fallback(x: mx.array, mod: nn.Module) -> mx.array:
                                transpose=True, group_size=mod.group_size, bits=mod.bits)
 
 
+def stored_arrays(mods: list[nn.Module] | tuple) -> tuple[list, list, list]:
+    """The weights, scales and biases of native linears, as quantized_matvecs takes them."""
+    return [m["weight"] for m in mods], [m["scales"] for m in mods], [m["biases"] for m in mods]
+
+
 def products_args(mods: list[nn.Module]) -> tuple[tuple, dict]:
     """quantized_matvecs' arguments for native linears of one input width, group size,
     activation rounding and scales dtype: (positional, keywords), x aside."""
     first = mods[0]
-    return (([m["weight"] for m in mods], [m["scales"] for m in mods], [m["biases"] for m in mods],
-             first.group_size, [m.bits for m in mods]),
+    return ((*stored_arrays(mods), first.group_size, [m.bits for m in mods]),
             {"activation_bits": first.__dict__.get("activation_bits", 32)})
 
 
