@@ -1,10 +1,8 @@
 """A page store's hot window: the newest tokens in full precision, in preallocated room.
 
-A decode step writes its token in place (MLX's slice update, or the native
-`hot_write` where built: one operation costing a third of the slice update's dispatch,
-each updating a buffer nothing else holds without copying it) instead of concatenating
-it onto the window, which copied the whole window, up to 2 x 511 x kv_heads x head_dim
-floats, per layer per step. Readers get a
+A decode step writes its token in place (MLX updates a buffer nothing else holds
+without copying it) instead of concatenating it onto the window, which copied the whole
+window, up to 2 x 511 x kv_heads x head_dim floats, per layer per step. Readers get a
 view of exactly the tokens held; `keys_room`/`values_room` are the buffers themselves
 (native decode attention reads their first `n` tokens).
 """
@@ -12,8 +10,6 @@ view of exactly the tokens held; `keys_room`/`values_room` are the buffers thems
 from __future__ import annotations
 
 import mlx.core as mx
-
-from kvexec.kernels import rows_kernel
 
 
 class HotWindow:
@@ -45,15 +41,8 @@ class HotWindow:
         room = self.keys_room
         if room is None or self.n + L > room.shape[-2] or room.dtype != keys.dtype or room.shape[:2] != keys.shape[:2]:
             self._move(0, keys, values, self.n + L)
-        ext = rows_kernel()
-        if (ext is not None and hasattr(ext, "hot_write")
-                and keys.dtype == values.dtype == self.keys_room.dtype == self.values_room.dtype == mx.float32):
-            # one native operation a side (MLX's slice update costs ~3x its dispatch)
-            self.keys_room = ext.hot_write(self.keys_room, keys, self.n)
-            self.values_room = ext.hot_write(self.values_room, values, self.n)
-        else:
-            self.keys_room[..., self.n : self.n + L, :] = keys
-            self.values_room[..., self.n : self.n + L, :] = values
+        self.keys_room[..., self.n : self.n + L, :] = keys
+        self.values_room[..., self.n : self.n + L, :] = values
         self.n += L
 
     def drop_oldest(self, count: int) -> None:

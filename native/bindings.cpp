@@ -73,9 +73,6 @@ NB_MODULE(_ext, m) {
         "norm_offset"_a = 0.f, "stream"_a = nb::none(),
         "q, k, v [B, L, heads * D] -> [B, heads, L, D] each, q and k (RMS-normed per head first where norms = "
         "(q_weight, k_weight) are given) rotated as rope does: one operation.");
-  m.def("hot_write", &justfit::hot_write, "room"_a, "rows"_a, "at"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "room [B, kv_heads, R, D] with rows [B, kv_heads, L, D] written at token `at`, float32: in place where "
-        "nothing else holds the room, as one operation.");
   m.def("gated_activation", &justfit::gated_activation, "gate"_a, "up"_a, "kind"_a, nb::kw_only(),
         "stream"_a = nb::none(), "silu(gate) * up (kind 0) or gelu_approx(gate) * up (kind 1), float32, one operation.");
   m.def("softmax_step", &justfit::softmax_step, "s"_a, "m"_a, "L"_a, "q_start"_a, "k_start"_a, "window"_a,

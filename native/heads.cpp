@@ -3,7 +3,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -100,34 +99,6 @@ void RopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     to_heads(q.data<float>(), ys[0], B, L, H, D, cs.data(), sn.data(), dims, traditional, q_norm.weight ? &q_norm : nullptr);
     to_heads(k.data<float>(), ys[1], B, L, KVH, D, cs.data(), sn.data(), dims, traditional, k_norm.weight ? &k_norm : nullptr);
     to_heads(v.data<float>(), ys[2], B, L, KVH, D, nullptr, nullptr, dims, traditional);
-  });
-}
-
-mx::array hot_write(const mx::array& room, const mx::array& rows, int at, mx::StreamOrDevice s) {
-  if (room.dtype() != mx::float32 || rows.dtype() != mx::float32 || room.ndim() != 4 || rows.ndim() != 4 ||
-      rows.shape(0) != room.shape(0) || rows.shape(1) != room.shape(1) || rows.shape(3) != room.shape(3))
-    throw std::invalid_argument("hot_write: room [B, kv_heads, R, D] and rows [B, kv_heads, L, D], float32");
-  if (at < 0 || at + rows.shape(2) > room.shape(2)) throw std::invalid_argument("hot_write: at + L must fit the room");
-  return mx::array(room.shape(), mx::float32, std::make_shared<HotWrite>(mx::to_stream(s), at), {room, rows});
-}
-
-void HotWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& room = inputs[0];
-  auto& out = outputs[0];
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  const bool donated = room.is_donatable() && room.flags().row_contiguous;
-  if (donated)
-    out.copy_shared_buffer(room);
-  else
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  const int BH = room.shape(0) * room.shape(1), R = room.shape(2), D = room.shape(3), L = inputs[1].shape(2);
-  encoder.dispatch([=, src = donated ? std::optional<RowMajor>{} : std::optional<RowMajor>{RowMajor{room}},
-                    rows = RowMajor{inputs[1]}, y = out.data<float>(), at = at_]() mutable {
-    if (src) std::memcpy(y, src->data<float>(), static_cast<size_t>(BH) * R * D * sizeof(float));
-    const float* r = rows.data<float>();
-    for (int h = 0; h < BH; ++h)
-      std::memcpy(y + (static_cast<size_t>(h) * R + at) * D, r + static_cast<size_t>(h) * L * D,
-                  static_cast<size_t>(L) * D * sizeof(float));
   });
 }
 

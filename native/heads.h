@@ -43,26 +43,4 @@ class RopeHeads : public RopePrimitive {
   float norm_offset_;
 };
 
-// `room` [B, kv_heads, R, D] float32 with `rows` [B, kv_heads, L, D] written at token `at`
-// (at + L <= R): a hot window's keys or values taking a decode step's, in place where
-// nothing else holds the room (as MLX's slice update, which costs ~3x the dispatch).
-mx::array hot_write(const mx::array& room, const mx::array& rows, int at, mx::StreamOrDevice s = {});
-
-class HotWrite : public mx::Primitive {
- public:
-  HotWrite(mx::Stream stream, int at) : mx::Primitive(stream), at_(at) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("hot_write runs on the CPU only");
-  }
-  const char* name() const override { return "JustFitHotWrite"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return at_ == static_cast<const HotWrite&>(other).at_;
-  }
-
- private:
-  int at_;
-};
-
 }  // namespace justfit
