@@ -110,10 +110,13 @@ def test_the_kernel_refuses_arrays_that_do_not_match_the_blocks():
 
 def test_the_hot_window_takes_a_decode_token_in_place_and_keeps_its_tokens():
     """A decode step writes its token into the hot window's room (a slice update, no
-    concatenation of the window); flushes and trims keep exactly the tokens held."""
+    concatenation of the window), never into a room someone else still holds; flushes
+    and trims keep exactly the tokens held."""
     store = _store("q8c", 600)
-    held = store.hot_k
-    mx.eval(held)
+    held, n = store.hot_k, store.hot.n
+    view = store.hot.keys_room[..., : n + 1, :]  # a view that reaches the next token's place
+    before = mx.array(view[..., n:, :])
+    mx.eval(held, view, before)
     k = mx.random.normal((1, KV_HEADS, 1, DIM))
     mx.eval(k)
     store.append(k, k)
@@ -121,6 +124,7 @@ def test_the_hot_window_takes_a_decode_token_in_place_and_keeps_its_tokens():
     mx.export_to_dot(dot, store.hot.keys_room)
     assert "Concatenate" not in dot.getvalue() and "SliceUpdate" in dot.getvalue()
     assert mx.array_equal(store.hot_k, mx.concatenate([held, k], axis=-2))
+    assert mx.array_equal(view[..., n:, :], before)  # the room a view holds was copied, not written
     for _ in range(600):  # through a flush into a page
         store.append(k, k)
     mx.eval(store.arrays())
