@@ -267,3 +267,15 @@ def test_bench_kv_decode_runs_each_row_in_its_own_process(monkeypatch, capsys):
     main(["--worker", "q8c", "300", "2", "auto"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["system"] == "justfit-q8c" and row["context"] == 300 and row["decode_tps"] > 0 and row["kv_mib"] > 0
+
+
+def test_the_machine_line_names_the_workers_blas_where_the_harness_has_another():
+    from bench.report import _machine_line
+
+    same = {"blas": "OpenBLAS (/usr/lib/x/libopenblas.so.0)", "worker_blas": "OpenBLAS (/usr/lib/x/libopenblas.so.0)"}
+    assert "BLAS OpenBLAS (/usr/lib/x/libopenblas.so.0), commit" in _machine_line(same)
+    harness = {**same, "blas": "reference BLAS bundled with mlx[cpu]"}
+    line = _machine_line(harness)
+    assert "OpenBLAS (/usr/lib/x/libopenblas.so.0) in fresh (worker) processes" in line
+    assert "reference BLAS bundled with mlx[cpu] in the harness" in line
+    assert "BLAS reference BLAS, commit" in _machine_line({"blas": "reference BLAS"})  # results saved before the key
