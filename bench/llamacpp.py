@@ -87,27 +87,43 @@ def read_bytes(model: str, gguf: str, context: int, cache_type: str) -> int:
     return Path(gguf).stat().st_size + int(2 * kv_dim * seen * _BYTES_PER_VALUE[cache_type])
 
 
+# Runs argv[1:] as its child, its output to /dev/null, and prints the child's peak RSS
+# (KiB) and exit status. Linux counts into a child's peak the peak of the process it was
+# forked from (the copied address space's high-water mark survives exec), so a child of
+# this harness, which may have held far more (a 512 MiB bandwidth probe, a tokenizer),
+# would report the harness's peak; a child of this small launcher reports its own.
+_LAUNCHER = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.execvp(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(usage.ru_maxrss, os.waitstatus_to_exitcode(status))
+"""
+
+
 def peak_rss(cmd: list[str], timeout: float) -> tuple[int, int, str]:
-    """Run `cmd`; (its peak RSS in bytes from the kernel's accounting of that one
-    child, exit status, last stderr line)."""
+    """Run `cmd`; (its own peak RSS in bytes from the kernel's accounting of that one
+    process, exit status, last stderr line). On timeout: (0, -9, "timed out ...")."""
+    import signal
+    import sys
     import tempfile
 
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, *cmd], stdout=subprocess.PIPE, stderr=err,
+                                start_new_session=True)  # its own group: a timeout stops both
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return 0, -9, f"timed out after {timeout:.0f} s"
         err.seek(0)
         tail = (err.read().decode(errors="replace").strip().splitlines() or [""])[-1]
-    return usage.ru_maxrss * 1024, proc.returncode, tail
+    fields = out.split()
+    if proc.returncode != 0 or len(fields) != 2:
+        return 0, proc.returncode or -1, tail
+    return int(fields[0]) * 1024, int(fields[1]), tail
 
 
 def _completion_cmd(exe: str, gguf: str, n_ctx: int, cache_type: str) -> list[str]:

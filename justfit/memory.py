@@ -91,8 +91,18 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Whole-process high-water mark since start (ru_maxrss is KiB on Linux)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """This process's whole high-water mark since it started. On Linux the kernel's
+    VmHWM: ru_maxrss also counts the peak of the process this one was forked from (the
+    copied address space's mark survives exec), so a benchmark worker would report its
+    harness's peak wherever that was higher."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak if sys.platform == "darwin" else peak * 1024
 
 

@@ -237,3 +237,31 @@ def test_a_row_run_several_times_counts_its_fewest_positions_in_ratios():
 
     jf = {"system": "justfit-lossless", "positions": 7680, "min_positions": 6816, "max_positions": 7680}
     assert held(jf) == (6816, "measured") and ratio(jf, {"positions": 3408}) == "2.00x"
+
+
+def test_peaks_are_each_process_s_own_not_the_harness_s(tmp_path):
+    """Linux counts into a child's ru_maxrss the peak of the process it was forked from:
+    a harness that once held 300 MiB would make every worker and llama.cpp run report
+    at least that. The workers' peak (VmHWM) and bench.llamacpp.peak_rss (a launcher
+    between) report the process's own; a timeout stops the command."""
+    import subprocess
+    import sys
+    import time
+
+    import numpy as np
+
+    from bench.llamacpp import peak_rss
+
+    held = np.ones(300 * 2**20 // 8)
+    held.sum()  # touched: the harness's peak is now above 300 MiB
+    del held
+    child = "from justfit.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    own = int(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout)
+    assert 0 < own < 250 * 2**20
+    grow = "import numpy as np; a = np.ones(80 * 2**20 // 8); a.sum()"
+    rss, code, _ = peak_rss([sys.executable, "-c", grow], 60)
+    assert code == 0 and 80 * 2**20 < rss < 250 * 2**20
+    start = time.monotonic()
+    assert peak_rss([sys.executable, "-c", "import time; time.sleep(30)"], 1)[:2] == (0, -9)
+    assert time.monotonic() - start < 10
+    assert peak_rss([sys.executable, "-c", "raise SystemExit(3)"], 60)[1] == 3
