@@ -36,7 +36,7 @@ def machine_info() -> dict:
 
     from justfit.blas import active_blas, find_openblas
 
-    commit = _STARTED_AT_COMMIT
+    commit, openblas = _STARTED_AT_COMMIT, find_openblas()
     from importlib.metadata import version
 
     return {
@@ -44,7 +44,7 @@ def machine_info() -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(), "mlx_backend": str(mx.default_device()),
         # this process may have loaded MLX before OpenBLAS could be; workers start fresh
-        "blas": active_blas(), "worker_blas": f"OpenBLAS ({find_openblas()})" if find_openblas() else "reference BLAS",
+        "blas": active_blas(), "worker_blas": f"OpenBLAS ({openblas})" if openblas else "reference BLAS",
         "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
         "python": platform.python_version(), "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
