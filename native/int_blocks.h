@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "lines.h"
 #include "simd.h"
 #include "stored.h"
 #include "unpack.h"
@@ -23,17 +24,17 @@ constexpr int kRows = 4;  // rows per pass over a column (registers: weights, a 
 // a block's values are stored evens first, then odds: the order its nibbles unpack in.
 template <typename T>
 struct Rounded {
-  std::vector<T> q;       // [rows, in]
-  std::vector<float> d;   // [rows, in / 32]: a block's scale
-  std::vector<float> sum; // [rows, groups]: the rounded values' sum over the group (q x d)
+  Lines<T> q;       // [rows, in]
+  Lines<float> d;   // [rows, in / 32]: a block's scale
+  Lines<float> sum; // [rows, groups]: the rounded values' sum over the group (q x d)
 };
 
 template <typename T>
 Rounded<T> rounded(const float* x, int rows, int in, int group_size, int bits) {
   constexpr float kMax = sizeof(T) == 1 ? 127.f : 32767.f;
   const int blocks = in / 32, groups = in / group_size, per_group = group_size / 32;
-  Rounded<T> a{std::vector<T>(static_cast<size_t>(rows) * in), std::vector<float>(static_cast<size_t>(rows) * blocks),
-               std::vector<float>(static_cast<size_t>(rows) * groups, 0.f)};
+  Rounded<T> a{Lines<T>(static_cast<size_t>(rows) * in), Lines<float>(static_cast<size_t>(rows) * blocks),
+               Lines<float>(static_cast<size_t>(rows) * groups, 0.f)};
   for (int r = 0; r < rows; ++r)
     for (int b = 0; b < blocks; ++b) {
       const float* xb = x + static_cast<size_t>(r) * in + b * 32;
@@ -149,7 +150,7 @@ inline __m128 hsum4(const __m256 a[4]) {
 // outside its blocks (a 576-wide SmolLM2 row has 18).
 template <int Bits, typename T, typename S>
 inline void four_columns(const T* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, int row_bytes,
-                         const S* sc, const S* bi, int groups, int group_size, float* y, std::vector<float>& scaled) {
+                         const S* sc, const S* bi, int groups, int group_size, float* y, Lines<float>& scaled) {
   const int blocks = in / 32;
   if (scaled.size() < static_cast<size_t>(4) * blocks) scaled.resize(static_cast<size_t>(4) * blocks);
   for (int c = 0; c < 4; ++c) scale_blocks(xd, sc + c * groups, groups, group_size / 32, scaled.data() + c * blocks);
@@ -171,7 +172,7 @@ inline void four_columns(const T* xq, const float* xd, const float* xsum, int in
 // Output column `o` for NR rows; `scaled` is per-thread room for each row's d x scale per block.
 template <int Bits, int NR, typename T, typename S>
 inline void column(const T* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, const S* sc,
-                   const S* bi, int groups, int group_size, float* y, int out, std::vector<float>& scaled) {
+                   const S* bi, int groups, int group_size, float* y, int out, Lines<float>& scaled) {
   constexpr int ACC = NR == 1 ? 2 : 1;
   const int blocks = in / 32, per_group = group_size / 32;
   if (scaled.size() < static_cast<size_t>(NR) * blocks) scaled.resize(static_cast<size_t>(NR) * blocks);

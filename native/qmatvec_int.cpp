@@ -33,7 +33,7 @@ void product(const float* x, const uint8_t* w, const S* scales, const S* biases,
   const int fours = rows == 1 ? out / 4 : 0;  // one row: four columns at a time, then the rest
 #pragma omp parallel
   {
-    std::vector<float> scaled;
+    Lines<float> scaled;
 #pragma omp for schedule(static)
     for (int f = 0; f < fours; ++f) {
       const int o = 4 * f;
@@ -86,7 +86,7 @@ void joint_products(const float* x, const std::vector<RoundedProduct>& ps, int i
   const int fours = first.back();
 #pragma omp parallel
   {
-    std::vector<float> scaled;
+    Lines<float> scaled;
 #pragma omp for schedule(static)
     for (int f = 0; f < fours; ++f) {
       int k = 0;
