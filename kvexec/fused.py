@@ -88,8 +88,8 @@ def fused_attention(queries: mx.array, blocks: list, q_start: int, scale: float,
         rotated |= turns
     rotation = None
     if rotated:
-        from kvexec.rotated import rotation as make_rotation
+        from kvexec.rotated import rotation_pair
 
-        rotation = make_rotation(blocks[0].kv_heads, queries.shape[-1])
+        rotation = rotation_pair(blocks[0].kv_heads, queries.shape[-1])
     return ext.decode_attention(queries, arrays, specs, q_start, scale, window or 0, rotation,
                                 tokens_major=tokens_major)

@@ -48,6 +48,14 @@ def rotation(kv_heads: int, dim: int) -> mx.array:
     return mx.array((signs * h / math.sqrt(dim)).astype(np.float32))
 
 
+@lru_cache(maxsize=None)
+def rotation_pair(kv_heads: int, dim: int) -> mx.array:
+    """[2, kv_heads, dim, dim]: `rotation` and its transpose (what turns rotated values
+    back), contiguous, made once: the native decode attention takes both."""
+    r = np.array(rotation(kv_heads, dim))
+    return mx.array(np.ascontiguousarray(np.stack([r, r.transpose(0, 2, 1)])))
+
+
 def _pack(codes: mx.array, bits: int) -> mx.array:
     """[..., n, d] codes < 2**bits -> [..., n, d * bits / 32] uint32, as a bitstream."""
     *lead, d = codes.shape

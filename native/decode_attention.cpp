@@ -144,18 +144,15 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
     }
     offset += b.length;
   }
-  // Turning back multiplies by R transposed: as the forward turn by R^T (a sum over d of
-  // R's rows is a dependent chain per output, ~50 us a SmolLM2 layer; this vectorizes).
-  std::vector<float> back(D), transposed(any_value_rotated ? static_cast<size_t>(sh.kv_heads) * D * D : 0);
-  for (int h = 0; h < (any_value_rotated ? sh.kv_heads : 0); ++h)
-    for (int d = 0; d < D; ++d)
-      for (int e = 0; e < D; ++e)
-        transposed[(static_cast<size_t>(h) * D + e) * D + d] = rotation[(static_cast<size_t>(h) * D + d) * D + e];
+  // Turning back multiplies by R^T, given as its own matrix: the forward turn by it is
+  // vectorized over outputs, where a sum over d of R's rows is a dependent chain each.
+  const float* back_turn = rotation ? rotation + static_cast<size_t>(sh.kv_heads) * D * D : nullptr;
+  std::vector<float> back(D);
   for (size_t i = 0; i < nrows; ++i) {
     float* out = y + output_row(i, sh);
     std::memcpy(out, plain.data() + i * D, D * sizeof(float));
     if (!any_value_rotated) continue;
-    turn(turned.data() + i * D, transposed.data() + static_cast<size_t>(i / R % sh.kv_heads) * D * D, D, back.data());
+    turn(turned.data() + i * D, back_turn + static_cast<size_t>(i / R % sh.kv_heads) * D * D, D, back.data());
     for (int d = 0; d < D; ++d) out[d] += back[d];
   }
 }
@@ -201,8 +198,8 @@ mx::array decode_attention(const mx::array& queries, const std::vector<mx::array
       throw std::invalid_argument("decode_attention: full blocks must be float32 [B, kv_heads, >= length, D]");
     at += n;
   }
-  if (rotation && (rotation->dtype() != mx::float32 || rotation->shape() != mx::Shape{kvh, D, D}))
-    throw std::invalid_argument("decode_attention: rotation must be float32 [kv_heads, D, D]");
+  if (rotation && (rotation->dtype() != mx::float32 || rotation->shape() != mx::Shape{2, kvh, D, D}))
+    throw std::invalid_argument("decode_attention: rotation must be float32 [2, kv_heads, D, D]: R and R^T");
   std::vector<mx::array> inputs{queries};
   inputs.insert(inputs.end(), arrays.begin(), arrays.end());
   if (rotation) inputs.push_back(*rotation);

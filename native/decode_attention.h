@@ -29,8 +29,9 @@ enum BlockKind { kFull = 0, kQuantized = 1 };
 // softmax(q K^T * scale + mask) V over the blocks for queries [B, H, L, D] float32 at
 // positions q_start .. q_start + L - 1 (causal; `window` > 0: keys older than that many
 // positions are masked too), H a multiple of the blocks' kv_heads. `rotation`
-// [kv_heads, D, D]: the rotation of rotated keys (q turns) and values (their weighted sum
-// turns back). Returns [B, H, L, D] float32, or with `tokens_major` [B, L, H * D] (what the
+// [2, kv_heads, D, D]: the rotation R of rotated keys (q turns by it) and its transpose
+// (rotated values' weighted sum turns back by R^T), both as the caller keeps them (a
+// transpose made here each call was most of a layer's turning back). Returns [B, H, L, D] float32, or with `tokens_major` [B, L, H * D] (what the
 // layer's output projection takes).
 mx::array decode_attention(const mx::array& queries, const std::vector<mx::array>& arrays,
                            const std::vector<std::vector<int>>& blocks, int q_start, float scale, int window,

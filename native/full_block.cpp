@@ -17,6 +17,7 @@ namespace {
 constexpr int kKeys = 64;                  // keys a scores task takes
 constexpr long kParallel = 1 << 15;        // multiply-adds from which both cores share a block
 constexpr int kSpan = 32;                  // a values task's outputs per row
+constexpr int kValueRows = 3;              // rows a values pass keeps in registers
 
 float dot(const float* a, const float* b, int D) {
   float s = 0.f;
@@ -32,6 +33,26 @@ inline __m256 lane_sums(const __m256 a[8]) {
   const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   // each holds its four vectors' low-half sums, then their high-half sums
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// MR query rows' 32 outputs from d0 in registers while every value row goes by once
+// for all of them (each row's sum over t in the same order as alone).
+template <int MR>
+void value_rows(const float* p, int ld, const float* vb, int64_t row, int n, int d0, float* out, int D) {
+  __m256 a[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) a[m][j] = _mm256_loadu_ps(out + static_cast<size_t>(m) * D + d0 + 8 * j);
+  for (int t = 0; t < n; ++t) {
+    const float* vt = vb + t * row + d0;
+    __m256 pt[MR];  // 12 sums, 3 weights and a value vector: the 16 registers
+    for (int m = 0; m < MR; ++m) pt[m] = _mm256_broadcast_ss(p + static_cast<size_t>(m) * ld + t);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 vj = _mm256_loadu_ps(vt + 8 * j);
+      for (int m = 0; m < MR; ++m) a[m][j] = _mm256_fmadd_ps(pt[m], vj, a[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + static_cast<size_t>(m) * D + d0 + 8 * j, a[m][j]);
 }
 #endif
 
@@ -72,22 +93,21 @@ void full_values(const float* p, const FloatRows& v, int batch, int R, int D, in
     for (int span = 0; span < spans; ++span) {
       const float* vb = v.data + static_cast<int64_t>(b) * v.batch;
       const int d0 = span * kSpan, d1 = std::min(D, d0 + kSpan);
-      for (int i = b * R; i < (b + 1) * R; ++i) {
-        const float* pi = p + static_cast<size_t>(i) * ld;
-        float* out = acc + static_cast<size_t>(i) * D;
+      int i = b * R;
 #ifdef __AVX2__
-        if (d1 - d0 == kSpan) {
-          __m256 a[4];
-          for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(out + d0 + 8 * j);
-          for (int t = 0; t < n; ++t) {
-            const __m256 pt = _mm256_broadcast_ss(pi + t);
-            const float* vt = vb + t * v.row + d0;
-            for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), a[j]);
+      if (d1 - d0 == kSpan)
+        for (; i < (b + 1) * R; i += kValueRows) {
+          const int rows = std::min(kValueRows, (b + 1) * R - i);
+          switch (rows) {
+            case 1: value_rows<1>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
+            case 2: value_rows<2>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
+            default: value_rows<3>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
           }
-          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + d0 + 8 * j, a[j]);
-          continue;
         }
 #endif
+      for (; i < (b + 1) * R; ++i) {
+        const float* pi = p + static_cast<size_t>(i) * ld;
+        float* out = acc + static_cast<size_t>(i) * D;
         for (int t = 0; t < n; ++t) {
           const float pt = pi[t];
           const float* vt = vb + t * v.row;

@@ -16,6 +16,7 @@ from kvexec import KVConfig, PageStore, blockwise_attention
 from kvexec import attention
 from kvexec.allocated import allocate_widths, widths_text
 from kvexec.fused import fused_attention
+from kvexec.rotated import rotation, rotation_pair
 from phaseswap import native
 
 pytestmark = pytest.mark.skipif(not hasattr(native.kernels(), "decode_attention") if native.available() else True,
@@ -94,6 +95,30 @@ def test_what_it_cannot_take_falls_back_to_mlx_operations():
     assert _fused(q.astype(mx.float16), _store("q8c", 600)) is None
     out = blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125)
     assert mx.allclose(out, _two_pass(q, store), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (10, 2, 48), (3, 3, 32)])
+def test_full_blocks_values_for_any_rows_a_head_and_width(heads, kv_heads, dim):
+    """Full-precision values are weighted several query rows at a time (3, then the rest)
+    over 32-wide spans of the head, a narrower tail one row at a time."""
+    store = PageStore(KVConfig(format="fp32"))
+    k1, k2, k3 = mx.random.split(mx.random.key(5), 3)
+    store.append(mx.random.normal((1, kv_heads, 300, dim), key=k1), mx.random.normal((1, kv_heads, 300, dim), key=k2))
+    q = mx.random.normal((1, heads, 1, dim), key=k3)
+    got, want = _fused(q, store), _two_pass(q, store)
+    assert got is not None
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5), float(mx.abs(got - want).max())
+
+
+def test_the_rotation_goes_with_its_transpose_made_once():
+    pair = rotation_pair(KV_HEADS, DIM)
+    r = rotation(KV_HEADS, DIM)
+    assert pair.shape == (2, KV_HEADS, DIM, DIM) and rotation_pair(KV_HEADS, DIM) is pair
+    assert mx.array_equal(pair[0], r) and mx.array_equal(pair[1], r.swapaxes(-1, -2))
+    ext = native.kernels()
+    q, k = mx.random.normal((1, HEADS, 1, DIM)), mx.random.normal((1, KV_HEADS, 8, DIM))
+    with pytest.raises(ValueError, match=r"\[2, kv_heads, D, D\]"):
+        ext.decode_attention(q, [k, k], [[0, 0, 8]], 8, 0.125, 0, r)
 
 
 def test_the_kernel_refuses_arrays_that_do_not_match_the_blocks():
