@@ -31,8 +31,9 @@ enum BlockKind { kFull = 0, kQuantized = 1 };
 // positions are masked too), H a multiple of the blocks' kv_heads. `rotation`
 // [2, kv_heads, D, D]: the rotation R of rotated keys (q turns by it) and its transpose
 // (rotated values' weighted sum turns back by R^T), both as the caller keeps them (a
-// transpose made here each call was most of a layer's turning back). Returns [B, H, L, D] float32, or with `tokens_major` [B, L, H * D] (what the
-// layer's output projection takes).
+// transpose made here each call was most of a layer's turning back). Returns
+// [B, H, L, D] float32, or with `tokens_major` [B, L, H * D] (what the layer's output
+// projection takes).
 mx::array decode_attention(const mx::array& queries, const std::vector<mx::array>& arrays,
                            const std::vector<std::vector<int>>& blocks, int q_start, float scale, int window,
                            const std::optional<mx::array>& rotation, bool tokens_major = false,
