@@ -169,6 +169,22 @@ inline void four_columns(const T* xq, const float* xd, const float* xsum, int in
   for (int c = 0; c < 4; ++c) y[c] = sums[c] + bias_share(bi + c * groups, sc + c * groups, offset, xsum, groups);
 }
 
+// Columns o .. o + 3 of a weight with `out` columns (its rows, scales and biases from
+// their starts) for one input row, those kColumnsAhead later requested first.
+template <int Bits, typename T, typename S>
+inline void four_columns_at(const Rounded<T>& a, int in, const uint8_t* w, const S* scales, const S* biases,
+                            int groups, int group_size, int o, int out, float* y, Lines<float>& scaled) {
+  const int row_bytes = in * Bits / 8;
+  const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
+  const S* sc = scales + static_cast<size_t>(o) * groups;
+  const S* bi = biases + static_cast<size_t>(o) * groups;
+  for (int c = 0; c < 4; ++c)
+    if (o + c + kColumnsAhead < out)
+      prefetch_column(wrow + c * row_bytes, row_bytes, sc + c * groups, bi + c * groups, groups);
+  four_columns<Bits>(a.q.data(), a.d.data(), a.sum.data(), in, wrow, row_bytes, sc, bi, groups, group_size, y + o,
+                     scaled);
+}
+
 // Output column `o` for NR rows; `scaled` is per-thread room for each row's d x scale per block.
 template <int Bits, int NR, typename T, typename S>
 inline void column(const T* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, const S* sc,

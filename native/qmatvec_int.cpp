@@ -35,17 +35,8 @@ void product(const float* x, const uint8_t* w, const S* scales, const S* biases,
   {
     Lines<float> scaled;
 #pragma omp for schedule(static)
-    for (int f = 0; f < fours; ++f) {
-      const int o = 4 * f;
-      const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
-      const S* sc = scales + static_cast<size_t>(o) * groups;
-      const S* bi = biases + static_cast<size_t>(o) * groups;
-      for (int c = 0; c < 4; ++c)
-        if (o + c + kColumnsAhead < out)
-          prefetch_column(wrow + c * row_bytes, row_bytes, sc + c * groups, bi + c * groups, groups);
-      four_columns<Bits>(a.q.data(), a.d.data(), a.sum.data(), in, wrow, row_bytes, sc, bi, groups, group_size, y + o,
-                         scaled);
-    }
+    for (int f = 0; f < fours; ++f)
+      four_columns_at<Bits>(a, in, w, scales, biases, groups, group_size, 4 * f, out, y, scaled);
 #pragma omp for schedule(static)
     for (int o = 4 * fours; o < out; ++o) {
       const uint8_t* wrow = w + static_cast<size_t>(o) * row_bytes;
@@ -92,17 +83,10 @@ void joint_products(const float* x, const std::vector<RoundedProduct>& ps, int i
       int k = 0;
       while (f >= first[k + 1]) ++k;
       const RoundedProduct& p = ps[k];
-      const int o = 4 * (f - first[k]), row_bytes = in * p.bits / 8;
-      const uint8_t* wrow = p.w + static_cast<size_t>(o) * row_bytes;
-      const S* sc = static_cast<const S*>(p.scales) + static_cast<size_t>(o) * groups;
-      const S* bi = static_cast<const S*>(p.biases) + static_cast<size_t>(o) * groups;
       const Rounded<T>& a = p.bits == 4 ? nibbles : plain;
-      for (int c = 0; c < 4; ++c)
-        if (o + c + kColumnsAhead < p.out)
-          prefetch_column(wrow + c * row_bytes, row_bytes, sc + c * groups, bi + c * groups, groups);
       auto go = [&]<int B>() {
-        four_columns<B>(a.q.data(), a.d.data(), a.sum.data(), in, wrow, row_bytes, sc, bi, groups, group_size,
-                        p.y + o, scaled);
+        four_columns_at<B>(a, in, p.w, static_cast<const S*>(p.scales), static_cast<const S*>(p.biases), groups,
+                           group_size, 4 * (f - first[k]), p.out, p.y, scaled);
       };
       switch (p.bits) {
         case 4: go.template operator()<4>(); break;
