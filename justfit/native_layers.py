@@ -37,9 +37,16 @@ def _heads_settings(layer: llama.Attention | gemma3_text.Attention, x: mx.array,
         return None
     if norms is None:
         return {}
-    q_norm, k_norm = norms
-    if q_norm.eps != k_norm.eps or q_norm["weight"].dtype != mx.float32 or k_norm["weight"].dtype != mx.float32:
-        return None
+    return _head_norms(*norms) if _head_norms_fit(*norms) else None
+
+
+def _head_norms_fit(q_norm: nn.Module, k_norm: nn.Module) -> bool:
+    """Whether rope_heads can apply Gemma's per-head q and k norms (one eps, float32)."""
+    return q_norm.eps == k_norm.eps and q_norm["weight"].dtype == mx.float32 and k_norm["weight"].dtype == mx.float32
+
+
+def _head_norms(q_norm: nn.Module, k_norm: nn.Module) -> dict:
+    """rope_heads' keywords for Gemma's per-head q and k norms (the 1 + weight kind)."""
     return {"norms": (q_norm["weight"], k_norm["weight"]), "norm_eps": q_norm.eps, "norm_offset": 1.0}
 
 
@@ -165,10 +172,7 @@ class _BlockSteps:
 
     def heads(self) -> dict:
         """rope_heads' keywords: Gemma's per-head q and k norms."""
-        if not self.gemma:
-            return {}
-        q_norm, k_norm = self.modules[-2:]
-        return {"norms": (q_norm["weight"], k_norm["weight"]), "norm_eps": q_norm.eps, "norm_offset": 1.0}
+        return _head_norms(*self.modules[-2:]) if self.gemma else {}
 
 
 def _block_steps(block: llama.TransformerBlock | gemma3_text.TransformerBlock, gemma: bool,
@@ -181,10 +185,8 @@ def _block_steps(block: llama.TransformerBlock | gemma3_text.TransformerBlock, g
     if ([len(g) if g else 0 for g in groups] != [3, 1, 2, 1]
             or any(n["weight"].dtype != mx.float32 or n.eps != norms[0].eps for n in norms)):
         return None
-    if gemma:
-        q_norm, k_norm = attn.q_norm, attn.k_norm
-        if q_norm.eps != k_norm.eps or q_norm["weight"].dtype != mx.float32 or k_norm["weight"].dtype != mx.float32:
-            return None
+    if gemma and not _head_norms_fit(attn.q_norm, attn.k_norm):
+        return None
     fused = {"norm_eps": norms[0].eps, "norm_offset": 1.0 if gemma else 0.0}
 
     def step(mods, **extra):
