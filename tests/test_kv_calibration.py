@@ -145,12 +145,16 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
 
 def test_a_sliding_layers_bytes_count_as_its_share_of_the_trained_context():
     """Two layers alike but for a window: stepping the sliding one up costs 1/64 of the
-    full one's bytes at the trained context, so the budget buys it first."""
+    full one's bytes at the trained context, so it keeps its widest candidate, even
+    where the budget would allow less, and the budget goes to the full layer."""
     names = ("k4crv4r", "q8c")
     errors = ({"k4crv4r": 0.3, "q8c": 0.05},) * 2
     alike = Measurement("m", names, (names, names), errors, 100, 1.0, 64, (1.0, 1.0))
     windowed = Measurement("m", names, (names, names), errors, 100, 1.0, 64, (1.0, 1 / 64))
     assert alike.choose(0.1).formats == ("q8c", "k4crv4r")  # equals: the first layer steps
+    assert alike.choose(1.0).formats == ("k4crv4r", "k4crv4r")
+    assert windowed.choose(1.0).formats == ("k4crv4r", "q8c")
+    assert windowed.choose(0.09).formats == ("q8c", "q8c")  # 0.3**2 + 0.05**2 is over 0.09
     chosen = windowed.choose(0.1)
     assert chosen.formats == ("k4crv4r", "q8c") and chosen.shares == (1.0, 1 / 64)
     assert chosen.bits_per_value(1, 64, growing=True) == pytest.approx(get_format("k4crv4r").bits_per_value(1, 64))
