@@ -71,9 +71,10 @@ class Sequence:
         """Set this sequence aside: its exact state written to disk through StateTrans,
         its cache let go (what it sampled, its stops and text stay here); the seconds
         the write took. Raises, with the cache kept, when the write fails."""
+        started = time.perf_counter()  # the time set aside counts the write too
         self.parked = park(self.engine.states, self.held, self.cache, self.rng)
         self.cache = None
-        self._parked_at = time.perf_counter()
+        self._parked_at = started
         s = self.stats
         s.preemptions += 1
         s.swap_s += self.parked.write_s
