@@ -164,7 +164,9 @@ def measure_prefill_forms(registry: Registry, tokens: int) -> dict[str, str]:
         key = tuple((k, v.shape, v.dtype) for k, v in tree_flatten(comp.module.parameters()))
         if key not in timed:
             hidden = _hidden_size(comp.module)
-            x = mx.random.normal((1, tokens, hidden)).astype(mx.float32 if registry.resident_form != "stored" else mx.float16)
+            # its own key: MLX's global one would keep a lazy graph of every draw
+            x = mx.random.normal((1, tokens, hidden), key=mx.random.key(0))
+            x = x.astype(mx.float32 if registry.resident_form != "stored" else mx.float16)
             cost = {}
             for form in ("resident", "dense"):
                 with registry.lease(name, form) as mod:
