@@ -9,8 +9,13 @@ harshest layout a long context has): the layer's relative attention error. One m
 forward pass, every layer in the smallest candidate, measures the output's KL divergence
 from the reference; over the summed squared attention errors that gives the model's
 gain (for small errors KL grows with the squared errors, layer by layer: Gemma 3's gain
-is several times SmolLM2's). A model-wide KL budget (`tolerance`, nats per token in this
-layout) is then spent where it saves the most bytes (`allocate`): every layer starts in
+is several times SmolLM2's). One pass is one draw of the quantization noise, and a
+draw's KL rests on a few positions (a fifth of SmolLM2's on 10 of 512): draws
+spread by 8% (SmolLM2) and 3.5% (Gemma 3), and one draw on one core and the same on two
+differ as much: a rounding that flips one code changes what later layers quantize. So
+the pass is made PROBE_DRAWS times, each with the pages' groups shifted one token (one
+more sink), and the gain is their mean. A model-wide KL budget (`tolerance`, nats per
+token in this layout) is then spent where it saves the most bytes (`allocate`): every layer starts in
 its smallest candidate and, while the predicted KL (gain x summed squared errors) is over
 budget, the layer whose next step buys the most predicted KL per byte steps up; then any
 layer that can step back down within the budget does. (Splitting the budget evenly,
@@ -22,11 +27,11 @@ stop growing at its window, so its bytes count window / context of a full layer'
 candidate outright: its steps up come almost free, and the budget decides the formats
 of the full layers, which hold every position of a long context. The result
 is deterministic on a machine (a fixed text, a fixed layout, a CPU pass); across
-machines the per-layer errors agree but the gain, a small KL, moves with the threads'
-summation order (SmolLM2 0.040-0.044 on one and two cores here), and with it a
-layer or two near the budget's edge. The measurement is cached per model identity and
-candidates (any tolerance chooses from it), so only a model's first load pays (10 s for
-SmolLM2, 35 s for Gemma 3 on a 2-core CPU).
+machines the per-layer errors agree to 0.3% and the gain to a few percent (the draws'
+mean: SmolLM2 0.0375 on one core and 0.0390 on two here, single draws 0.033-0.044), and
+with it a layer near the budget's edge may differ. The measurement is cached per model identity and
+candidates (any tolerance chooses from it), so only a model's first load pays (15 s for
+SmolLM2, 52 s for Gemma 3 on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from kvexec.config import KVConfig
 from kvexec.formats import get_format
 from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
 
-VERSION = 5  # bump when the procedure changes: cached results of older ones are ignored
+VERSION = 6  # bump when the procedure changes: cached results of older ones are ignored
 # Smallest first is not required: candidates are ordered by bytes per position.
 CANDIDATES = ("k4a128v4r64", "k5a128v4r64", "k5a128v5r64", "k6a128v5r64", "k6a128v6r64", "k8c128v6r64", "q8c")
 # Output KL (nats per token) all layers' pages together may add, in LAYOUT. Swept from
@@ -61,6 +66,10 @@ TOLERANCE = 1e-3
 WIDEST_SHARE = 1 / 16
 # Every position but the sinks in pages: the harshest layout a long context has.
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4)
+# Draws of the quantization noise the gain is averaged over (see module doc): six take
+# the spread between machines from ~8% to ~3% (SmolLM2) for 6 s more on a first load
+# here (Gemma 3: 27 s).
+PROBE_DRAWS = 6
 TEXT = Path(__file__).with_name("calibration_text.txt")
 
 
@@ -192,7 +201,8 @@ def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, m
     per_layer = _ordered(candidates, records)
     errors = layer_errors(records, per_layer, LAYOUT)
     probe = tuple(names[0] for names in per_layer)  # the smallest: the clearest signal, still small errors
-    kl = output_kl(model, ids, replace(LAYOUT, layer_formats=probe), ref)
+    kl = sum(output_kl(model, ids, replace(LAYOUT, layer_formats=probe, sink_tokens=LAYOUT.sink_tokens + shift), ref)
+             for shift in range(PROBE_DRAWS)) / PROBE_DRAWS
     gain = kl / max(sum(e[f] ** 2 for e, f in zip(errors, probe)), 1e-30)
     labels = tuple(get_format(c).label for c in per_layer[0])
     rounded = tuple({get_format(c).label: round(e[c], 6) for c in names} for names, e in zip(per_layer, errors))

@@ -44,6 +44,25 @@ def test_calibration_spends_the_kl_budget_within_tolerance_and_is_deterministic(
     assert tight.formats == ("q8c",) * 3  # nothing fits: the widest candidate
 
 
+def test_gain_is_the_mean_of_draws_with_the_groups_shifted(tiny_model, monkeypatch):
+    seen = []
+    real = calibrate_mod.output_kl
+
+    def draw(model, ids, config, ref, chunk=256):
+        kl = real(model, ids, config, ref, chunk)
+        seen.append((config.sink_tokens, config.layer_formats, kl))
+        return kl
+
+    monkeypatch.setattr(calibrate_mod, "output_kl", draw)
+    m = measure(tiny_model, ByteTokenizer(), "tiny", CANDIDATES, max_tokens=600)
+    sinks = [s for s, _, _ in seen]
+    assert sinks == [calibrate_mod.LAYOUT.sink_tokens + i for i in range(calibrate_mod.PROBE_DRAWS)]
+    assert len({f for _, f, _ in seen}) == 1  # every draw in the same probe formats
+    assert len({kl for *_, kl in seen}) > 1  # shifted groups: other draws of the noise
+    squared = sum(e[get_format(f).label] ** 2 for f, e in zip(seen[0][1], m.errors))
+    assert m.gain == pytest.approx(sum(kl for *_, kl in seen) / len(seen) / squared, rel=1e-5)
+
+
 def test_allocate_spends_the_budget_where_a_step_is_cheap():
     costs, errors = [[1, 2], [1, 2]], [[0.5, 0.05], [0.2, 0.0]]
     # predicted KL 0.25 + 0.04 fits 0.3 as it is (an even split, sqrt(0.15) = 0.39 a layer,
