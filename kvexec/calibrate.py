@@ -15,8 +15,8 @@ spread by 8% (SmolLM2) and 3.5% (Gemma 3), and one draw on one core and the same
 differ as much: a rounding that flips one code changes what later layers quantize. So
 the pass is made PROBE_DRAWS times, each with the pages' groups shifted one token (one
 more sink), and the gain is their mean. A model-wide KL budget (`tolerance`, nats per
-token in this layout) is then spent where it saves the most bytes (`allocate`): every layer starts in
-its smallest candidate and, while the predicted KL (gain x summed squared errors) is over
+token in this layout) is then spent where it saves the most bytes (`allocate`): every
+layer starts in its smallest candidate and, while the predicted KL (gain x summed squared errors) is over
 budget, the layer whose next step buys the most predicted KL per byte steps up; then any
 layer that can step back down within the budget does. (Splitting the budget evenly,
 each layer held to the same error, chose 0.3-0.4 more bits per value at the same
@@ -29,9 +29,9 @@ of the full layers, which hold every position of a long context. The result
 is deterministic on a machine (a fixed text, a fixed layout, a CPU pass); across
 machines the per-layer errors agree to 0.3% and the gain to a few percent (the draws'
 mean: SmolLM2 0.0375 on one core and 0.0390 on two here, single draws 0.033-0.044), and
-with it a layer near the budget's edge may differ. The measurement is cached per model identity and
-candidates (any tolerance chooses from it), so only a model's first load pays (15 s for
-SmolLM2, 52 s for Gemma 3 on a 2-core CPU).
+with it a layer near the budget's edge may differ. The measurement is cached per model
+identity and candidates (any tolerance chooses from it), so only a model's first load
+pays (15 s for SmolLM2, 52 s for Gemma 3 on a 2-core CPU).
 """
 
 from __future__ import annotations
