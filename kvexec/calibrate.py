@@ -16,9 +16,9 @@ differ as much: a rounding that flips one code changes what later layers quantiz
 the pass is made PROBE_DRAWS times, each with the pages' groups shifted one token (one
 more sink), and the gain is their mean. A model-wide KL budget (`tolerance`, nats per
 token in this layout) is then spent where it saves the most bytes (`allocate`): every
-layer starts in its smallest candidate and, while the predicted KL (gain x summed squared errors) is over
-budget, the layer whose next step buys the most predicted KL per byte steps up; then any
-layer that can step back down within the budget does. (Splitting the budget evenly,
+layer starts in its smallest candidate and, while the predicted KL (gain x summed
+squared errors) is over budget, the layer whose next step buys the most predicted KL
+per byte steps up; then any layer that can step back down within the budget does. (Splitting the budget evenly,
 each layer held to the same error, chose 0.3-0.4 more bits per value at the same
 budget on SmolLM2 and Gemma 3: its discrete steps left most layers well under their
 share.) A byte counts at the model's trained context: a sliding-window layer's pages
