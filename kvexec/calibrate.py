@@ -1,38 +1,37 @@
 """Per-model calibration: the smallest page format each attention layer tolerates.
 
 A short teacher-forced pass over a fixed built-in text (kvexec/calibration_text.txt)
-records every layer's queries, keys and values and the output distribution with
-float32 pages (kvexec/layer_error.py). An allocated candidate (`k<mean>a<group>v...`,
+records every layer's queries, keys and values and the output distribution with float32
+pages (kvexec/layer_error.py). An allocated candidate (`k<mean>a<group>v...`,
 kvexec/allocated.py) gets its per-channel key widths from that layer's record. Each
 candidate replays each layer's record with every position but the sinks in pages (the
 harshest layout a long context has): the layer's relative attention error. One more
 forward pass, every layer in the smallest candidate, measures the output's KL divergence
-from the reference; over the summed squared attention errors that gives the model's
-gain (for small errors KL grows with the squared errors, layer by layer: Gemma 3's gain
-is several times SmolLM2's). One pass is one draw of the quantization noise, and a
-draw's KL rests on a few positions (a fifth of SmolLM2's on 10 of 512): draws
-spread by 8% (SmolLM2) and 3.5% (Gemma 3), and one draw on one core and the same on two
-differ as much: a rounding that flips one code changes what later layers quantize. So
-the pass is made PROBE_DRAWS times, each with the pages' groups shifted one token (one
-more sink), and the gain is their mean. A model-wide KL budget (`tolerance`, nats per
-token in this layout) is then spent where it saves the most bytes (`allocate`): every
-layer starts in its smallest candidate and, while the predicted KL (gain x summed
-squared errors) is over budget, the layer whose next step buys the most predicted KL
-per byte steps up; then any layer that can step back down within the budget does. (Splitting the budget evenly,
-each layer held to the same error, chose 0.3-0.4 more bits per value at the same
+from the reference; over the summed squared attention errors that gives the model's gain
+(for small errors KL grows with the squared errors, layer by layer: Gemma 3's gain is
+several times SmolLM2's). One pass is one draw of the quantization noise, and a draw's
+KL rests on a few positions (a fifth of SmolLM2's on 10 of 512): draws spread by 8%
+(SmolLM2) and 3.5% (Gemma 3), and one draw on one core and the same on two differ as
+much: a rounding that flips one code changes what later layers quantize. So the pass is
+made PROBE_DRAWS times, each with the pages' groups shifted one token (one more sink),
+and the gain is their mean. A model-wide KL budget (`tolerance`, nats per token in this
+layout) is then spent where it saves the most bytes (`allocate`): every layer starts in
+its smallest candidate and, while the predicted KL (gain x summed squared errors) is
+over budget, the layer whose next step buys the most predicted KL per byte steps up;
+then any layer that can step back down within the budget does. (Splitting the budget
+evenly, each layer held to the same error, chose 0.3-0.4 more bits per value at the same
 budget on SmolLM2 and Gemma 3: its discrete steps left most layers well under their
 share.) A byte counts at the model's trained context: a sliding-window layer's pages
-stop growing at its window, so its bytes count window / context of a full layer's
-(Gemma 3: 512 / 32,768). Such a layer (a share of at most 1/16) keeps its widest
-candidate outright: its steps up come almost free, and the budget decides the formats
-of the full layers, which hold every position of a long context. The result
-is deterministic on a machine (a fixed text, a fixed layout, a CPU pass); across
-machines the per-layer errors agree to 0.3% and the gain to a few percent (the draws'
-mean: SmolLM2 0.0375 on one core and 0.0390 on two here, single draws 0.033-0.044), and
-with it a layer near the budget's edge may differ. The measurement is cached per model
-identity and candidates (any tolerance chooses from it), so only a model's first load
-pays (15 s for SmolLM2, 52 s for Gemma 3 on a 2-core CPU).
-"""
+stop growing at its window, so its bytes count window / context of a full layer's (Gemma
+3: 512 / 32,768). Such a layer (a share of at most 1/16) keeps its widest candidate
+outright: its steps up come almost free, and the budget decides the formats of the full
+layers, which hold every position of a long context. The result is deterministic on a
+machine (a fixed text, a fixed layout, a CPU pass); across machines the per-layer errors
+agree to 0.3% and the gain to a few percent (the draws' mean: SmolLM2 0.0375 on one core
+and 0.0390 on two here, single draws 0.033-0.044), and with it a layer near the budget's
+edge may differ. The measurement is cached per model identity and candidates (any
+tolerance chooses from it), so only a model's first load pays (15 s for SmolLM2, 52 s
+for Gemma 3 on a 2-core CPU)."""
 
 from __future__ import annotations
 
