@@ -66,8 +66,8 @@ WIDEST_SHARE = 1 / 16
 # Every position but the sinks in pages: the harshest layout a long context has.
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4)
 # Draws of the quantization noise the gain is averaged over (see module doc): six take
-# the spread between machines from ~8% to ~3% (SmolLM2) for 6 s more on a first load
-# here (Gemma 3: 27 s).
+# the spread between machines from ~8% to ~3% (SmolLM2) for ~7 s more on a first load
+# here (Gemma 3: 20-27 s).
 PROBE_DRAWS = 6
 TEXT = Path(__file__).with_name("calibration_text.txt")
 
