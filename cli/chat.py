@@ -3,6 +3,7 @@ loop), or answer one piped question."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -10,7 +11,7 @@ from jinja2 import TemplateError
 
 from cli import common
 from cli.chat_session import ChatSession
-from cli.terminal import PrefillBar, tty_reader
+from cli.terminal import PrefillBar, loader_notes, tty_reader
 from justfit import SamplingParams
 from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
 
@@ -46,9 +47,11 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
         question = stdin.read().strip()
         if not question:
             raise common.UserError("nothing to answer: stdin was empty")
-    if interactive and stderr.isatty():
+    notes = interactive and stderr.isatty()
+    if notes:
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
-    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    with loader_notes(stderr) if notes else contextlib.nullcontext():
+        engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {template_file}")
     notice = raw_notice(engine, raw)

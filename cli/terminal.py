@@ -1,13 +1,33 @@
 """Terminal plumbing for `justfit chat`: Ctrl-C handling, the prefill progress bar,
-and where input lines come from."""
+the loader's notes, and where input lines come from."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, TextIO
 
+
+
+@contextmanager
+def loader_notes(stream: TextIO) -> Iterator[None]:
+    """While a model loads, show what the loader says it is doing (a first load's KV
+    calibration takes a while) as dim lines on `stream`; the logger is as before after."""
+    import click
+
+    logger = logging.getLogger("justfit.loader")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(click.style("%(message)s...", dim=True)))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class Stopped(Exception):

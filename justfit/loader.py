@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +26,8 @@ from kvexec.config import CALIBRATED, needs_model
 from phaseswap import PhaseSwap
 from phaseswap.native import available as native_available
 from phaseswap.policy import ResidencyPolicy
+
+log = logging.getLogger("justfit.loader")
 
 
 def load_lazily(model: str | None, config: EngineConfig) -> LoadedModel:
@@ -61,6 +64,8 @@ def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[
     found = cached_measurement(name, cache_dir, candidates)
     if found is not None:  # the usual load: no second copy of the model
         return found.choose(tolerance)
+    # a one-time wait worth naming (15 s for SmolLM2 here, about a minute for Gemma 3)
+    log.info("measuring which KV page formats this model's layers take (once per model, then cached)")
     probe = load_lazily(model, config)
     kvexec.install(probe.model)
     # On the CPU each layer runs its chunks dense, just in time, as the engine's prefill

@@ -222,3 +222,18 @@ def test_stats_line_after_a_reply(engine):
     line = stats_line(engine)
     s = engine.last_stats
     assert f"{s.generated_tokens} tokens at" in line and "tok/s" in line and "peak" in line
+
+
+def test_loader_notes_show_the_loaders_messages_while_loading_only():
+    import logging
+
+    from cli.terminal import loader_notes
+
+    logger = logging.getLogger("justfit.loader")
+    level, handlers = logger.level, list(logger.handlers)
+    stream = io.StringIO()
+    with loader_notes(stream):
+        logger.info("measuring something")
+    logger.info("after loading")
+    assert "measuring something..." in stream.getvalue() and "after loading" not in stream.getvalue()
+    assert logger.level == level and logger.handlers == handlers

@@ -137,13 +137,15 @@ def test_a_head_dim_no_candidate_stores_is_calibrated_to_fp16(tiny_model):
     assert odd.formats == ("fp16",) * 3
 
 
-def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path, monkeypatch):
+def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path, monkeypatch, caplog):
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
 
     monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
     config = EngineConfig(kv=KVConfig(format="k5a128v4r", page_size=128, hot_window=0))
-    engine = Engine(str(tiny_gemma3_dir), config=config)
+    with caplog.at_level("INFO", logger="justfit.loader"):
+        engine = Engine(str(tiny_gemma3_dir), config=config)
+    assert any("measuring" in r.getMessage() for r in caplog.records)  # the wait is named
     formats = engine.config.kv.layer_formats
     assert len(formats) == 6 and {get_format(f).label for f in formats} == {"k5a128v4r"}
     assert len(list((tmp_path / "calibration").glob("kv-calibration-*.json"))) == 1
@@ -158,8 +160,11 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
     import justfit.loader
 
     monkeypatch.setattr(justfit.loader, "load_lazily", measured_again)  # a cached load needs no second copy
-    again = Engine(str(tiny_gemma3_dir), config=config)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="justfit.loader"):
+        again = Engine(str(tiny_gemma3_dir), config=config)
     assert again.config.kv.layer_formats == formats
+    assert not caplog.records  # nothing measured, nothing to wait for
 
 
 def test_a_sliding_layers_bytes_count_as_its_share_of_the_trained_context():
