@@ -28,7 +28,9 @@ allows), mlx-lm-kv4 (tuned, 4-bit), llama.cpp-q8_0 / llama.cpp-q4_0 (llama-bench
 n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-calibrated
 (the CLI's default pages, calibrated per model, ladder off), justfit-default (the CLI's
 defaults: calibrated pages stepping down the ladder as the budget tightens), justfit-compact (the
-fewest bytes per position), justfit-retention (at most `--retain` positions kept).
+fewest bytes per position), justfit-retention (at most `--retain` positions kept); any
+JustFit system with `+resident` keeps every weight in memory (EngineConfig.stream_weights
+False: no layer streamed from disk at the budget's edge, as the others keep theirs).
 JustFit rows carry `kv_formats`, `fidelity` (bench/fidelity.py) and
 `past_trained_context`; headline ratios use only rows at top-1 >= 99%.
 """
@@ -114,7 +116,8 @@ def row_at(system: str, args, budget: int, run: dict, measured_step: int = 0) ->
                    limited=not passed and run["end"]["end"] in ("time limit", "position limit"))
         if last.get("mlx_peak") is not None:
             row["mlx_peak_mib"] = round(last["mlx_peak"] / MIB, 1)
-        for key in ("note", "kv_dtype", "kv_cache", "prefill_step", "weights_dtype", "kv_bits", "flash_attention"):
+        for key in ("note", "kv_dtype", "kv_cache", "prefill_step", "weights_dtype", "kv_bits", "flash_attention",
+                    "streamed_from_disk"):
             if key in last:
                 row[key] = last[key]
         if last.get("kv_formats"):  # the share of each page format at the capacity step

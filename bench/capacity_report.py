@@ -48,6 +48,8 @@ def _marks(r: dict) -> str:
     marks = [] if r.get("headline") in (None, "eligible") else [r["headline"]]
     if r.get("past_trained_context"):
         marks.append(f"past trained context {r['trained_context']:,}")
+    if r.get("streamed_from_disk"):  # weights the others keep in memory, read from disk each step
+        marks.append(f"{len(r['streamed_from_disk'])} weight components streamed from disk")
     return "; ".join(marks)
 
 

@@ -87,12 +87,16 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
     # libraries and tokenizer hold beside it, measured at load. "SYSTEM@N": a layer
     # pipeline over N local ranks (justfit.launch), each rank with this budget.
     system, _, ranks = system.partition("@")
+    # "SYSTEM+resident": no layer streamed from disk at the budget's edge (every weight in
+    # memory, as the stock systems and llama.cpp keep theirs); refused where that needs one
+    system, resident = system.removesuffix("+resident"), system.endswith("+resident")
     group = None
     if ranks:
         import mlx.core as mx
 
         group = mx.distributed.init()
-    config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True)
+    config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True,
+                          stream_weights=not resident)
     if system == "justfit-retention":
         config = replace(config, kv=KVConfig(max_positions=retain, pin_prompt=False))
     elif system == "justfit-lossless":  # q8c pages only: no page ever steps down
@@ -129,6 +133,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
         if stats is None:
             return {}
         return {"prefill_chunk": stats.prefill_chunk, "prefill_step": stats.prefill_chunk,
+                "streamed_from_disk": list(engine.swap.offloaded),
                 "kv_formats": stats.kv_formats,
                 "kv_dtype": f"pages {','.join(sorted(stats.kv_formats)) or 'none yet'}, hot window {hot}",
                 "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,

@@ -8,6 +8,7 @@ import click
 import psutil
 
 from cli import common
+from justfit.memory import format_size
 
 
 @click.command()
@@ -24,11 +25,12 @@ from cli import common
               help="With --config: activation width (fp16 on Apple GPUs, fp32 on MLX's CPU backend).")
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
               help="Plan a layer pipeline over this many ranks, each with --budget (or one size per rank).")
+@common.whole_process_option
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
-def fit(model, budget, context, as_json, config_path, weights_bits, compute, ranks, gguf_bits, kv_format,
-        policy) -> None:
+def fit(model, budget, context, as_json, config_path, weights_bits, compute, ranks, whole_process, gguf_bits,
+        kv_format, policy) -> None:
     """Weights, KV bytes per position, transient bound and maximum context per KV
     format for a memory budget (default: memory available now), without running;
     with --config, from a model's config.json alone."""
@@ -43,6 +45,8 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
 
         if model is not None:
             raise common.UserError("give --model or --config, not both")
+        if whole_process:
+            raise common.UserError("--whole-process measures a loaded model's process: give --model, not --config")
         # Calibration needs the weights: from a config alone, plan with its widest candidate.
         kv = None if kv_format == "none" else KVConfig(format="q8c" if kv_format == "calibrated" else kv_format)
         try:
@@ -53,6 +57,15 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
         click.echo(json.dumps(report, indent=2) if as_json else format_config_fit(report))
         return
     engine = common.load_engine(model, None, gguf_bits, kv_format, policy)
+    outside = 0
+    if whole_process:  # what this process holds besides MLX, loaded: every rank holds as much
+        from justfit.outside import measure_outside
+
+        outside = measure_outside()
+        if min(budgets) <= outside:
+            raise common.UserError(f"a whole-process budget of {format_size(min(budgets))} is no more than what "
+                                   f"the process holds besides the engine ({format_size(outside)})")
+        budgets = tuple(b - outside for b in budgets)
     if ranks > 1:
         from justfit.fit_ranks import format_ranks, ranks_report
 
@@ -62,5 +75,5 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
             raise common.UserError(str(e)) from None
         click.echo(json.dumps(report, indent=2) if as_json else format_ranks(report))
         return
-    report = fit_report(engine, budget, context)
+    report = fit_report(engine, budgets[0], context, outside)
     click.echo(json.dumps(report, indent=2) if as_json else format_fit(report))

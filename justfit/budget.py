@@ -46,7 +46,7 @@ def plan(engine: Engine, positions: int) -> tuple[tuple[str, ...], Footprint]:
     than stepped down the pressure ladder, then the largest prefill chunk, so
     `positions` fit the budget; and the footprint so (`shape.chunk` is the chunk,
     `page_allowance` what the pages may take). The last tried, when nothing fits."""
-    order = engine.swap.offload_order()
+    order = engine.swap.offload_order() if engine.config.stream_weights else []
     budget = engine.config.budget_bytes
     kv = engine.config.kv
     # (pressed, the most the footprint may take): with the ladder to fall back on, wide

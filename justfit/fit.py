@@ -10,9 +10,11 @@ from kvexec import FORMATS, KVConfig, get_format, ladder
 from kvexec.calibrate import layer_summary
 
 
-def fit_report(engine, budget: int, context: int | None = None) -> dict:
+def fit_report(engine, budget: int, context: int | None = None, outside: int = 0) -> dict:
     """Weights, bytes per position and maximum retained positions for every KV format,
-    resident and with layers offloaded, and the plan for a request of `context` positions."""
+    resident and with layers offloaded, and the plan for a request of `context` positions,
+    within the engine's `budget`; `outside`: what the process holds besides it (a
+    whole-process budget is `budget + outside`)."""
     swap, reg = engine.swap, engine.swap.registry
     every_layer = tuple(swap.offload_order())
     head_dim = engine.kv_shape[2]
@@ -34,7 +36,7 @@ def fit_report(engine, budget: int, context: int | None = None) -> dict:
         })
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
-        "budget": budget, "context_limit": engine.context_limit,
+        "budget": budget, "outside": outside, "context_limit": engine.context_limit,
         "weights": {"resident": reg.total_bytes(),
                     "by_kind": {k: sum(c.nbytes for c in reg.components.values() if c.kind == k)
                                 for k in ("embed", "layer", "head")},
@@ -90,9 +92,12 @@ def _forms(forms: dict[str, str]) -> str:
 def format_fit(r: dict) -> str:
     """`fit_report`'s result as readable text: the weights, a row per KV format, and the plan."""
     w = r["weights"]
+    budget = format_size(r["budget"])
+    if r.get("outside"):
+        budget = (f"{format_size(r['budget'] + r['outside'])} for the whole process, {budget} of it the "
+                  f"engine's ({format_size(r['outside'])} besides it, measured now; serving adds some)")
     lines = [
-        f"model {r['model']} · policy {r['policy']} · budget {format_size(r['budget'])} · "
-        f"trained context {r['context_limit']}",
+        f"model {r['model']} · policy {r['policy']} · budget {budget} · trained context {r['context_limit']}",
         f"  policy: {r['policy_summary']}",
         f"weights resident {format_size(w['resident'])} (embedding {format_size(w['by_kind']['embed'])}, "
         f"layers {format_size(w['by_kind']['layer'])}, head {format_size(w['by_kind']['head'])}); "

@@ -9,6 +9,7 @@ import pytest
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
+from justfit.planner import MIN_PREFILL_CHUNK
 from phaseswap import POLICIES, PhaseSwap, Residency, TransposedQuantizedLinear
 from tests.tiny_models import write_mlx_folder
 
@@ -149,6 +150,29 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
     assert stats.memory.mlx_peak - others <= budget
 
 
+def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
+    free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
+    weights = free.swap.registry.total_bytes()
+    prompt = "x " * 200
+    positions = len(free.encode(prompt)) + 50
+    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK).total - 1024  # just short, every weight resident
+    del free
+    resident = EngineConfig(policy="cpu", stream_weights=False)
+    with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
+        Engine(str(q8_dir), budget=weights // 2, config=resident)
+    streaming = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))
+    offloaded, fp = streaming.plan(positions)
+    assert offloaded and fp.total <= budget  # streaming would run it
+    eng = Engine(str(q8_dir), budget=budget, config=resident)
+    offloaded, fp = eng.plan(positions)
+    assert offloaded == () and fp.total > budget  # the plan keeps every weight in memory
+    with pytest.raises(BudgetExceeded) as err:
+        list(eng.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
+    assert 0 < err.value.fits_positions < positions and eng.swap.offloaded == ()
+    assert list(eng.generate("hi", SamplingParams(temperature=0, max_tokens=1)))  # what fits still runs
+
+
 def test_refused_when_even_offloading_cannot_fit(q8_dir):
     eng = Engine(str(q8_dir))
     floor = eng.footprint(1, tuple(eng.swap.offload_order()))
@@ -186,6 +210,28 @@ def test_justfit_fit_reports_formats_and_plan(q8_dir):
     assert r["plan"]["positions"] == 300 and r["plan"]["footprint"]["total"] <= 64 * 2**20 and r["plan"]["fits"]
     text = runner.invoke(main, ["fit", "--model", str(q8_dir), "--budget", "300KiB", "--context", "500"]).output
     assert "does NOT fit" in text and "policy cpu" in text and "fp16" in text
+
+
+def test_justfit_fit_takes_the_process_off_a_whole_process_budget(q8_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    runner = CliRunner()
+    args = ["fit", "--model", str(q8_dir), "--budget", "2GiB", "--json"]
+    engine_only = json.loads(runner.invoke(main, args).output)
+    res = runner.invoke(main, [*args, "--whole-process"])
+    assert res.exit_code == 0, res.output
+    whole = json.loads(res.output)
+    assert whole["outside"] > 0 and whole["budget"] + whole["outside"] == engine_only["budget"] == 2 * 2**30
+    fewer = {r["format"]: r["max_positions"] for r in whole["formats"]}
+    assert all(fewer[r["format"]] < r["max_positions"] for r in engine_only["formats"])
+    text = runner.invoke(main, ["fit", "--model", str(q8_dir), "--budget", "1MiB", "--whole-process"]).output
+    assert "is no more than what the process holds besides the engine" in text
+    text = runner.invoke(main, ["fit", "--config", str(q8_dir), "--whole-process"]).output
+    assert "give --model, not --config" in text
 
 
 def test_smollm2_below_its_weights_streams_token_identically(smollm2_gguf):
