@@ -70,7 +70,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
         from justfit.fit_ranks import format_ranks, ranks_report
 
         try:
-            report = ranks_report(engine, list(budgets))
+            report = {**ranks_report(engine, list(budgets)), "outside": outside}
         except ValueError as e:
             raise common.UserError(str(e)) from None
         click.echo(json.dumps(report, indent=2) if as_json else format_ranks(report))

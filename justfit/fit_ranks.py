@@ -37,4 +37,6 @@ def format_ranks(r: dict) -> str:
     ratio = r["max_positions"] / max(1, r["one_process_max_positions"])
     lines.append(f"the pipeline holds {r['max_positions']:,} positions (its smallest rank); one process at "
                  f"{r['ranks'][0]['budget'] / 2**20:.0f} MiB: {r['one_process_max_positions']:,} ({ratio:.2f}x)")
+    if r.get("outside"):  # --whole-process: the budgets shown are the engines' shares
+        lines.append(f"(each budget less the {r['outside'] / 2**20:.0f} MiB a process holds besides its engine)")
     return "\n".join(lines)

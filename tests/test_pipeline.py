@@ -121,6 +121,9 @@ def test_fit_plans_a_pipeline_per_rank_before_launching(smollm2_gguf):
     assert bad.exit_code != 0 and "at least one" in bad.output
     mixed = json.loads(CliRunner().invoke(fit, ["--budget", "600MiB,900MiB", "--ranks", "2", "--json"]).output)
     assert [r["budget"] for r in mixed["ranks"]] == [600 * 2**20, 900 * 2**20]
+    whole = CliRunner().invoke(fit, ["--budget", "600MiB,900MiB", "--ranks", "2", "--whole-process", "--json"])
+    shares = json.loads(whole.output)  # each rank's budget less what its process holds besides the engine
+    assert [r["budget"] + shares["outside"] for r in shares["ranks"]] == [600 * 2**20, 900 * 2**20]
     assert mixed["ranks"][1]["layers"][1] - mixed["ranks"][1]["layers"][0] > second["layers"][1] - second["layers"][0]
     wrong = CliRunner().invoke(fit, ["--budget", "600MiB,900MiB", "--ranks", "3"])
     assert wrong.exit_code != 0 and "one per rank" in wrong.output
