@@ -63,7 +63,7 @@ def load_dense(name: str, bits: int | str = "native"):
     from justfit import runtime
 
     runtime.setup()  # OpenBLAS before mlx.core
-    from justfit.gguf.convert import RequantOptions
+    from justfit.gguf.cache import RequantOptions
     from justfit.models import load
     from phaseswap import materialize_dense
 

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 import kvexec
 from justfit.config import EngineConfig
-from justfit.gguf.convert import RequantOptions, cache_root
+from justfit.gguf.cache import RequantOptions, cache_root
 from justfit.memory import trim_heap
 from justfit.models import LoadedModel, load, weight_files
 from justfit.planner import attention_shape

@@ -12,7 +12,8 @@ from typing import Any
 
 import mlx.nn as nn
 
-from justfit.gguf.convert import RequantOptions, UnsupportedModel, converted_path
+from justfit.gguf.cache import RequantOptions, UnsupportedModel, converted_path
+from justfit.tokenizer import GGUFTokenizer
 
 DEFAULT_MODEL = "smollm2"
 
@@ -50,7 +51,7 @@ class LoadedModel:
     """A loaded model: the module, its tokenizer and config, its name and its folder."""
 
     model: nn.Module
-    tokenizer: Any  # mlx_lm TokenizerWrapper
+    tokenizer: Any  # mlx-lm's TokenizerWrapper, or GGUFTokenizer (same interface as JustFit uses it)
     config: dict
     name: str
     path: Path | None  # the mlx-lm folder it was loaded from
@@ -85,17 +86,63 @@ def weight_files(path: Path | None) -> list[Path]:
 
 def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool = False) -> LoadedModel:
     """Load a model; `lazy` leaves the weights unread until first evaluated (PhaseSwap
-    then converts them one component at a time)."""
+    then converts them one component at a time). A folder JustFit converted from GGUF
+    loads without transformers (see `load_converted`); the rest through mlx-lm."""
+    target = resolve(spec, opts)
+    path = Path(target) if Path(str(target)).exists() else None
+    if path is not None and _light(path):
+        model, tokenizer, config = load_converted(path, lazy)
+        return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)
     from mlx_lm.utils import load as mlx_lm_load
 
-    target = resolve(spec, opts)
     try:
         model, tokenizer, config = mlx_lm_load(str(target), return_config=True, lazy=lazy)
     except ValueError as e:
         if "not supported" in str(e):
             raise UnsupportedModel(str(e)) from e
         raise
-    path = Path(target) if Path(str(target)).exists() else None
     if path is not None and not config:
         config = json.loads((path / "config.json").read_text())
     return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)
+
+
+def _light(folder: Path) -> bool:
+    """A folder justfit.gguf.convert wrote, whose chat template (if any) has no tool
+    calls: mlx-lm's wrapper brings the tool parsers for those."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") or ""
+    except (OSError, ValueError):
+        return False
+    return "justfit" in config and "tool" not in template
+
+
+def load_converted(folder: Path, lazy: bool = False) -> tuple[nn.Module, GGUFTokenizer, dict]:
+    """A converted GGUF folder's model, tokenizer and config, as mlx-lm's loader builds
+    them for the same folder (the module from mlx_lm.models, quantized per the config's
+    `quantization`), with justfit.tokenizer's tokenizer: no transformers imported."""
+    import mlx.core as mx
+
+    config = json.loads((folder / "config.json").read_text())
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    except ImportError as e:
+        raise UnsupportedModel(f"Model type {config['model_type']} not supported.") from e
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = mx.load(str(folder / "model.safetensors"))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if quant := config.get("quantization"):
+        def per_module(module_path: str, module: nn.Module):  # the converter's overrides, else the default
+            if module_path in quant:
+                return quant[module_path]
+            return hasattr(module, "to_quantized") and f"{module_path}.scales" in weights
+
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
+                    mode=quant.get("mode", "affine"), class_predicate=per_module)
+    model.eval()
+    model.load_weights(list(weights.items()))
+    if not lazy:
+        mx.eval(model.parameters())
+    eos = config.get("eos_token_id")
+    return model, GGUFTokenizer(folder, [eos] if isinstance(eos, int) else eos), config

@@ -4,8 +4,8 @@ A first-order model: resident weights + the largest working copy a PhaseSwap lea
 (a layer materialized dense, a streamed layer read from disk) + KV bytes per retained
 position (pages in their format, the hot window and sinks in full precision;
 sliding-window layers stop at their window) + the largest transient of one prefill
-chunk: attention scores over one KVExec block (over the whole context with mlx-lm's own
-cache), MLP activations, and the last position's logits.
+chunk or decode step: attention's (kvexec.attention.transient_bytes; scores over the
+whole context with mlx-lm's own cache), MLP activations, and the last position's logits.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
-from kvexec import KVConfig, ladder, page_bytes_per_token
+from kvexec import KVConfig, ladder, page_bytes_per_token, transient_bytes
 from kvexec.segments import allocated_positions
 from phaseswap.policy import default_policy, get_policy
 from phaseswap.predict import predict_resident_bytes, predict_working_bytes
@@ -52,6 +52,9 @@ class _Shape:
     block_tokens: int | None  # KVExec: keys per attention block; None: whole context
     retain: int | None  # KVExec retention: positions kept per layer
     heads: int
+    kv_heads: int
+    head_dim: int
+    observed: bool  # KVExec retention scores attention mass (the executor's unfolded path)
     hidden: int
     intermediate: int
     vocab: int
@@ -138,13 +141,15 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     rest = _layer_kv(s, held, s.rest_tokens)[1]
     # A sliding layer holds its window plus at most one chunk, one page and the hot window.
     kv += sum(sum(_layer_kv(s, min(positions, w + chunk + s.full_tokens), sliding=True)) for w in s.windows)
-    keys = positions if s.block_tokens is None else min(positions, s.block_tokens)
-    scores = chunk * s.heads * keys * 4 * 2  # scores and their exponentials
-    blocks = 0 if s.block_tokens is None else 2 * keys * s.kv_row
+    if s.block_tokens is None:  # mlx-lm's cache: scores and their exponentials over the whole context
+        attention = chunk * s.heads * positions * 4 * 2
+    else:  # KVExec: its prefill chunk's or a decode step's, whichever holds more
+        attention = max(transient_bytes(rows, positions, s.heads, s.kv_heads, s.head_dim, s.block_tokens,
+                                        s.observed) for rows in (chunk, 1))
     mlp = chunk * s.intermediate * 3 * s.act_bytes
     hidden = chunk * s.hidden * 4 * s.act_bytes
     logits = s.vocab * 4
-    transient = scores + blocks + mlp + hidden + logits
+    transient = attention + mlp + hidden + logits
     return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s,
                      int(s.full_layers * rest))
 
@@ -231,7 +236,8 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
     shape = _Shape(
         weights=weights, working=working, full_layers=full_layers, windows=tuple(windows), state_bytes=state_bytes,
         kv_row=kv_row, page_row=page_row, window_row=window_row, top_row=top_row, full_tokens=full_tokens, rest_tokens=rest_tokens, page_tokens=page, block_tokens=block, retain=retain,
-        heads=heads, hidden=hidden,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        observed=kv is not None and kv.max_positions is not None and kv.policy == "score", hidden=hidden,
         intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes,
     )

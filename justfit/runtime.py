@@ -6,7 +6,7 @@ called, by the three entry points: the `justfit` command (before it imports
 anything that loads `mlx.core`), the HTTP server (its engine thread included) and
 `Engine.__init__`. Calling it again changes nothing more.
 
-`setup()` does two things:
+`setup()` does three things:
 
 * OpenBLAS. The `mlx[cpu]` wheel links a reference BLAS; loading a system OpenBLAS
   with RTLD_GLOBAL *before* `mlx.core` is first imported makes MLX's CPU backend
@@ -19,12 +19,22 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
   on arrays other threads created, so every thread that calls `setup()` gets one
   shared stream as its default. Requests run one at a time (justfit/scheduler.py),
   so the stream is never used by two threads at once.
+* mlx-lm without its hub loader. mlx-lm's package `__init__` imports its loader,
+  which imports `transformers` (~46 MiB resident, a sixth of a 270 MiB SmolLM2 process)
+  for tokenizers JustFit's converted GGUF models do not use. When `mlx_lm` is not
+  imported yet, it is registered with its `__init__` deferred: `mlx_lm.models.*` load
+  alone, and the first name asked of the package itself (`mlx_lm.load`,
+  `from mlx_lm import generate`, `__version__`) runs the `__init__` then, so code
+  that uses mlx-lm whole still gets it whole. Once `mlx_lm` is loaded this is skipped.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import threading
+from types import ModuleType
 from dataclasses import dataclass
 
 import justfit.blas as blas
@@ -65,6 +75,7 @@ def setup() -> Runtime:
                 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
                 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
             openblas = blas.preload()  # must precede the first `import mlx.core`
+            defer_package_init("mlx_lm")
             import mlx.core as mx
 
             _runtime = Runtime(openblas, mx.new_thread_unsafe_stream(mx.default_device()))
@@ -74,6 +85,27 @@ def setup() -> Runtime:
     if mx.default_stream(mx.default_device()) != _runtime.exec_stream:
         mx.set_default_stream(_runtime.exec_stream)
     return _runtime
+
+
+def defer_package_init(name: str) -> ModuleType | None:
+    """Register package `name` (when not imported yet) with its `__init__` run only when
+    a name missing from it is first asked for: its submodules import without it. The
+    package, or None where it is already imported or not installed."""
+    if name in sys.modules:
+        return None
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or not spec.submodule_search_locations:
+        return None
+    package = importlib.util.module_from_spec(spec)
+
+    def complete(attr: str):
+        del package.__getattr__  # once: the `__init__` below defines the package's names
+        spec.loader.exec_module(package)
+        return getattr(package, attr)
+
+    package.__getattr__ = complete
+    sys.modules[name] = package
+    return package
 
 
 def current() -> Runtime | None:

@@ -34,7 +34,7 @@ class StateIO:
 def state_root(configured: str | None = None) -> Path:
     """The state directory: `configured`, else $JUSTFIT_STATE_DIR, else beside the
     model cache."""
-    from justfit.gguf.convert import cache_root
+    from justfit.gguf.cache import cache_root
 
     return Path(configured or os.environ.get("JUSTFIT_STATE_DIR") or cache_root().parent / "state")
 

@@ -5,10 +5,10 @@ Public API: `KVConfig`, `make_cache(model, config)`, `install(model)` (refuses, 
 `can_trim(cache, n)`, `pin(cache, n)` (retention keeps the prompt),
 `limit_pages(cache, bytes)` (pages step down `KVConfig.pressure` to stay within it),
 `page_formats(cache)`, `page_bytes_per_token(config, kv_heads, head_dim)`, `ladder(config, head_dim)`, the formats (`FORMATS`,
-`get_format`) and `blockwise_attention`.
+`get_format`), `blockwise_attention` and `transient_bytes` (what it holds beyond its inputs).
 """
 
-from kvexec.attention import Block, blockwise_attention
+from kvexec.attention import Block, blockwise_attention, transient_bytes
 from kvexec.cache import (PagedKVCache, SeamBypassed, can_trim, for_head_dim, limit_pages, make_cache, page_bytes_per_token,
                           page_formats, pin, trim)
 from kvexec.formats import FORMATS, KVFormat, get_format
@@ -19,4 +19,4 @@ from kvexec.store import PageStore
 
 __all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache", "SeamBypassed",
            "blockwise_attention", "can_trim", "for_head_dim", "get_format", "install", "ladder", "limit_pages",
-           "make_cache", "page_bytes_per_token", "page_formats", "pin", "trim"]
+           "make_cache", "page_bytes_per_token", "page_formats", "pin", "transient_bytes", "trim"]

@@ -260,3 +260,25 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
     if True in sums:  # one rotation back for every rotated block (a linear map)
         out = unrotate(sums[True]) if out is None else out + unrotate(sums[True])
     return out.reshape(B, H, L, D).astype(queries.dtype)
+
+
+def transient_bytes(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, block_tokens: int,
+                    observed: bool = False) -> int:
+    """The most `blockwise_attention` holds beyond its queries and result for `rows` query
+    positions over `context` keys in blocks of up to `block_tokens`, per path: few rows
+    over few scores, every block's scores, their concatenation and softmax at once
+    (the two-pass path); otherwise one block at a time, decoded to float32 (pieces and
+    their concatenation) beside the running state, with either the native fold's keys
+    transposed (CPU with the native kernel, head_dim a multiple of 16, no attention mass
+    `observed`: scores stay in tiles of a few KiB) or the block's scores and exponentials."""
+    rep = heads // kv_heads
+    if rep * rows <= DIRECT_ROWS and heads * rows * context <= TWO_PASS_SCORES:
+        return 3 * heads * rows * context * 4
+    keys = min(context, block_tokens)
+    decoded = 2 * 2 * keys * kv_heads * head_dim * 4
+    state = 2 * heads * rows * (head_dim + 2) * 4  # accumulator, max and sum: before and after a block
+    native = rows_kernel()
+    folds = not observed and head_dim % 16 == 0 and native is not None and hasattr(native, "attention_fold")
+    if folds and rep * rows > DIRECT_ROWS:
+        return decoded + state + keys * kv_heads * head_dim * 4
+    return decoded + state + 2 * heads * rows * keys * 4

@@ -11,7 +11,7 @@ import io
 import mlx.core as mx
 import pytest
 
-from kvexec import KVConfig, PageStore, blockwise_attention
+from kvexec import KVConfig, PageStore, blockwise_attention, transient_bytes
 from phaseswap import native
 
 pytestmark = pytest.mark.skipif(not native.available() or not hasattr(native.kernels(), "attention_fold"),
@@ -80,3 +80,29 @@ def test_prefill_attention_takes_the_fold(window, fmt, monkeypatch):
     assert "JustFitAttentionFold" in dot.getvalue() and "JustFitSoftmaxStep" not in dot.getvalue()
     monkeypatch.delattr(native.kernels(), "attention_fold")
     assert mx.allclose(folded, blockwise_attention(*args, block_tokens=512), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_the_planner_counts_what_prefill_attention_holds(fold, monkeypatch):
+    # SmolLM2's shape: a 128-row chunk after 4,096 positions in q8c pages, 2,048-key blocks
+    if not fold:
+        monkeypatch.delattr(native.kernels(), "attention_fold")
+    store = PageStore(KVConfig(format="q8c"), None)
+    for seed in range(2):
+        k1, k2 = mx.random.split(mx.random.key(seed))
+        store.append(mx.random.normal((1, 3, 2048, 64), key=k1), mx.random.normal((1, 3, 2048, 64), key=k2))
+    q = mx.random.normal((1, 9, 128, 64), key=mx.random.key(7))
+    blocks = list(store.blocks())
+    mx.eval(q, *[a for b in blocks for a in (*b.keys.values(), *b.values.values())])
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = blockwise_attention(q, blocks, store.offset - 128, 0.125, block_tokens=2048)
+    mx.eval(out)
+    held = mx.get_peak_memory() - before - out.nbytes - q.nbytes  # less the result and the scaled queries
+    counted = transient_bytes(128, store.offset, 9, 3, 64, 2048)
+    assert 0 < held <= counted
+    assert counted < (4 if fold else 2) * held  # and not far above it
+    if fold:  # the block's scores never exist whole: a third of what the unfolded path holds
+        monkeypatch.delattr(native.kernels(), "attention_fold")
+        assert 3 * counted < transient_bytes(128, store.offset, 9, 3, 64, 2048)

@@ -10,7 +10,8 @@ from gguf.quants import dequantize
 
 from mlx.utils import tree_flatten
 
-from justfit.gguf.convert import RequantOptions, UnsupportedModel, convert, converted_path
+from justfit.gguf.cache import RequantOptions, UnsupportedModel, converted_path
+from justfit.gguf.convert import convert
 from justfit.gguf.blocks import pack
 from justfit.gguf.file import read_gguf
 from justfit.models import load

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from bench.parity import LICENSE, greedy_matches, license_perplexity
-from justfit.gguf.convert import RequantOptions
+from justfit.gguf.cache import RequantOptions
 from justfit.models import load
 from phaseswap import materialize_dense
 

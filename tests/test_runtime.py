@@ -52,7 +52,8 @@ rng_kept = mlx_first and mx.random.state[0].tolist() == key
 print(json.dumps({"facts": facts(), "modules": names, "rng_kept": rng_kept}))
 """
 
-PRISTINE = FACTS + "import json\nprint(json.dumps({'facts': facts()}))\n"
+# mlx-lm's own import writes TRANSFORMERS_NO_ADVISORY_WARNINGS: its change, not JustFit's.
+PRISTINE = FACTS + "import json, mlx_lm\nprint(json.dumps({'facts': facts()}))\n"
 
 
 def _run(code: str, *args: str) -> dict:
@@ -172,3 +173,24 @@ def test_phaseswap_hooks_with_its_own_classes(tiny_llama_dir):
     assert layer.__dict__["_phaseswap"][0] is second and first is not second
     tokens = mx.array([[1, 2, 3, 4]])
     mx.eval(model(tokens))  # runs through the second swap's hooks
+
+
+def test_setup_defers_mlx_lms_init_until_the_package_is_asked_for_a_name():
+    code = r"""
+import json, sys
+from justfit import runtime
+runtime.setup()
+from justfit.models import load
+loaded = load("smollm2")  # the converted GGUF: mlx-lm's model code, JustFit's tokenizer
+light = "transformers" not in sys.modules and "mlx_lm.tokenizer_utils" not in sys.modules
+ids = loaded.tokenizer.encode("hello")
+import mlx_lm
+from mlx_lm import load as stock_load, stream_generate  # the package's own names, as without setup()
+print(json.dumps({"light": light, "ids": ids, "version": mlx_lm.__version__, "load": stock_load.__module__,
+                  "stream_generate": callable(stream_generate), "transformers": "transformers" in sys.modules}))
+"""
+    out = _run(code)
+    assert out["light"] and out["ids"]
+    assert out["version"] and out["load"] == "mlx_lm.utils" and out["stream_generate"] and out["transformers"]
+    already = runtime.defer_package_init("json")  # imported: left as it is
+    assert already is None and runtime.defer_package_init("no_such_package_here") is None

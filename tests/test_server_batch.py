@@ -115,14 +115,15 @@ def test_a_disconnected_client_leaves_the_batch(engine):
     engine.reset()
 
 
-def test_under_a_budget_for_two_four_clients_get_their_replies_with_preemption(tiny_llama_dir, tmp_path):
+def test_four_clients_outgrowing_the_budget_get_their_replies_with_preemption(tiny_llama_dir, tmp_path):
     prompts = [" ".join(f"w{i}{j}" for j in range(40)) for i in range(4)]
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=1 << 30, prefill_chunk=32,
                                                              state_dir=str(tmp_path)))
     longest = max(len(engine.encode(p)) for p in prompts) + 48
     assert longest < 400
-    one = engine.footprint(longest)
-    engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
+    one, early = engine.footprint(longest), engine.footprint(longest - 40)
+    # three join while their replies are short, and no longer fit together as they grow
+    engine.set_budget(one.weights + one.working + one.transient + 3 * early.kv + one.reserve)
     bodies = [{**_completion(p, 48), "ignore_eos": True} for p in prompts]
     expected = _one_at_a_time(engine, bodies)
     live = LiveServer(engine, max_batch=4)

@@ -132,7 +132,7 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
     engine = Engine(str(tiny_llama_dir), budget=budget, config=EngineConfig(
         kv=SMALL_PAGES, prefill_chunk=16, policy="cpu", state_dir=str(tmp_path / "tiers")))
     convo, sources = {"a": [], "b": []}, []
-    for turn in range(4):
+    for turn in range(5):
         for name in convo:
             tokens = convo[name] + _words(50, ord(name) * 10 + turn)
             got = _run(engine, tokens, session=name)

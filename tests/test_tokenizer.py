@@ -84,3 +84,71 @@ def test_real_tokenizers_round_trip_a_document(name, request):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert 2000 < len(ids) < 6000
     assert tokenizer.decode(ids) == text
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again, é 🚀"}]
+TEXTS = ["Hello world", " leading space", "émojis 🚀🦀 and 中文\n\n  tabs\t", "<|im_start|>user\nhi<|im_end|>",
+         "<bos>x<eos> 12345 + 678"]
+
+
+@pytest.mark.parametrize("name", ["smollm2_gguf", "gemma3_gguf"])
+def test_converted_models_load_without_transformers_as_mlx_lm_loads_them(name, request):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from justfit.chat_template import FALLBACK_TEMPLATE
+    from justfit.models import resolve
+    from justfit.tokenizer import GGUFTokenizer
+
+    ours = load(str(request.getfixturevalue(name)))
+    model, theirs, _ = mlx_lm_load(str(resolve(str(request.getfixturevalue(name)))), return_config=True)
+    assert isinstance(ours.tokenizer, GGUFTokenizer)
+    mine, stock = dict(tree_flatten(ours.model.parameters())), dict(tree_flatten(model.parameters()))
+    assert mine.keys() == stock.keys()
+    assert all(mine[k].dtype == stock[k].dtype and mx.array_equal(mine[k], stock[k]).item() for k in mine)
+    tok = ours.tokenizer
+    assert (tok.eos_token_ids, tok.bos_token_id, len(tok.vocab)) == \
+        (theirs.eos_token_ids, theirs.bos_token_id, len(theirs.vocab))
+    for text in TEXTS:
+        for special in (True, False):
+            assert tok.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+        ids = tok.encode(text)
+        assert tok.decode(ids) == theirs.decode(ids)
+        stream, shown = tok.detokenizer, ""
+        for i in ids:  # streamed a token at a time, the text is the whole decode's
+            stream.add_token(i)
+            shown += stream.last_segment
+        stream.finalize()
+        assert shown + stream.last_segment == tok.decode(ids)
+    for template in filter(None, (tok.chat_template, FALLBACK_TEMPLATE)):
+        rendered = theirs.apply_chat_template(MESSAGES, chat_template=template, add_generation_prompt=True)
+        assert tok.apply_chat_template(MESSAGES, chat_template=template, add_generation_prompt=True) == \
+            list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+
+
+def test_a_character_split_across_tokens_streams_whole(smollm2_gguf):
+    tok = load(str(smollm2_gguf)).tokenizer
+    ids = tok.encode("🦀", add_special_tokens=False)
+    assert len(ids) > 1  # byte-level pieces
+    stream = tok.detokenizer
+    pieces = []
+    for i in ids:
+        stream.add_token(i)
+        pieces.append(stream.last_segment)
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🦀"
+    stream.reset()
+    stream.add_token(ids[0])  # the reply ends inside the character: finalize lets out what there is
+    stream.finalize()
+    assert stream.last_segment == tok.decode(ids[:1])
+
+
+def test_a_template_cannot_reach_python_internals(smollm2_gguf):
+    from jinja2.exceptions import SecurityError
+
+    tok = load(str(smollm2_gguf)).tokenizer
+    with pytest.raises(SecurityError):
+        tok.apply_chat_template(MESSAGES, chat_template="{{ messages.__class__.__mro__ }}", tokenize=False)
+    with pytest.raises(Exception, match="no tools here"):
+        tok.apply_chat_template(MESSAGES, chat_template="{{ raise_exception('no tools here') }}", tokenize=False)

@@ -14,12 +14,11 @@ Precision (`RequantOptions.bits`):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,32 +27,12 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from justfit.gguf.blocks import EXACT_TYPES, GROUP, to_mlx_affine
+from justfit.gguf.cache import CONVERTER_VERSION, RequantOptions, UnsupportedModel
 from justfit.gguf.file import GGUFTensor, read_gguf
 from justfit.gguf.tokenizer import build_tokenizer, tokenizer_config
 
-CONVERTER_VERSION = 3
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 _NATIVE = (QT.Q4_0, QT.Q4_1, QT.Q8_0)  # what mx.load reads natively
-
-
-class UnsupportedModel(ValueError):
-    """A model this program cannot convert or load (an architecture or feature not supported)."""
-    pass
-
-
-@dataclass(frozen=True)
-class RequantOptions:
-    """How a GGUF file's weights are converted (see the module doc)."""
-
-    bits: int | str = "native"  # "native", "exact", or re-quantize at 2, 3, 4, 5, 6, 8
-    embed_bits: int = 8
-
-    def __post_init__(self) -> None:
-        if self.bits not in ("exact", "native") and int(self.bits) not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(
-                f"GGUF re-quantization bits must be 2-6, 8, 'native' or 'exact', not {self.bits!r}")
-        if self.embed_bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"embedding bits must be 2-6 or 8, not {self.embed_bits!r}")
 
 
 # GGUF tensor suffix -> mlx-lm module path (per layer unless global).
@@ -243,31 +222,3 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, opts: Requ
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def cache_key(gguf_path: str | os.PathLike, opts: RequantOptions) -> str:
-    """Changes when the source file, the converter or the options change."""
-    st = os.stat(gguf_path)
-    h = hashlib.sha256()
-    h.update(json.dumps([os.path.abspath(gguf_path), st.st_size, st.st_mtime_ns,
-                         CONVERTER_VERSION, asdict(opts)]).encode())
-    with open(gguf_path, "rb") as f:  # content guard against same-size, same-mtime edits
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """The converted-model cache: models/ under $JUSTFIT_CACHE, else under the user cache's justfit/."""
-    base = os.environ.get("JUSTFIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "justfit")
-    return Path(base) / "models"
-
-
-def converted_path(gguf_path: str | os.PathLike, opts: RequantOptions | None = None) -> Path:
-    """The cached mlx-lm folder for this GGUF, converting it on first use."""
-    opts = opts or RequantOptions()
-    stem = Path(gguf_path).name.removesuffix(".gguf")
-    out = cache_root() / f"{stem}-{cache_key(gguf_path, opts)}"
-    if not (out / "config.json").exists():
-        convert(gguf_path, out, opts)
-    return out
