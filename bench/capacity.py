@@ -23,9 +23,9 @@ budget gives every budget's figure (each edge refined in its own run).
 
 Systems: mlx-lm (defaults), mlx-lm-tuned (prefill_step_size 512, 8-bit KV in groups of
 64 from the first token, mx.set_cache_limit(0); sliding-window layers float16, as mlx-lm
-allows), mlx-lm-kv4 (tuned, 4-bit), llama.cpp-q8_0 / llama.cpp-q4_0 (llama-bench from
-`--llama-cpp DIR`, flash attention, -ctk/-ctv, the same GGUF, whole-process peak RSS,
-n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-calibrated
+allows), mlx-lm-kv4 (tuned, 4-bit), llama.cpp (its defaults: float16 KV, flash attention
+as it decides) / llama.cpp-q8_0 / llama.cpp-q4_0 (from `--llama-cpp DIR`, flash attention,
+-ctk/-ctv, the same GGUF, whole-process peak RSS, n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-calibrated
 (the CLI's default pages, calibrated per model, ladder off), justfit-default (the CLI's
 defaults: calibrated pages stepping down the ladder as the budget tightens), justfit-compact (the
 fewest bytes per position), justfit-retention (at most `--retain` positions kept); any
@@ -43,7 +43,7 @@ import os
 import subprocess
 import sys
 
-SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
+SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
            "justfit-calibrated", "justfit-default", "justfit-compact", "justfit-retention")
 QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120, "repeats": 1,
          "fidelity_tokens": 0}

@@ -1,6 +1,6 @@
 """llama.cpp on the same GGUF: its speed through `llama-bench`, and its capacity
-(whole-process peak RSS of `llama-bench` at a stepped context, flash attention on,
-the KV cache in q8_0 or q4_0 via -ctk/-ctv). Binaries come from `--llama-cpp DIR`
+(whole-process peak RSS at a stepped context: as its users run it, float16 KV with flash
+attention as it decides, and the KV cache in q8_0 or q4_0 via -ctk/-ctv, flash attention on). Binaries come from `--llama-cpp DIR`
 (e.g. built from the llama.cpp tree vendored in the llama-cpp-python sdist); a
 missing binary gives an error row, never a dropped one."""
 
@@ -13,10 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
-CACHE_TYPES = {"llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
-# Speed rows: llama.cpp as its users run it (float16 KV, flash attention as it decides),
-# then the quantized KV it needs to hold long contexts (flash attention on).
-SPEED_KV = {"llama.cpp": "f16", **CACHE_TYPES}
+# llama.cpp as its users run it (float16 KV, flash attention as it decides), then the
+# quantized KV it needs to hold long contexts (flash attention on): speed and capacity rows.
+CACHE_TYPES = {"llama.cpp": "f16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
+SPEED_KV = CACHE_TYPES
 
 
 def binary(llama_cpp: str, name: str = "llama-bench") -> str:
@@ -127,7 +127,8 @@ def peak_rss(cmd: list[str], timeout: float) -> tuple[int, int, str]:
 
 
 def _completion_cmd(exe: str, gguf: str, n_ctx: int, cache_type: str) -> list[str]:
-    return [exe, "-m", gguf, "-c", str(n_ctx), "-n", "4", "-p", "Hello", "-no-cnv", "-fa", "on", "-fit", "off",
+    flash = "auto" if cache_type == "f16" else "on"  # a quantized V cache needs flash attention
+    return [exe, "-m", gguf, "-c", str(n_ctx), "-n", "4", "-p", "Hello", "-no-cnv", "-fa", flash, "-fit", "off",
             "-ctk", cache_type, "-ctv", cache_type, "-t", str(os.cpu_count() or 1), "--temp", "0"]
 
 

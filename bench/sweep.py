@@ -9,7 +9,7 @@ PRESETS = {
     "smollm2": "400,550,800,1100,1600MiB",
     "gemma3": "1100,1300,1600,2000,2400MiB",  # JustFit's load alone peaked at 970 MiB (capacity-20261130-112641)
 }
-BASELINES = ("mlx-lm", "mlx-lm-tuned", "llama.cpp-q8_0")
+BASELINES = ("mlx-lm", "mlx-lm-tuned", "llama.cpp", "llama.cpp-q8_0")
 
 
 def parse_budgets(spec: str, model: str) -> list[str]:

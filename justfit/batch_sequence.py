@@ -108,7 +108,7 @@ class Sequence:
         size = self.plan.shape.chunk if limit is None else max(1, min(limit, self.plan.shape.chunk))
         piece = self.tokens[done:done + size]
         last = done + len(piece) == len(self.tokens)
-        with e.swap.phase("prefill") as phase:
+        with e.swap.phase("prefill", dense=self.plan.shape.dense_prefill) as phase:
             if last:  # the head runs on the prompt's last position only, as the planner counts
                 logits = prefill(e.model, piece, self.cache, chunk=len(piece))
             else:

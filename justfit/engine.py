@@ -151,21 +151,23 @@ class Engine:
 
     def _footprint(self, positions: int, weights: int | None, working: int,
                    kv: KVConfig | None | str = "engine", chunk: int | None = None,
-                   pressed: bool = False) -> Footprint:
+                   pressed: bool = False, dense_prefill: bool = True) -> Footprint:
         return footprint(self.model, self.model_config, positions, chunk or self.config.prefill_chunk,
                          self.config.kv if kv == "engine" else kv, weights, working,
-                         4 if self.policy.fp32 else 2, pressed)
+                         4 if self.policy.fp32 else 2, pressed, dense_prefill)
 
     def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
                   kv: KVConfig | None | str = "engine", chunk: int | None = None,
-                  pressed: bool = False) -> Footprint:
+                  pressed: bool = False, dense_prefill: bool = True) -> Footprint:
         """Memory for `positions` retained positions with `offloaded` components on disk,
         prefilled `chunk` tokens at a time (default: the configured chunk); `kv`
         another KV configuration (None: mlx-lm's own cache) for comparisons; `pressed`:
-        with pages stepped down to the last format of the pressure ladder."""
+        with pages stepped down to the last format of the pressure ladder;
+        `dense_prefill` False: prefill on the resident forms, no dense working copy."""
         reg = self.swap.registry
         weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in offloaded)
-        return self._footprint(positions, weights, self.swap.working_bytes(offloaded), kv, chunk, pressed)
+        return self._footprint(positions, weights, self.swap.working_bytes(offloaded, dense_prefill), kv, chunk,
+                               pressed, dense_prefill)
 
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """Components on disk and the footprint that fit `positions` (justfit.budget.plan)."""

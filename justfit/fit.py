@@ -25,14 +25,16 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     if base is not None and base.layer_formats:  # the engine's calibrated per-layer formats
         choices.append((_kv_label(base), base))
     for name, kv in [*choices, ("mlx-lm", None)]:
-        # Capacities at the smallest prefill chunk the planner would take under pressure.
-        probe = engine.footprint(1, kv=kv, chunk=MIN_PREFILL_CHUNK)
+        # Capacities at the smallest prefill the planner would take under pressure (the
+        # smallest chunk, on the resident forms).
+        probe = engine.footprint(1, kv=kv, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
         rows.append({
             "format": name,
             "bytes_per_position": probe.shape.bytes_per_position,
             "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
-            "max_positions_offloaded": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK).max_positions(budget),
+            "max_positions_offloaded": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK,
+                                                        dense_prefill=False).max_positions(budget),
         })
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
@@ -49,8 +51,8 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     steps = [f.label for f in ladder(base, head_dim, _first_full_layer(engine.model))] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
-                              "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK,
-                                                                pressed=True).max_positions(budget)}
+                              "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK, pressed=True,
+                                                                dense_prefill=False).max_positions(budget)}
     if context is not None:
         saved = engine.config
         engine.config = replace(saved, budget_bytes=budget)  # planned under the budget asked about

@@ -16,7 +16,7 @@ def ranks_report(engine, budgets: list[int], split=None) -> dict:
     kinds = layer_facts(engine.model)[0]
     layer_bytes = [reg.components[f"layer.{i}"].nbytes for i in range(len(kinds))]
     shared = reg.total_bytes() - sum(layer_bytes)  # embedding and head: rank 0's
-    whole = engine.footprint(1, chunk=MIN_PREFILL_CHUNK)
+    whole = engine.footprint(1, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
     split = split or plan_split(whole, kinds, layer_bytes, shared, budgets)  # as the ranks split (pipeline.attach)
     ranks = []
     for r, budget in enumerate(budgets):

@@ -60,6 +60,7 @@ class _Shape:
     vocab: int
     chunk: int
     act_bytes: int
+    dense_prefill: bool = True  # prefill on dense working copies (`working`), else on the resident forms
 
     @property
     def bytes_per_position(self) -> float:
@@ -189,11 +190,13 @@ def cache_layout(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...
 
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
-              act_bytes: int | None = None, pressed: bool = False) -> Footprint:
+              act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
     largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
-    pages stepped down to the last format of KVExec's pressure ladder."""
+    pages stepped down to the last format of KVExec's pressure ladder; `dense_prefill`
+    False: prefill runs on the resident forms (the plan carries it; `working` then
+    counts no dense copy)."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -204,13 +207,14 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
-                            window_layers=window_layers)
+                            window_layers=window_layers, dense_prefill=dense_prefill)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
                      kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int, weights: int,
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
-                     pressed: bool = False, window_layers: tuple[int, ...] = ()) -> Footprint:
+                     pressed: bool = False, window_layers: tuple[int, ...] = (),
+                     dense_prefill: bool = True) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
@@ -239,7 +243,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         observed=kv is not None and kv.max_positions is not None and kv.policy == "score", hidden=hidden,
         intermediate=intermediate, vocab=vocab,
-        chunk=chunk, act_bytes=act_bytes,
+        chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill,
     )
     return _estimate(shape, positions)
 

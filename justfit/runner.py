@@ -47,7 +47,8 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
     rng = new_rng(sp.seed) if sp.seed is not None else (reuse.sampler or new_rng())
     try:
-        yield from _run(engine, tokens, cache, held, rng, sp, stats, progress, request.shape.chunk)
+        yield from _run(engine, tokens, cache, held, rng, sp, stats, progress, request.shape.chunk,
+                        request.shape.dense_prefill)
     finally:
         # Also on cancel or error: what was computed is stored, once evaluated
         # (StateTiers.put), unless an interrupt left the cache and tokens apart.
@@ -65,7 +66,7 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
 
 
 def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
-         stats: GenerationStats, progress: ProgressFn | None, chunk: int) -> Iterator[Chunk]:
+         stats: GenerationStats, progress: ProgressFn | None, chunk: int, dense_prefill: bool) -> Iterator[Chunk]:
     cached = len(held)
     if engine.config.kv is None or engine.config.kv.pin_prompt:
         kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
@@ -77,7 +78,7 @@ def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: d
         yield Chunk("", finish_reason="length", stats=stats)
         return
     wrapped = (lambda done, total: progress(cached + done, len(tokens))) if progress else None
-    with engine.swap.phase("prefill") as phase:
+    with engine.swap.phase("prefill", dense=dense_prefill) as phase:
         stats.phases.append(phase)
         stats.prefill_chunk = chunk
         logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record)

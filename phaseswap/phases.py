@@ -107,9 +107,10 @@ class PhaseSwap:
         return out
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[PhaseStats]:
-        """Run the block as phase `name` ("prefill" or "decode")."""
-        self._forms = dict(self.prefill_forms) if name == "prefill" else {}
+    def phase(self, name: str, dense: bool = True) -> Iterator[PhaseStats]:
+        """Run the block as phase `name` ("prefill" or "decode"); `dense` False: prefill
+        on the resident forms too (no dense working copy: what a tight budget's plan asks)."""
+        self._forms = dict(self.prefill_forms) if name == "prefill" and dense else {}
         stats = PhaseStats(name=name)
         before = self.registry.counters.snapshot()
         mx.reset_peak_memory()
@@ -146,12 +147,13 @@ class PhaseSwap:
         layers, then the head. The embedding stays (a lookup reads a few rows)."""
         return self.registry.layers[::-1] + (["head"] if "head" in self.registry.components else [])
 
-    def working_bytes(self, offloaded: tuple[str, ...] | list[str] = ()) -> int:
-        """Largest transient a lease adds: a dense working copy, an offloaded component."""
+    def working_bytes(self, offloaded: tuple[str, ...] | list[str] = (), dense: bool = True) -> int:
+        """Largest transient a lease adds: a dense working copy (unless prefill runs on the
+        resident forms, `dense` False), an offloaded component."""
         worst = 0
         for name, comp in self.registry.components.items():
-            dense = comp.dense_nbytes if self.prefill_forms.get(name) == "dense" else 0
-            worst = max(worst, dense + (comp.nbytes if name in offloaded else 0))
+            dense_copy = comp.dense_nbytes if dense and self.prefill_forms.get(name) == "dense" else 0
+            worst = max(worst, dense_copy + (comp.nbytes if name in offloaded else 0))
         return worst
 
 

@@ -21,7 +21,7 @@ def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, mon
     assert set(rows) == set(SYSTEMS) and result["headline"][0]["budget_mib"] == 4096
     for name in ("mlx-lm-tuned", "mlx-lm-kv4"):  # mlx-lm's 64-value groups do not fit head_dim 16
         assert "divisible" in rows.pop(name)["error"]
-    for name in ("llama.cpp-q8_0", "llama.cpp-q4_0"):  # no --llama-cpp: an error row, never dropped
+    for name in ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"):  # no --llama-cpp: an error row, never dropped
         assert "no llama-completion" in rows.pop(name)["error"]
     for r in rows.values():
         assert r["positions"] == 288 and r["limited"] and r["peak_mib"] < 4096  # 4 steps of 64 + 8

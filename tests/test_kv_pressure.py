@@ -132,8 +132,9 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     positions = len(prompt) + sp.max_tokens
     probe = Engine(str(tiny_gemma3_dir), config=EngineConfig(**config))
-    wide = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK).total
-    narrow = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK, pressed=True).total
+    # at the smallest prefill (chunk, resident forms): only stepping pages down is left
+    wide = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False).total
+    narrow = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK, pressed=True, dense_prefill=False).total
     assert narrow < wide
     list(probe.generate(prompt, sp))
     assert set(probe.last_stats.kv_formats) == {"q8c"}  # no budget: pages keep their format
@@ -150,7 +151,7 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     grown = [c.store for c in paged if isinstance(c, kvexec.PagedKVCache) and c.store.window is None]
     assert grown and all(s.page_bytes() <= s.page_limit for s in grown)
     # the planner's capacity at this budget counts the ladder's last step
-    wide_cap = engine.footprint(positions, chunk=fp.shape.chunk).max_positions(budget)
+    wide_cap = engine.footprint(positions, chunk=fp.shape.chunk, dense_prefill=fp.shape.dense_prefill).max_positions(budget)
     assert fp.max_positions(budget) > wide_cap
 
 

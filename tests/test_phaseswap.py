@@ -137,7 +137,7 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
     expected = [c.token for c in free.generate("stream me please", sp)]
     weights = free.swap.registry.total_bytes()
     positions = len(free.encode("stream me please")) + 6
-    budget = free.footprint(positions).total - weights // 2  # half the weights must live on disk
+    budget = free.footprint(positions, dense_prefill=False).total - weights // 2  # half the weights must live on disk
     del free
     others = _settled_active()  # MLX memory is per process: earlier tests' arrays count too
     tight = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))  # free's weights
@@ -156,7 +156,8 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
     weights = free.swap.registry.total_bytes()
     prompt = "x " * 200
     positions = len(free.encode(prompt)) + 50
-    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK).total - 1024  # just short, every weight resident
+    # just short, every weight resident and prefill on them (no dense working copy)
+    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False).total - 1024
     del free
     resident = EngineConfig(policy="cpu", stream_weights=False)
     with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
@@ -171,6 +172,25 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
         list(eng.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     assert 0 < err.value.fits_positions < positions and eng.swap.offloaded == ()
     assert list(eng.generate("hi", SamplingParams(temperature=0, max_tokens=1)))  # what fits still runs
+
+
+def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
+    prompt, sp = "x " * 200, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
+    want = [c.token for c in free.generate(prompt, sp) if c.token is not None]
+    assert any(p.materialized_bytes for p in free.last_stats.phases)  # dense working copies, unconstrained
+    positions = len(free.encode(prompt)) + 20
+    dense = free.footprint(positions, chunk=MIN_PREFILL_CHUNK)
+    resident = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
+    assert resident.working == 0 < dense.working
+    del free
+    eng = Engine(str(q8_dir), budget=(dense.total + resident.total) // 2, config=EngineConfig(policy="cpu"))
+    offloaded, fp = eng.plan(positions)
+    assert offloaded == () and not fp.shape.dense_prefill and fp.shape.chunk == MIN_PREFILL_CHUNK
+    got = [c.token for c in eng.generate(prompt, sp) if c.token is not None]
+    assert got == want and eng.last_stats.prefill_chunk == MIN_PREFILL_CHUNK
+    assert not any(p.materialized_bytes or p.disk_loads for p in eng.last_stats.phases)  # nothing made or read
 
 
 def test_refused_when_even_offloading_cannot_fit(q8_dir):

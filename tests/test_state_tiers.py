@@ -143,7 +143,7 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
             convo[name] = engine.cached_tokens
             idle = budget - engine.footprint(1, engine.swap.offloaded).total
             assert engine.states.memory_bytes <= idle
-    assert sources[-2:] == ["disk", "disk"]  # once both no longer fit, each turn swaps
+    assert sources.count("disk") >= 2 and sources[0] == "memory"  # once both no longer fit, turns swap
     held = sum(len(t) for t in convo.values())
     assert held > 1.5 * positions > max(len(t) for t in convo.values())
     assert engine.footprint(held).total > budget  # both at once would not fit

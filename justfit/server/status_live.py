@@ -131,7 +131,8 @@ class LiveStatus:
                 if name is not None and not get_format(name).supports_head_dim(head_dim):
                     continue
                 kv = None if name is None else replace(base or KVConfig(), format=name, layer_formats=())
-                fp = engine.footprint(1, tuple(engine.swap.offloaded), kv=kv, chunk=MIN_PREFILL_CHUNK)
+                fp = engine.footprint(1, tuple(engine.swap.offloaded), kv=kv, chunk=MIN_PREFILL_CHUNK,
+                                      dense_prefill=False)
                 rows.append({"format": name or "mlx-lm", "max_positions": fp.max_positions(budget),
                              "in_use": name == (base.format if base else None)})
             self._capacity = (key, rows)
