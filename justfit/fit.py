@@ -66,7 +66,8 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
             "offloaded": list(offloaded), "footprint": fp.as_dict(),
             "pages": f"stepped down as needed, to {steps[-1]} at most" if fp.shape.page_row < fp.shape.top_row
             else f"kept in {_kv_label(base)}" if base else "mlx-lm's cache",
-            "prefill": _forms(swap.prefill_forms), "prefill_chunk": fp.shape.chunk,
+            "prefill": _forms(swap.prefill_forms) if fp.shape.dense_prefill else
+            "on the resident weights (no dense working copy: the budget is tight)", "prefill_chunk": fp.shape.chunk,
             "decode": f"resident {reg.resident_form}",
         }
     return report
@@ -109,7 +110,8 @@ def format_fit(r: dict) -> str:
     ]
     lines += format_rows(r, "(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
                             "transient at the trained context and the configured chunk; max positions at the "
-                            "smallest chunk; positions past the trained context need a model that extrapolates)")
+                            "smallest chunk, prefill on the resident weights; positions past the trained context "
+                            "need a model that extrapolates)")
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]
