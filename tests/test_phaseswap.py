@@ -183,7 +183,7 @@ def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, 
     positions = len(free.encode(prompt)) + 20
     dense = free.footprint(positions, chunk=MIN_PREFILL_CHUNK)
     resident = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
-    assert resident.working == 0 < dense.working
+    assert resident.working < dense.working  # what the products dequantize, not a whole layer
     del free
     eng = Engine(str(q8_dir), budget=(dense.total + resident.total) // 2, config=EngineConfig(policy="cpu"))
     offloaded, fp = eng.plan(positions)
