@@ -140,11 +140,9 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
                 "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
 
     kv = engine.config.kv
-    from justfit.planner import MIN_PREFILL_CHUNK
-
     # what the planner says this budget holds (at its smallest prefill, pages stepping down
     # where the ladder is on): a prediction beside the measurement, never in its place
-    planner = engine.footprint(1, chunk=MIN_PREFILL_CHUNK, pressed=bool(kv.pressure), dense_prefill=False)
+    planner = engine.edge_footprint(pressed=bool(kv.pressure))
     planned = planner.max_positions(engine.config.budget_bytes)
     facts = {"trained_context": engine.model_config.get("max_position_embeddings"), "planned_positions": planned,
              "weights_bytes": planner.weights,

@@ -16,7 +16,6 @@ from pathlib import Path
 # llama.cpp as its users run it (float16 KV, flash attention as it decides), then the
 # quantized KV it needs to hold long contexts (flash attention on): speed and capacity rows.
 CACHE_TYPES = {"llama.cpp": "f16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
-SPEED_KV = CACHE_TYPES
 
 
 def binary(llama_cpp: str, name: str = "llama-bench") -> str:
@@ -46,7 +45,7 @@ def _rate(exe: str, gguf: str, cache_type: str, repeat: int, prompt: int, decode
 
 
 def llama_bench(llama_cpp: str, model: str, contexts: list[int], decode: int, repeat: int,
-                systems: tuple[str, ...] = tuple(SPEED_KV)) -> list[dict]:
+                systems: tuple[str, ...] = tuple(CACHE_TYPES)) -> list[dict]:
     """One row per system and context: prompt processing of `context` tokens, and
     generation of `decode` tokens after `context` already held (llama-bench's depth:
     the decode figure is at the same context as JustFit's), or an error row."""
@@ -54,7 +53,7 @@ def llama_bench(llama_cpp: str, model: str, contexts: list[int], decode: int, re
     rows = []
     for system in systems:
         for context in contexts:
-            kv = SPEED_KV[system]
+            kv = CACHE_TYPES[system]
             row = {"system": system, "model": model, "context": context, "decode_tokens": decode,
                    "kv_dtype": kv, "flash_attention": "auto" if kv == "f16" else True, "decode_depth": context}
             try:

@@ -169,6 +169,13 @@ class Engine:
         return self._footprint(positions, weights, self.swap.working_bytes(offloaded, dense_prefill), kv, chunk,
                                pressed, dense_prefill)
 
+    def edge_footprint(self, offloaded: tuple[str, ...] = (), kv: KVConfig | None | str = "engine",
+                       pressed: bool = False) -> Footprint:
+        """`footprint` at one position, prefilled the cheapest way a tight budget's plan
+        takes (the smallest chunk, on the resident forms: justfit.budget.prefill_ways):
+        what a budget holds is its `max_positions`."""
+        return self.footprint(1, offloaded, kv, MIN_PREFILL_CHUNK, pressed, dense_prefill=False)
+
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """Components on disk and the footprint that fit `positions` (justfit.budget.plan)."""
         return plan(self, positions)

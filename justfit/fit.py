@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from justfit.memory import format_size
-from justfit.planner import MIN_PREFILL_CHUNK, cache_layout
+from justfit.planner import cache_layout
 from kvexec import FORMATS, KVConfig, get_format, ladder
 from kvexec.calibrate import layer_summary
 
@@ -27,14 +27,13 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     for name, kv in [*choices, ("mlx-lm", None)]:
         # Capacities at the smallest prefill the planner would take under pressure (the
         # smallest chunk, on the resident forms).
-        probe = engine.footprint(1, kv=kv, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
+        probe = engine.edge_footprint(kv=kv)
         rows.append({
             "format": name,
             "bytes_per_position": probe.shape.bytes_per_position,
             "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
-            "max_positions_offloaded": engine.footprint(1, every_layer, kv, MIN_PREFILL_CHUNK,
-                                                        dense_prefill=False).max_positions(budget),
+            "max_positions_offloaded": engine.edge_footprint(every_layer, kv).max_positions(budget),
         })
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
@@ -51,8 +50,7 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     steps = [f.label for f in ladder(base, head_dim, _first_full_layer(engine.model))] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
-                              "max_positions": engine.footprint(1, chunk=MIN_PREFILL_CHUNK, pressed=True,
-                                                                dense_prefill=False).max_positions(budget)}
+                              "max_positions": engine.edge_footprint(pressed=True).max_positions(budget)}
     if context is not None:
         saved = engine.config
         engine.config = replace(saved, budget_bytes=budget)  # planned under the budget asked about

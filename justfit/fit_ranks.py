@@ -5,7 +5,6 @@ ranks' budgets, each rank's footprint from its own layers, weights and KV alone.
 from __future__ import annotations
 
 from justfit.pipeline import layer_facts, plan_split, rank_footprint
-from justfit.planner import MIN_PREFILL_CHUNK
 
 
 def ranks_report(engine, budgets: list[int], split=None) -> dict:
@@ -16,7 +15,7 @@ def ranks_report(engine, budgets: list[int], split=None) -> dict:
     kinds = layer_facts(engine.model)[0]
     layer_bytes = [reg.components[f"layer.{i}"].nbytes for i in range(len(kinds))]
     shared = reg.total_bytes() - sum(layer_bytes)  # embedding and head: rank 0's
-    whole = engine.footprint(1, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
+    whole = engine.edge_footprint()
     split = split or plan_split(whole, kinds, layer_bytes, shared, budgets)  # as the ranks split (pipeline.attach)
     ranks = []
     for r, budget in enumerate(budgets):

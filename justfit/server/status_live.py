@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import psutil
 
-from justfit.planner import MIN_PREFILL_CHUNK
 from justfit.server.metrics import memory
 from phaseswap.registry import Residency
 
@@ -131,8 +130,7 @@ class LiveStatus:
                 if name is not None and not get_format(name).supports_head_dim(head_dim):
                     continue
                 kv = None if name is None else replace(base or KVConfig(), format=name, layer_formats=())
-                fp = engine.footprint(1, tuple(engine.swap.offloaded), kv=kv, chunk=MIN_PREFILL_CHUNK,
-                                      dense_prefill=False)
+                fp = engine.edge_footprint(tuple(engine.swap.offloaded), kv=kv)
                 rows.append({"format": name or "mlx-lm", "max_positions": fp.max_positions(budget),
                              "in_use": name == (base.format if base else None)})
             self._capacity = (key, rows)
