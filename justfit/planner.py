@@ -42,7 +42,7 @@ class _Shape:
     full_layers: int  # layers whose KV grows with every position
     windows: tuple[int, ...]  # window size of each sliding layer
     state_bytes: int  # constant per-sequence state (recurrent layers)
-    kv_row: int  # bytes of K+V for one position in one layer, full precision
+    kv_row: int  # bytes of K+V for one position in one layer, full precision (as sinks and the hot window keep it)
     page_row: float  # the same in the page format (== kv_row without KVExec)
     window_row: float  # page_row of a sliding layer (per-layer formats may differ by kind)
     top_row: float  # == page_row, or under pressure the page format's (the segment being filled)
@@ -219,7 +219,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
     (calibration gives the two kinds different ones: a window's bytes do not grow)."""
-    kv_row = 2 * kv_heads * head_dim * act_bytes
+    kv_row = 2 * kv_heads * head_dim * (act_bytes if kv is None else kv.full_bytes(act_bytes))
     if kv is None:
         page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
         rest_tokens = 0

@@ -29,6 +29,10 @@ class KVConfig:
     format: str = "q8c"
     page_size: int = 256
     hot_window: int = 256  # most recent tokens kept in full precision
+    # Bits of the full-precision tokens (sinks, hot window): 16 keeps float32 activations'
+    # keys and values in float16, the fidelity reference's own precision, at half the
+    # bytes; 32 as computed. Float32 pages keep them at 32, 16-bit activations their own.
+    full_bits: int = 16
     sink_tokens: int = 4  # first tokens kept in full precision (global layers)
     block_tokens: int = 2048  # tokens decoded per attention block: bounds the transient
     max_positions: int | None = None  # retention: positions kept per layer (None: all)
@@ -71,7 +75,14 @@ class KVConfig:
             raise ValueError(f"retention policy must be score or random, not {self.policy!r}")
         if self.max_positions is not None and self.max_positions < self.sink_tokens + self.hot_window + self.page_size:
             raise ValueError("max_positions must hold the sinks, the hot window and one page")
+        if self.full_bits not in (16, 32):
+            raise ValueError(f"full_bits must be 16 or 32, not {self.full_bits}")
         if self.page_size < 1 or self.hot_window < 0 or self.sink_tokens < 0:
             raise ValueError("page_size must be >= 1; hot_window and sink_tokens >= 0")
         if self.block_tokens < self.page_size:
             raise ValueError("block_tokens must be at least one page")
+
+    def full_bytes(self, act_bytes: int) -> int:
+        """Bytes of one full-precision value (sinks, hot window) under activations of
+        `act_bytes` (what PageStore stores them in)."""
+        return act_bytes if self.full_bits == 32 or self.format == "fp32" else min(act_bytes, 2)

@@ -6,10 +6,10 @@ the CPU each costs MLX's dispatch, about 6 us here, more than their arithmetic a
 contexts. The native operation does the same arithmetic in one: every block scored on
 its stored form, one softmax, every block's values weighted and summed.
 
-It takes full-precision float32 blocks (sinks, the hot window) and quantized pages whose
-keys are stored per channel (`Codec` with per_channel, `AllocatedCodec`) and values per
-token, rotated or not; anything else (rotated codebooks, float16 hot windows, sinks
-logits, attention-mass observers) keeps the two-pass path (`fused_attention` returns None).
+It takes full-precision blocks (sinks, the hot window; float32 or float16) and quantized
+pages whose keys are stored per channel (`Codec` with per_channel, `AllocatedCodec`) and
+values per token, rotated or not; anything else (rotated codebooks, sinks logits,
+attention-mass observers) keeps the two-pass path (`fused_attention` returns None).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _spec(block, widths: tuple[int, ...]):
     """(ints, arrays, rotated) describing `block` to the kernel, or None where it cannot take it."""
     if not block.fmt.quantized:
         k, v = block.stored_keys.get("x"), block.stored_values.get("x")
-        if k is None or v is None or k.dtype != mx.float32 or v.dtype != mx.float32:
+        if k is None or v is None or k.dtype not in (mx.float32, mx.float16) or v.dtype != k.dtype:
             return None
         return [_FULL, block.start, block.length], [k, v], False
     layout = _layout(block.fmt, widths)

@@ -62,6 +62,7 @@ class PageStore:
             raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
         if self._ladder is None:
             self._ladder = ladder(self.config, D)
+        keys, values = keys.astype(self._full_dtype(keys.dtype)), values.astype(self._full_dtype(values.dtype))
         have = 0 if self.sink_k is None else self.sink_k.shape[-2]
         take = min(L, self.sinks - have)
         if take > 0:
@@ -75,6 +76,12 @@ class PageStore:
         self._flush()
         self._drop_dead(first_query)
         self.retention.evict(self)
+
+    def _full_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
+        """What sinks and the hot window keep tokens computed in `dtype` in (KVConfig.full_bits)."""
+        if dtype != mx.float32 or self.config.full_bits == 32 or self.fmt.name == "fp32":
+            return dtype
+        return mx.float16
 
     def _hot_len(self) -> int:
         return self.hot.n
@@ -201,7 +208,7 @@ class PageStore:
         while target < hot_start and self.segments:
             seg = self.segments[-1]
             keep = max(0, target - seg.start) // P * P  # whole pages stay
-            # Back into the hot window as the values attention saw for them.
+            # Back into the hot window as the values attention saw for them (in its precision).
             back = [codec.decode(codec.view(part, keep, seg.length)).astype(dtype)
                     for codec, part in ((seg.fmt.keys, seg.keys), (seg.fmt.values, seg.values))]
             self.hot_k = back[0] if self.hot_k is None else mx.concatenate([back[0], self.hot_k], axis=-2)

@@ -33,10 +33,23 @@ const T* row_major(const mx::array& a, Copies& copies) {
   return p;
 }
 
-// Rows of D floats: in place where the strides allow (a slice of the hot window), else a copy.
-FloatRows float_rows(const mx::array& a, Copies& copies) {
-  if (auto st = in_place_strides(a)) return {a.data<float>(), st->first, st->second};
-  return {row_major<float>(a, copies), a.shape(-1), static_cast<int64_t>(a.shape(-2)) * a.shape(-1)};
+// Rows of D values: in place where the strides allow (a slice of the hot window), else a copy.
+template <typename T>
+FullRows<T> full_rows(const mx::array& a, Copies& copies) {
+  if (auto st = in_place_strides(a)) return {a.data<T>(), st->first, st->second};
+  return {row_major<T>(a, copies), a.shape(-1), static_cast<int64_t>(a.shape(-2)) * a.shape(-1)};
+}
+
+// A full block's scores or values product on its rows as stored (float32 or float16).
+void full_block_scores(const float* q, const mx::array& k, bool half, Copies& copies, int batch, int R, int D,
+                       int n, float* s, int ld) {
+  if (half) full_scores(q, full_rows<mx::float16_t>(k, copies), batch, R, D, n, s, ld);
+  else full_scores(q, full_rows<float>(k, copies), batch, R, D, n, s, ld);
+}
+void full_block_values(const float* p, const mx::array& v, bool half, Copies& copies, int batch, int R, int D,
+                       int n, int ld, float* acc) {
+  if (half) full_values(p, full_rows<mx::float16_t>(v, copies), batch, R, D, n, ld, acc);
+  else full_values(p, full_rows<float>(v, copies), batch, R, D, n, ld, acc);
 }
 
 // A stored part read in place, or from row-major copies of its arrays where not.
@@ -52,7 +65,8 @@ Part part_of(const mx::array& w, const mx::array& scales, const mx::array& biase
 struct Block {
   int kind, start, length, first;
   int key_group = 0, value_bits = 0, value_group = 0, parts = 0;
-  bool key_rotated = false, value_rotated = false, columns = false, half = false;
+  bool key_rotated = false, value_rotated = false, columns = false;
+  bool half = false;  // quantized: scales and biases in float16; full: the tokens themselves
   std::vector<int> widths;
 };
 
@@ -111,7 +125,7 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
     if (b.kind == kFull) {
       // the hot window holds up to two pages of positions in full precision: at a short
       // context most of the arithmetic, so on both cores
-      full_scores(qs.data(), float_rows(in[b.first], copies), batch, R, D, b.length, s, total);
+      full_block_scores(qs.data(), in[b.first], b.half, copies, batch, R, D, b.length, s, total);
     } else {
       std::vector<Part> parts;
       for (int p = 0, i = b.first; p < b.parts; ++p, i += b.columns ? 4 : 3)
@@ -133,7 +147,7 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
   for (const auto& b : blocks) {
     const float* p = scores.data() + offset;
     if (b.kind == kFull) {
-      full_values(p, float_rows(in[b.first + 1], copies), batch, R, D, b.length, total, plain.data());
+      full_block_values(p, in[b.first + 1], b.half, copies, batch, R, D, b.length, total, plain.data());
     } else {
       const int i = b.first + b.parts * (b.columns ? 4 : 3);
       Part values = part_of(in[i], in[i + 1], in[i + 2], b.value_bits, b.value_group, nullptr, copies);
@@ -193,9 +207,11 @@ mx::array decode_attention(const mx::array& queries, const std::vector<mx::array
                   : (a.ndim() != 4 || a.shape(0) != B || a.shape(1) != kvh))
         throw std::invalid_argument("decode_attention: a block's arrays must be [B, kv_heads, ...] like the queries'");
     }
-    if (b[0] == kFull && (arrays[at].dtype() != mx::float32 || arrays[at + 1].dtype() != mx::float32 ||
-                          arrays[at].shape(-1) != D || arrays[at].shape(-2) < b[2] || arrays[at + 1].shape(-2) < b[2]))
-      throw std::invalid_argument("decode_attention: full blocks must be float32 [B, kv_heads, >= length, D]");
+    if (b[0] == kFull && ((arrays[at].dtype() != mx::float32 && arrays[at].dtype() != mx::float16) ||
+                          arrays[at + 1].dtype() != arrays[at].dtype() || arrays[at].shape(-1) != D ||
+                          arrays[at].shape(-2) < b[2] || arrays[at + 1].shape(-2) < b[2]))
+      throw std::invalid_argument("decode_attention: a full block's keys and values must be float32 or float16 "
+                                  "alike, [B, kv_heads, >= length, D]");
     at += n;
   }
   if (rotation && (rotation->dtype() != mx::float32 || rotation->shape() != mx::Shape{2, kvh, D, D}))
@@ -223,6 +239,7 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   int at = 1;
   for (const auto& spec : blocks_) {
     Block b{spec[0], spec[1], spec[2], at};
+    if (b.kind == kFull) b.half = inputs[at].dtype() == mx::float16;  // stored tokens, not scales
     if (b.kind == kQuantized) {
       b.key_group = spec[3], b.key_rotated = spec[4], b.value_bits = spec[5], b.value_group = spec[6];
       b.value_rotated = spec[7], b.columns = spec[8], b.parts = spec[9];

@@ -16,7 +16,8 @@ namespace justfit {
 namespace mx = mlx::core;
 
 // What one block is, as decode_attention's `blocks` entries give it (ints):
-//   full:      {0, start, length}; arrays: keys, values [B, kv_heads, >= length, D] float32
+//   full:      {0, start, length}; arrays: keys, values [B, kv_heads, >= length, D], float32
+//              or float16 alike
 //   quantized: {1, start, length, key_group, key_rotated, value_bits, value_group,
 //               value_rotated, key_columns, parts, bits_1 .. bits_parts}; arrays: per key
 //              part w, scales, biases (and its columns [kv_heads, rows] int32 where

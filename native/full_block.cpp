@@ -6,9 +6,7 @@
 
 #include <algorithm>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace justfit {
 
@@ -19,6 +17,12 @@ constexpr long kParallel = 1 << 15;        // multiply-adds from which both core
 constexpr int kSpan = 32;                  // a values task's outputs per row
 constexpr int kValueRows = 3;              // rows a values pass keeps in registers
 
+template <typename T>
+float dot(const float* a, const T* b, int D) {
+  float s = 0.f;
+  for (int d = 0; d < D; ++d) s += a[d] * widen(b, d);
+  return s;
+}
 float dot(const float* a, const float* b, int D) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -37,17 +41,17 @@ inline __m256 lane_sums(const __m256 a[8]) {
 
 // MR query rows' 32 outputs from d0 in registers while every value row goes by once
 // for all of them (each row's sum over t in the same order as alone).
-template <int MR>
-void value_rows(const float* p, int ld, const float* vb, int64_t row, int n, int d0, float* out, int D) {
+template <int MR, typename T>
+void value_rows(const float* p, int ld, const T* vb, int64_t row, int n, int d0, float* out, int D) {
   __m256 a[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) a[m][j] = _mm256_loadu_ps(out + static_cast<size_t>(m) * D + d0 + 8 * j);
   for (int t = 0; t < n; ++t) {
-    const float* vt = vb + t * row + d0;
+    const T* vt = vb + t * row + d0;
     __m256 pt[MR];  // 12 sums, 3 weights and a value vector: the 16 registers
     for (int m = 0; m < MR; ++m) pt[m] = _mm256_broadcast_ss(p + static_cast<size_t>(m) * ld + t);
     for (int j = 0; j < 4; ++j) {
-      const __m256 vj = _mm256_loadu_ps(vt + 8 * j);
+      const __m256 vj = widen8(vt + 8 * j);
       for (int m = 0; m < MR; ++m) a[m][j] = _mm256_fmadd_ps(pt[m], vj, a[m][j]);
     }
   }
@@ -58,12 +62,13 @@ void value_rows(const float* p, int ld, const float* vb, int64_t row, int n, int
 
 }  // namespace
 
-void full_scores(const float* q, const FloatRows& k, int batch, int R, int D, int n, float* s, int ld) {
+template <typename T>
+void full_scores(const float* q, const FullRows<T>& k, int batch, int R, int D, int n, float* s, int ld) {
   const int tasks = (n + kKeys - 1) / kKeys;
 #pragma omp parallel for schedule(static) collapse(2) if (static_cast<long>(batch) * R * n * D >= kParallel)
   for (int b = 0; b < batch; ++b)
     for (int task = 0; task < tasks; ++task) {
-      const float* kb = k.data + static_cast<int64_t>(b) * k.batch;
+      const T* kb = k.data + static_cast<int64_t>(b) * k.batch;
       const int t1 = std::min(n, (task + 1) * kKeys);
       for (int i = b * R; i < (b + 1) * R; ++i) {
         const float* qi = q + static_cast<size_t>(i) * D;
@@ -76,7 +81,7 @@ void full_scores(const float* q, const FloatRows& k, int batch, int R, int D, in
             for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
             for (int d = 0; d < D; d += 8) {
               const __m256 qv = _mm256_loadu_ps(qi + d);
-              for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + j) * k.row + d), acc[j]);
+              for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, widen8(kb + (t + j) * k.row + d), acc[j]);
             }
             _mm256_storeu_ps(si + t, lane_sums(acc));
           }
@@ -86,12 +91,13 @@ void full_scores(const float* q, const FloatRows& k, int batch, int R, int D, in
     }
 }
 
-void full_values(const float* p, const FloatRows& v, int batch, int R, int D, int n, int ld, float* acc) {
+template <typename T>
+void full_values(const float* p, const FullRows<T>& v, int batch, int R, int D, int n, int ld, float* acc) {
   const int spans = (D + kSpan - 1) / kSpan;
 #pragma omp parallel for schedule(static) collapse(2) if (static_cast<long>(batch) * R * n * D >= kParallel)
   for (int b = 0; b < batch; ++b)
     for (int span = 0; span < spans; ++span) {
-      const float* vb = v.data + static_cast<int64_t>(b) * v.batch;
+      const T* vb = v.data + static_cast<int64_t>(b) * v.batch;
       const int d0 = span * kSpan, d1 = std::min(D, d0 + kSpan);
       int i = b * R;
 #ifdef __AVX2__
@@ -99,9 +105,9 @@ void full_values(const float* p, const FloatRows& v, int batch, int R, int D, in
         for (; i < (b + 1) * R; i += kValueRows) {
           const int rows = std::min(kValueRows, (b + 1) * R - i);
           switch (rows) {
-            case 1: value_rows<1>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
-            case 2: value_rows<2>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
-            default: value_rows<3>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
+            case 1: value_rows<1, T>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
+            case 2: value_rows<2, T>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
+            default: value_rows<3, T>(p + static_cast<size_t>(i) * ld, ld, vb, v.row, n, d0, acc + static_cast<size_t>(i) * D, D); break;
           }
         }
 #endif
@@ -110,12 +116,17 @@ void full_values(const float* p, const FloatRows& v, int batch, int R, int D, in
         float* out = acc + static_cast<size_t>(i) * D;
         for (int t = 0; t < n; ++t) {
           const float pt = pi[t];
-          const float* vt = vb + t * v.row;
-#pragma omp simd
-          for (int d = d0; d < d1; ++d) out[d] += pt * vt[d];
+          const T* vt = vb + t * v.row;
+          for (int d = d0; d < d1; ++d) out[d] += pt * widen(vt, d);
         }
       }
     }
 }
+
+using mlx::core::float16_t;
+template void full_scores<float>(const float*, const FullRows<float>&, int, int, int, int, float*, int);
+template void full_scores<float16_t>(const float*, const FullRows<float16_t>&, int, int, int, int, float*, int);
+template void full_values<float>(const float*, const FullRows<float>&, int, int, int, int, int, float*);
+template void full_values<float16_t>(const float*, const FullRows<float16_t>&, int, int, int, int, int, float*);
 
 }  // namespace justfit

@@ -84,9 +84,10 @@ def test_executor_matches_attention_over_the_decoded_pages(name, queries):
     assert float(mx.abs(out - ref).max()) < 2e-4 * float(mx.abs(ref).max())
 
 
-def test_trim_snapshot_and_pressure_keep_rotated_pages():
+@pytest.mark.parametrize("full_bits, bound", [(32, 1e-4), (16, 2e-3)])
+def test_trim_snapshot_and_pressure_keep_rotated_pages(full_bits, bound):
     cfg = KVConfig(format="k6cv4r", page_size=64, hot_window=8, sink_tokens=2, block_tokens=128,
-                   pressure=("k4crv4r", "k4crv3r"))
+                   pressure=("k4crv4r", "k4crv3r"), full_bits=full_bits)
     store = PageStore(cfg)
     x = _outlier_data((1, 3, 400, 64), 3)
     store.append(x, x)
@@ -94,7 +95,10 @@ def test_trim_snapshot_and_pressure_keep_rotated_pages():
     before = blockwise_attention(q, store.blocks(q), 199, 0.125)  # position 199 sees 0..199
     store.trim(200)
     assert store.offset == 200
-    assert float(mx.abs(blockwise_attention(q, store.blocks(q), 199, 0.125) - before).max()) < 1e-4
+    # trimmed pages come back into the hot window as attention saw them, in its precision
+    # (float16 by default: its rounding, about 5e-4 of a value, is the bound)
+    after = blockwise_attention(q, store.blocks(q), 199, 0.125)
+    assert float(mx.abs(after - before).max()) < bound * float(mx.abs(before).max())
     store.append(x[..., 200:, :], x[..., 200:, :])
     limit = int(0.8 * store.page_bytes())
     store.limit(limit)  # steps the oldest pages down the ladder

@@ -110,6 +110,39 @@ def test_full_blocks_values_for_any_rows_a_head_and_width(heads, kv_heads, dim):
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-5), float(mx.abs(got - want).max())
 
 
+@pytest.mark.parametrize("fmt", ["q8c", "k8cv4r"])
+def test_sinks_and_hot_window_in_float16_halve_their_bytes_and_read_in_one_operation(fmt):
+    """KVConfig.full_bits 16 (the default) keeps float32 tokens in float16: the kernel
+    reads them as stored and matches the two-pass path, and the error against exact
+    attention is the pages' own (float16's rounding moves a page's per-channel range,
+    so its codes differ from full_bits 32's, but not its error). Float32 pages keep
+    float32 tokens."""
+    stores, keys, values = {}, [], []
+    for bits in (16, 32):
+        stores[bits] = PageStore(KVConfig(format=fmt, full_bits=bits))
+        key, keys, values = mx.random.key(11), [], []
+        for n in (300, 97, 250):
+            k1, k2, key = mx.random.split(key, 3)
+            keys.append(mx.random.normal((1, KV_HEADS, n, DIM), key=k1) * 2)
+            values.append(mx.random.normal((1, KV_HEADS, n, DIM), key=k2))
+            stores[bits].append(keys[-1], values[-1])
+        mx.eval(stores[bits].arrays())
+    half, full = stores[16], stores[32]
+    assert half.hot_k.dtype == half.sink_k.dtype == mx.float16 and full.hot_k.dtype == mx.float32
+    assert half.hot.keys_room.nbytes * 2 == full.hot.keys_room.nbytes
+    q = mx.random.normal((1, HEADS, 4, DIM), key=mx.random.key(2))
+    got = _fused(q, half)
+    assert got is not None and mx.allclose(got, _two_pass(q, half), rtol=1e-4, atol=1e-5)
+    n = half.offset
+    exact = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys, axis=-2), mx.concatenate(values, axis=-2),
+                                                 scale=0.125, mask=mx.arange(n - 4, n)[:, None] >= mx.arange(n)[None])
+    error = {bits: float(mx.abs(_fused(q, s) - exact).mean()) for bits, s in stores.items()}
+    assert error[16] < 1.15 * error[32], error
+    fp32 = PageStore(KVConfig(format="fp32"))
+    fp32.append(mx.ones((1, KV_HEADS, 8, DIM)), mx.ones((1, KV_HEADS, 8, DIM)))
+    assert fp32.hot_k.dtype == fp32.sink_k.dtype == mx.float32
+
+
 def test_the_rotation_goes_with_its_transpose_made_once():
     pair = rotation_pair(KV_HEADS, DIM)
     r = rotation(KV_HEADS, DIM)
@@ -148,7 +181,8 @@ def test_the_hot_window_takes_a_decode_token_in_place_and_keeps_its_tokens():
     dot = io.StringIO()
     mx.export_to_dot(dot, store.hot.keys_room)
     assert "Concatenate" not in dot.getvalue() and "SliceUpdate" in dot.getvalue()
-    assert mx.array_equal(store.hot_k, mx.concatenate([held, k], axis=-2))
+    assert store.hot_k.dtype == mx.float16  # float32 activations' tokens at half the bytes
+    assert mx.array_equal(store.hot_k, mx.concatenate([held, k.astype(mx.float16)], axis=-2))
     assert mx.array_equal(view[..., n:, :], before)  # the room a view holds was copied, not written
     for _ in range(600):  # through a flush into a page
         store.append(k, k)
