@@ -154,7 +154,8 @@ class Engine:
                    pressed: bool = False, dense_prefill: bool = True) -> Footprint:
         return footprint(self.model, self.model_config, positions, chunk or self.config.prefill_chunk,
                          self.config.kv if kv == "engine" else kv, weights, working,
-                         4 if self.policy.fp32 else 2, pressed, dense_prefill)
+                         4 if self.policy.fp32 else 2, pressed, dense_prefill,
+                         limited=self.config.budget_bytes is not None)
 
     def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
                   kv: KVConfig | None | str = "engine", chunk: int | None = None,

@@ -121,7 +121,7 @@ def _footprint(s: ConfigShape, positions: int, bits: int, kv: KVConfig | None, a
         state_bytes=s.kinds.count("linear") * (conv * act_bytes + recurrent * 4), heads=s.heads,
         kv_heads=s.kv_heads, head_dim=s.head_dim, hidden=s.hidden, intermediate=s.intermediate, vocab=s.vocab,
         weights=outer + (0 if offloaded else sum(layers)), working=max(layers) if offloaded else 0,
-        chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed)
+        chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed, limited=True)  # sized for a budget
 
 
 def config_fit_report(config: dict, bits: int, budget: int, context: int | None = None,

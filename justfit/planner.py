@@ -61,6 +61,10 @@ class _Shape:
     chunk: int
     act_bytes: int
     dense_prefill: bool = True  # prefill on dense working copies (`working`), else on the resident forms
+    # Pages held to a limit (the engine's budget): segments give back unwritten room before
+    # any page steps down (kvexec.segments.release_unwritten), so pages count whole, not
+    # whole segments.
+    limited: bool = False
 
     @property
     def bytes_per_position(self) -> float:
@@ -95,13 +99,15 @@ class Footprint:
         return _estimate(self.shape, positions)
 
     def max_positions(self, budget: int) -> int:
-        """Largest position count whose footprint fits `budget` (0 if none)."""
+        """Largest position count whose footprint fits `budget` (0 if none), with the
+        pages held to the budget's limit (`_Shape.limited`)."""
+        shape = replace(self.shape, limited=True)
         lo, hi = 0, 1
-        while _estimate(self.shape, hi).total <= budget and hi < 1 << 30:
+        while _estimate(shape, hi).total <= budget and hi < 1 << 30:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if _estimate(self.shape, mid).total <= budget else (lo, mid)
+            lo, hi = (mid, hi) if _estimate(shape, mid).total <= budget else (lo, mid)
         return lo
 
     def page_allowance(self, budget: int) -> int:
@@ -125,7 +131,8 @@ def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None, sliding: boo
     full = min(held, s.full_tokens if full_tokens is None else full_tokens)
     paged = held - full
     if s.block_tokens is not None and paged:  # segments are allocated ahead of use
-        paged = allocated_positions(paged, s.page_tokens, s.block_tokens)
+        paged = (-(-paged // s.page_tokens) * s.page_tokens if s.limited and not sliding
+                 else allocated_positions(paged, s.page_tokens, s.block_tokens))
     if sliding:
         return full * s.kv_row, paged * s.window_row
     tail = min(paged, s.block_tokens or 0)  # the segment being filled keeps the page format
@@ -190,13 +197,15 @@ def cache_layout(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...
 
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
-              act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True) -> Footprint:
+              act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True,
+              limited: bool = False) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
     largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
     pages stepped down to the last format of KVExec's pressure ladder; `dense_prefill`
     False: prefill runs on the resident forms (the plan carries it; `working` then
-    counts no dense copy)."""
+    counts no dense copy); `limited`: a budget holds the pages to a limit (whole pages
+    counted, not whole segments)."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -207,14 +216,14 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
-                            window_layers=window_layers, dense_prefill=dense_prefill)
+                            window_layers=window_layers, dense_prefill=dense_prefill, limited=limited)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
                      kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int, weights: int,
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
                      pressed: bool = False, window_layers: tuple[int, ...] = (),
-                     dense_prefill: bool = True) -> Footprint:
+                     dense_prefill: bool = True, limited: bool = False) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
@@ -243,7 +252,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         observed=kv is not None and kv.max_positions is not None and kv.policy == "score", hidden=hidden,
         intermediate=intermediate, vocab=vocab,
-        chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill,
+        chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill, limited=limited,
     )
     return _estimate(shape, positions)
 

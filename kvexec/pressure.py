@@ -1,8 +1,9 @@
 """The pressure ladder: under a page byte limit (the engine sets one from its budget),
-pages step down to smaller formats (`KVConfig.pressure`) before a new segment would
-pass it: the oldest segment of the widest format first, so every page steps down once
-before any steps twice, and the segment being filled stays in the page format. Past
-the fidelity floor, `KVConfig.past_floor="retain"` drops pages instead."""
+segments first give back room no page is written in, then pages step down to smaller
+formats (`KVConfig.pressure`) before a new segment would pass it: the oldest segment
+of the widest format first, so every page steps down once before any steps twice, and
+the segment being filled stays in the page format. Past the fidelity floor,
+`KVConfig.past_floor="retain"` drops pages instead."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvexec.config import KVConfig
 from kvexec.formats import KVFormat, get_format
-from kvexec.segments import merge_with_previous, reencode
+from kvexec.segments import merge_with_previous, reencode, release_unwritten
 
 if TYPE_CHECKING:
     from kvexec.store import PageStore
@@ -41,6 +42,9 @@ def relieve(store: PageStore, steps: list[KVFormat], incoming: int) -> None:
     limit = store.page_limit
     if limit is None:
         return
+    if store.page_bytes() + incoming > limit:
+        for seg in store.segments:  # room no page is written in goes first
+            release_unwritten(seg)
     while store.page_bytes() + incoming > limit:
         movable = [s for s in store.segments if s.fmt != steps[-1] and s.fmt in steps]
         if not movable:

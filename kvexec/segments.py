@@ -3,8 +3,10 @@
 Segment sizes double from one page up to the store's segment capacity (a block, less
 for sliding-window layers and one page where pages are evicted or selected one by one),
 so a short context wastes little and a long one allocates rarely; under a page byte
-limit a new segment is only as large as fits beside the pages. The planner sizes KV
-with the same functions (`segment_capacity`, `allocated_positions`).
+limit a new segment is only as large as fits beside the pages, and room a looser limit
+allocated is given back before any page steps down (`release_unwritten`). The planner
+sizes KV with the same functions (`segment_capacity`, `allocated_positions`; whole
+pages under a limit).
 """
 
 from __future__ import annotations
@@ -72,6 +74,19 @@ def allocated_positions(paged: int, page: int, limit: int) -> int:
             return held + -(-(paged - held) // limit) * limit
         held += step
     return held
+
+
+def release_unwritten(seg: Segment) -> None:
+    """Give back `seg`'s room past its written tokens (its capacity becomes its length,
+    whole pages): under a page limit, room allocated while the limit was looser goes
+    before any page steps down, so the planner counts pages, not segments."""
+    if seg.length >= seg.capacity:
+        return
+    for side, codec in (("keys", seg.fmt.keys), ("values", seg.fmt.values)):
+        written = {name: mx.contiguous(a) for name, a in codec.view(getattr(seg, side), 0, seg.length).items()}
+        mx.eval(written)  # the old storage is freed now
+        setattr(seg, side, written)
+    seg.capacity = seg.length
 
 
 def reencode(seg: Segment, fmt: KVFormat) -> None:

@@ -131,10 +131,16 @@ def test_budget_below_the_smallest_request_is_refused_at_load(tiny_llama_dir):
 
 
 def test_planner_max_positions_is_tight(llama):
-    budget = llama.footprint(1).weights + 8 * 2**20
-    n = llama.footprint(1).max_positions(budget)
+    from dataclasses import replace
+
+    plan = llama.footprint(1)
+    held = replace(plan, shape=replace(plan.shape, limited=True))  # pages held to the budget's limit
+    budget = plan.weights + 8 * 2**20
+    n = plan.max_positions(budget)
     assert n > 0
-    assert llama.footprint(n).total <= budget < llama.footprint(n + 1).total
+    assert held.at(n).total <= budget < held.at(n + 1).total
+    # a budget's store gives back unwritten room first: whole pages count, not whole segments
+    assert plan.at(n).kv > held.at(n).kv
 
 
 @pytest.mark.parametrize("policy", ["cpu", "cpu-exact", "cpu-compact", "quantized", "measured"])

@@ -92,6 +92,30 @@ def test_pages_step_no_deeper_than_the_limit_needs(share):
     assert float(mx.abs(blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125) - ref).max()) < 2e-4
 
 
+def test_a_tighter_limit_takes_unwritten_room_before_any_page_steps_down():
+    """Room a segment was allocated under a looser limit (or none) and no page is
+    written in goes back first: a limit that holds the written pages steps none down,
+    attention reads the same, and the pages grow again within the limit."""
+    config = KVConfig(page_size=32, hot_window=16, sink_tokens=2, block_tokens=256)
+    store = PageStore(config)
+    rng = np.random.default_rng(2)
+    kv = [mx.array(rng.normal(size=(1, 3, 50, 64)).astype(np.float32)) for _ in range(8)]
+    for i in range(0, 8, 2):
+        store.append(kv[i], kv[i + 1])
+    last = store.segments[-1]
+    assert last.length < last.capacity  # doubling segments: room allocated ahead
+    q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(3))
+    before = blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125)
+    written = sum(s.length for s in store.segments) * store.fmt.bytes_per_token(3, 64)
+    store.limit(int(written))
+    assert store.page_bytes() == written and {s.fmt for s in store.segments} == {store.fmt}
+    assert store.segments[-1].capacity == store.segments[-1].length
+    assert mx.array_equal(blockwise_attention(q, store.blocks(q), store.offset - 1, 0.125), before)
+    store.limit(int(written + 2 * 32 * store.fmt.bytes_per_token(3, 64)))  # room for two more pages
+    store.append(kv[0][..., :40, :], kv[1][..., :40, :])
+    assert store.page_bytes() <= store.page_limit and {s.fmt for s in store.segments} == {store.fmt}
+
+
 def test_attention_is_exact_on_stepped_down_pages():
     """The executor reads each page in its own format: its output equals reference
     attention over the keys and values the pages now hold."""
