@@ -124,7 +124,8 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
         history = history + tokens + got
         return got
 
-    hot = "float32" if engine.policy.fp32 else "float16"
+    act_bytes, kv = 4 if engine.policy.fp32 else 2, engine.config.kv
+    hot = f"float{8 * (act_bytes if kv is None else kv.full_bytes(act_bytes))}"
 
     def details() -> dict:
         """How the last step ran: prefill chunk, and paged positions per KV format

@@ -32,7 +32,7 @@ import kvexec
 from kvexec import KVConfig
 from phaseswap import PhaseSwap
 from phaseswap.native import install_ops
-from phaseswap.predict import NATIVE_FORMS, predict_resident_bytes, predict_working_bytes
+from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 
@@ -87,7 +87,7 @@ class Engine:
             if not self.config.stream_weights:  # every weight resident, or nothing can run
                 dtype = mx.float32 if self.policy.fp32 else None
                 need = self._footprint(1, predict_resident_bytes(self.model, self.policy.resident, dtype),
-                                       predict_working_bytes(self.model))
+                                       predict_prefill_bytes(self.model), chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
             if weight_limit <= 0 or need.total > budget:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
         if self.policy.resident in NATIVE_FORMS:

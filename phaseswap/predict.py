@@ -58,6 +58,13 @@ def predict_working_bytes(model: nn.Module) -> int:
                 for layer in model_body(model).layers), default=0)
 
 
+def predict_prefill_bytes(model: nn.Module) -> int:
+    """What prefill on the resident forms adds at most: a layer's two largest quantized
+    linears dequantized (Registry's `prefill_nbytes`, from shapes alone)."""
+    return max((sum(sorted(dense_bytes(m) for _, m in layer.named_modules() if is_linear(m) and "scales" in m)[-2:])
+                for layer in model_body(model).layers), default=0)
+
+
 def transformer_body(model: nn.Module) -> nn.Module | None:
     """The transformer under the output head (`model.model`, with `embed_tokens` and a
     list of `layers`), or None when the model is not shaped so."""

@@ -193,6 +193,20 @@ def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, 
     assert not any(p.materialized_bytes or p.disk_loads for p in eng.last_stats.phases)  # nothing made or read
 
 
+def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir):
+    """The load-time check of stream_weights=False counts the smallest prefill the
+    planner takes (resident forms, the smallest chunk), not a dense working copy."""
+    free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
+    edge = free.edge_footprint()
+    assert edge.working < free.footprint(1, chunk=MIN_PREFILL_CHUNK).working  # no dense copy
+    budget = edge.total + 4096
+    del free
+    eng = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu", stream_weights=False))
+    assert eng.edge_footprint().total <= budget
+    with pytest.raises(BudgetExceeded):
+        Engine(str(q8_dir), budget=edge.total - 64 * 1024, config=EngineConfig(policy="cpu", stream_weights=False))
+
+
 def test_refused_when_even_offloading_cannot_fit(q8_dir):
     eng = Engine(str(q8_dir))
     floor = eng.footprint(1, tuple(eng.swap.offload_order()))
