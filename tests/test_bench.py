@@ -31,7 +31,7 @@ def test_bench_capacity_quick_reports_every_system(tiny_llama_dir, tmp_path, mon
     # each worker's own BLAS: stock mlx-lm runs the wheel's, as its users do
     assert "reference BLAS" in rows["mlx-lm"]["blas"] and "OpenBLAS" in rows["justfit-default"]["blas"]
     assert rows["justfit-lossless"]["pressure"] == [] and rows["justfit-default"]["pressure"]
-    assert "hot window float32" in rows["justfit-default"]["kv_dtype"] and "modeled" not in rows["mlx-lm"]
+    assert "hot window float16" in rows["justfit-default"]["kv_dtype"] and "modeled" not in rows["mlx-lm"]
     assert rows["justfit-default"]["headline"] == "fidelity not measured"  # --quick measures none
     swept = capacity([*args, "--budgets", "20MiB,4GiB", "--systems", "mlx-lm,justfit-lossless", "--repeats", "2",
                       "--json"])
