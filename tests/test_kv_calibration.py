@@ -149,7 +149,10 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
     formats = engine.config.kv.layer_formats
     assert len(formats) == 6 and {get_format(f).label for f in formats} == {"k5a128v4r"}
     assert len(list((tmp_path / "calibration").glob("kv-calibration-*.json"))) == 1
-    chunks = list(engine.generate(list(range(3, 300)), SamplingParams(temperature=0, max_tokens=4)))
+    # ignore_eos: a random model's greedy tokens hinge on rounding (the prefill forms are
+    # chosen by timing), and an early EOS is not what this checks
+    chunks = list(engine.generate(list(range(3, 300)), SamplingParams(temperature=0, max_tokens=4,
+                                                                      ignore_eos=True)))
     assert sum(c.token is not None for c in chunks) == 4
     assert set(engine.last_stats.kv_formats) == {"k5a128v4r"}  # pages written as calibrated
 
