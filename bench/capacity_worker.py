@@ -140,7 +140,6 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
                 "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,
                 "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
 
-    kv = engine.config.kv
     # what the planner says this budget holds (at its smallest prefill, pages stepping down
     # where the ladder is on): a prediction beside the measurement, never in its place
     planner = engine.edge_footprint(pressed=bool(kv.pressure))

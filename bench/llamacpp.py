@@ -1,8 +1,8 @@
 """llama.cpp on the same GGUF: its speed through `llama-bench`, and its capacity
-(whole-process peak RSS at a stepped context: as its users run it, float16 KV with flash
-attention as it decides, and the KV cache in q8_0 or q4_0 via -ctk/-ctv, flash attention on). Binaries come from `--llama-cpp DIR`
-(e.g. built from the llama.cpp tree vendored in the llama-cpp-python sdist); a
-missing binary gives an error row, never a dropped one."""
+(whole-process peak RSS at a stepped context): as its users run it, float16 KV with flash
+attention as it decides, and the KV cache in q8_0 or q4_0 via -ctk/-ctv, flash attention
+on. Binaries come from `--llama-cpp DIR` (e.g. built from the llama.cpp tree vendored in
+the llama-cpp-python sdist); a missing binary gives an error row, never a dropped one."""
 
 from __future__ import annotations
 

@@ -79,9 +79,7 @@ class PageStore:
 
     def _full_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
         """What sinks and the hot window keep tokens computed in `dtype` in (KVConfig.full_bits)."""
-        if dtype != mx.float32 or self.config.full_bits == 32 or self.fmt.name == "fp32":
-            return dtype
-        return mx.float16
+        return mx.float16 if dtype == mx.float32 and self.config.full_bytes(4) == 2 else dtype
 
     def _hot_len(self) -> int:
         return self.hot.n

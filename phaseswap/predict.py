@@ -58,10 +58,16 @@ def predict_working_bytes(model: nn.Module) -> int:
                 for layer in model_body(model).layers), default=0)
 
 
+def resident_prefill_bytes(linears) -> int:
+    """What prefill on a layer's resident form holds besides it: its quantized products
+    dequantize their weights, two side by side (gate and up): the two largest
+    (Registry's `prefill_nbytes`; SmolLM2 6.75 MiB counted, ~5.9 measured at 128 tokens)."""
+    return sum(sorted(dense_bytes(m) for m in linears if "scales" in m)[-2:])
+
+
 def predict_prefill_bytes(model: nn.Module) -> int:
-    """What prefill on the resident forms adds at most: a layer's two largest quantized
-    linears dequantized (Registry's `prefill_nbytes`, from shapes alone)."""
-    return max((sum(sorted(dense_bytes(m) for _, m in layer.named_modules() if is_linear(m) and "scales" in m)[-2:])
+    """`resident_prefill_bytes` of the largest layer, from shapes alone."""
+    return max((resident_prefill_bytes(m for _, m in layer.named_modules() if is_linear(m))
                 for layer in model_body(model).layers), default=0)
 
 

@@ -23,7 +23,7 @@ from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, 
                              set_module, to_dense, to_grouped, to_q8t)
 
 from phaseswap.native import eligible, is_native, join_siblings, to_native
-from phaseswap.predict import NATIVE_FORMS, model_body, split_head
+from phaseswap.predict import NATIVE_FORMS, model_body, resident_prefill_bytes, split_head
 
 RESIDENT_FORMS = ("q8t", "grouped", "stored", "dense", *NATIVE_FORMS)
 CONVERT = {"q8t": to_q8t, "grouped": to_grouped, "dense": to_dense,
@@ -50,9 +50,7 @@ class Component:
     disk: Path | None = None  # its arrays in resident form, written on first offload
     nbytes: int = 0  # resident bytes
     dense_nbytes: int = 0  # bytes of its dense working copy
-    # what prefill on its resident form holds: quantized products dequantize their weight, two
-    # of them side by side (gate and up): SmolLM2 6.75 MiB counted, ~5.9 measured at 128 tokens
-    prefill_nbytes: int = 0
+    prefill_nbytes: int = 0  # what prefill on its resident form holds (predict.resident_prefill_bytes)
 
     @property
     def module(self) -> nn.Module:
@@ -142,7 +140,7 @@ class Registry:
         linears = [get_module(comp.module, p) for p in comp.linears()]
         comp.dense_nbytes = sum(dense_bytes(m) for m in linears)
         if comp.kind == "layer":
-            comp.prefill_nbytes = sum(sorted(dense_bytes(m) for m in linears if "scales" in m)[-2:])
+            comp.prefill_nbytes = resident_prefill_bytes(linears)
 
     @staticmethod
     def _swap(comp: Component, path: str, module: nn.Module) -> None:
