@@ -64,3 +64,13 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     from tests.tiny_models import write_mlx_folder
 
     return write_mlx_folder(tmp_path_factory.mktemp("tiny") / "gemma3", "gemma3_text")
+
+
+@pytest.fixture(scope="session")
+def q8_dir(tmp_path_factory) -> Path:
+    """8-bit stored weights, 4 layers, vocab padded to a multiple of 32 so the tied head
+    gets its own q8t form (PhaseSwap's tests)."""
+    from tests.tiny_models import write_mlx_folder
+
+    return write_mlx_folder(tmp_path_factory.mktemp("ps") / "q8", "llama", seed=5, quantize_bits=8,
+                            layers=4, vocab_size=288)

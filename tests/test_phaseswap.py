@@ -1,25 +1,14 @@
-"""PhaseSwap: leases, release, offloading, policies and the budget they serve."""
+"""PhaseSwap: leases, release, offloading, policies, forms and `justfit fit`; under a
+budget: tests/test_phaseswap_budget.py."""
 
 import gc
-from dataclasses import replace
 
 import mlx.core as mx
 import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from justfit.errors import BudgetExceeded
-from justfit.planner import MIN_PREFILL_CHUNK
 from phaseswap import POLICIES, PhaseSwap, Residency, TransposedQuantizedLinear
-from tests.tiny_models import write_mlx_folder
-
-
-@pytest.fixture(scope="module")
-def q8_dir(tmp_path_factory):
-    # 8-bit stored weights, 4 layers, vocab padded to a multiple of 32 so the tied
-    # head gets its own q8t form.
-    return write_mlx_folder(tmp_path_factory.mktemp("ps") / "q8", "llama", seed=5, quantize_bits=8,
-                            layers=4, vocab_size=288)
 
 
 def _swap(path, policy="cpu", tmp=None):
@@ -150,74 +139,6 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
     assert stats.memory.mlx_peak - others <= budget
 
 
-def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
-    free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
-    weights = free.swap.registry.total_bytes()
-    prompt = "x " * 200
-    positions = len(free.encode(prompt)) + 50
-    # just short, every weight resident and prefill on them (no dense working copy)
-    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False).total - 1024
-    del free
-    resident = EngineConfig(policy="cpu", stream_weights=False)
-    with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
-        Engine(str(q8_dir), budget=weights // 2, config=resident)
-    streaming = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))
-    offloaded, fp = streaming.plan(positions)
-    assert offloaded and fp.total <= budget  # streaming would run it
-    eng = Engine(str(q8_dir), budget=budget, config=resident)
-    offloaded, fp = eng.plan(positions)
-    assert offloaded == () and fp.total > budget  # the plan keeps every weight in memory
-    with pytest.raises(BudgetExceeded) as err:
-        list(eng.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
-    assert 0 < err.value.fits_positions < positions and eng.swap.offloaded == ()
-    assert list(eng.generate("hi", SamplingParams(temperature=0, max_tokens=1)))  # what fits still runs
-
-
-def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
-    prompt, sp = "x " * 200, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
-    want = [c.token for c in free.generate(prompt, sp) if c.token is not None]
-    assert any(p.materialized_bytes for p in free.last_stats.phases)  # dense working copies, unconstrained
-    positions = len(free.encode(prompt)) + 20
-    dense = free.footprint(positions, chunk=MIN_PREFILL_CHUNK)
-    resident = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
-    assert resident.working < dense.working  # what the products dequantize, not a whole layer
-    del free
-    eng = Engine(str(q8_dir), budget=(dense.total + resident.total) // 2, config=EngineConfig(policy="cpu"))
-    offloaded, fp = eng.plan(positions)
-    assert offloaded == () and not fp.shape.dense_prefill and fp.shape.chunk == MIN_PREFILL_CHUNK
-    got = [c.token for c in eng.generate(prompt, sp) if c.token is not None]
-    assert got == want and eng.last_stats.prefill_chunk == MIN_PREFILL_CHUNK
-    assert not any(p.materialized_bytes or p.disk_loads for p in eng.last_stats.phases)  # nothing made or read
-
-
-def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir):
-    """The load-time check of stream_weights=False counts the smallest prefill the
-    planner takes (resident forms, the smallest chunk), not a dense working copy."""
-    free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
-    edge = free.edge_footprint()
-    assert edge.working < free.footprint(1, chunk=MIN_PREFILL_CHUNK).working  # no dense copy
-    budget = edge.total + 4096
-    del free
-    eng = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu", stream_weights=False))
-    assert eng.edge_footprint().total <= budget
-    with pytest.raises(BudgetExceeded):
-        Engine(str(q8_dir), budget=edge.total - 64 * 1024, config=EngineConfig(policy="cpu", stream_weights=False))
-
-
-def test_refused_when_even_offloading_cannot_fit(q8_dir):
-    eng = Engine(str(q8_dir))
-    floor = eng.footprint(1, tuple(eng.swap.offload_order()))
-    eng.config = replace(eng.config, budget_bytes=floor.total + 4096)
-    with pytest.raises(BudgetExceeded) as err:
-        list(eng.generate("x " * 200, SamplingParams(max_tokens=100)))
-    e = err.value
-    assert e.needed > e.budget and 0 < e.fits_positions < e.positions
-    assert eng.cached_tokens == [] and eng.swap.offloaded == ()
-
-
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown policy 'fast'"):
         EngineConfig(policy="fast")
@@ -266,23 +187,6 @@ def test_justfit_fit_takes_the_process_off_a_whole_process_budget(q8_dir):
     assert "is no more than what the process holds besides the engine" in text
     text = runner.invoke(main, ["fit", "--config", str(q8_dir), "--whole-process"]).output
     assert "give --model, not --config" in text
-
-
-def test_smollm2_below_its_weights_streams_token_identically(smollm2_gguf):
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    prompt = [{"role": "user", "content": "Name three colours."}]
-    free = Engine(str(smollm2_gguf))
-    expected = [c.token for c in free.generate(prompt, sp)]
-    weights = free.swap.registry.total_bytes()
-    del free
-    budget = int(weights * 0.9)  # weights + KV + transients cannot all stay resident
-    tight = Engine(str(smollm2_gguf), budget=budget, config=EngineConfig(policy="cpu"))  # free's weights
-    chunks = list(tight.generate(prompt, sp))
-    assert [c.token for c in chunks] == expected
-    stats = chunks[-1].stats
-    # the first token comes from prefill; each later one reads every offloaded layer once
-    assert tight.swap.offloaded and stats.phases[1].disk_loads == 3 * len(tight.swap.offloaded)
-    assert stats.memory.weights < budget
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64)])
