@@ -18,7 +18,9 @@ equal fidelity. Families:
   QJL residual (`qjl`: signs of a Gaussian sketch of the residual and its norm, an
   unbiased estimate of q . k);
 - values: rotated per-token groups of 64 (the default's values), unrotated per-token
-  groups of 32, and the rotated codebook with a norm per token.
+  groups of 32, and the rotated codebook with a norm per token;
+- on either side, the Gaussian rate-distortion bound (`bound`, `vbound-`,
+  bench/codec_bounds.py): how far any coder of Gaussian-modelled data could go.
 
     python -m bench.codecs --model smollm2
 """
@@ -37,11 +39,11 @@ if __name__ == "__main__":
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.codec_bounds import GROUP, key_bound, value_bound  # noqa: E402
 from kvexec.allocated import AllocatedCodec, allocate_widths, channel_weights  # noqa: E402
 from kvexec.formats import Codec  # noqa: E402
 from kvexec.rotated import RotatedCodec  # noqa: E402
 
-GROUP = 128  # tokens per per-channel key group, as the default's keys
 SKETCH_SEED = 0x51C
 
 
@@ -152,6 +154,7 @@ def key_codecs(q: np.ndarray, k: mx.array, module) -> dict[str, tuple[mx.array, 
         out[f"o4a{b}"] = with_outliers(q, k, b, 4)
         out[f"r{b}"] = _roundtrip(RotatedCodec(b), k), _bits(RotatedCodec(b), kvh, d)
         out[f"qjl{b}"] = qjl(k, b)
+        out[f"bound{b}"] = key_bound(q, k, b)
         for name, codec in ((f"c{b}", Codec(b, GROUP, per_channel=True)),
                             (f"cr{b}", Codec(b, GROUP, per_channel=True, rotated=True))):
             out[name] = _roundtrip(codec, k), _bits(codec, kvh, d)
@@ -167,6 +170,7 @@ def value_codecs(v: mx.array) -> dict[str, tuple[mx.array, float]]:
                             (f"vlm-{b}", RotatedCodec(b))):
             if d % getattr(codec, "group_size", 1) == 0:
                 out[name] = _roundtrip(codec, v), _bits(codec, kvh, d)
+        out[f"vbound-{b}"] = value_bound(v, b)
     return out
 
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench.codecs import allocated, bits_at, family, pre_rope, qjl, rope, savings, study
+from bench.codecs import allocated, bits_at, family, key_bound, pre_rope, qjl, rope, savings, study, value_bound
 from kvexec.rotated import RotatedCodec
 from tests.tiny_paged import ByteTokenizer, paged_model
 
@@ -62,7 +62,8 @@ def test_study_measures_every_codec_on_every_layer(tiny_model):
         for rows in families.values():  # within a family more bits lose less
             ordered = [r["summed_squares"] for r in sorted(rows, key=lambda r: r["bits"])]
             assert ordered == sorted(ordered, reverse=True)
-    assert {"a", "pre", "j", "o4a", "r", "qjl", "c", "cr"} <= {family(n) for n in result["keys"]}
+    assert {"a", "pre", "j", "o4a", "r", "qjl", "c", "cr", "bound"} <= {family(n) for n in result["keys"]}
+    assert "vbound-" in {family(n) for n in result["values"]}
     assert result["keys"]["a5"]["bits"] == 5.25 and result["values"]["vr64-5"]["bits"] == 5.5
     saved = savings(result["keys"], "a")
     assert set(saved["pre"]) == {"a3", "a4", "a5", "a6"} and "a" not in saved
@@ -76,3 +77,28 @@ def test_bits_at_interpolates_log_error_in_bits():
     side = {"a4": rows[0], "a5": rows[1], "x4": {"bits": 3.5, "summed_squares": 1e-2},
             "x5": {"bits": 4.5, "summed_squares": 1e-3}}
     assert savings(side, "a") == {"x": {"a4": 0.5, "a5": 0.5}}
+
+
+def test_rate_distortion_bounds_reach_gaussian_distortion_at_their_rate():
+    rng = np.random.default_rng(2)
+    # values: each token's own scale; one more bit a value divides the squared error by 4
+    scale = np.exp(rng.standard_normal((1, 2, 512, 1)))
+    v = mx.array((rng.standard_normal((1, 2, 512, 64)) * scale).astype(np.float32))
+    for rate in (3, 5):
+        got, bits = value_bound(v, rate)
+        assert bits == rate + 16 / 64  # the norm, one fp16 number a token and head
+        rel = float(((got - v) ** 2).sum() / (v**2).sum())
+        assert rel == pytest.approx(2.0 ** (-2 * rate), rel=0.05)
+    # keys: a channel no query reads gets no bits; at equal weights every channel D = var 2^-2R
+    k = mx.array((rng.standard_normal((1, 1, 256, 64)) * 2 + 5).astype(np.float32))
+    q = np.ones((1, 256, 64))
+    got, bits = key_bound(q, k, 4)
+    assert bits == 4 + 32 / 128  # mean and variance per channel and group, as the codec's scale and bias
+    err = np.array((got - k) ** 2)[0, 0].mean(axis=0)
+    var = np.array(k)[0, 0].reshape(2, 128, 64).var(axis=1).mean(axis=0)
+    assert np.median(err / var) == pytest.approx(2.0**-8, rel=0.2)
+    q[..., :32] = 0  # half the channels never meet a query: the other half take every bit
+    got, _ = key_bound(q, k, 4)
+    err = np.array((got - k) ** 2)[0, 0].mean(axis=0)
+    assert np.median(err[32:] / var[32:]) == pytest.approx(2.0**-16, rel=0.2)
+    assert np.median(err[:32] / var[:32]) == pytest.approx(1.0, rel=0.2)
