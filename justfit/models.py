@@ -90,8 +90,9 @@ def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool
     loads without transformers (see `load_converted`); the rest through mlx-lm."""
     target = resolve(spec, opts)
     path = Path(target) if Path(str(target)).exists() else None
-    if path is not None and _light(path):
-        model, tokenizer, config = load_converted(path, lazy)
+    light = _light_config(path) if path is not None else None
+    if light is not None:
+        model, tokenizer, config = load_converted(path, lazy, light)
         return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -106,24 +107,27 @@ def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool
     return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)
 
 
-def _light(folder: Path) -> bool:
-    """A folder justfit.gguf.convert wrote, whose chat template (if any) has no tool
-    calls: mlx-lm's wrapper brings the tool parsers for those."""
+def _light_config(folder: Path) -> dict | None:
+    """The config of a folder justfit.gguf.convert wrote, whose chat template (if any)
+    has no tool calls (mlx-lm's wrapper brings the tool parsers for those); else None."""
     try:
         config = json.loads((folder / "config.json").read_text())
         template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") or ""
     except (OSError, ValueError):
-        return False
-    return "justfit" in config and "tool" not in template
+        return None
+    return config if "justfit" in config and "tool" not in template else None
 
 
-def load_converted(folder: Path, lazy: bool = False) -> tuple[nn.Module, GGUFTokenizer, dict]:
+def load_converted(folder: Path, lazy: bool = False,
+                   config: dict | None = None) -> tuple[nn.Module, GGUFTokenizer, dict]:
     """A converted GGUF folder's model, tokenizer and config, as mlx-lm's loader builds
     them for the same folder (the module from mlx_lm.models, quantized per the config's
-    `quantization`), with justfit.tokenizer's tokenizer: no transformers imported."""
+    `quantization`), with justfit.tokenizer's tokenizer: no transformers imported.
+    `config`: the folder's config.json where the caller has read it already."""
     import mlx.core as mx
 
-    config = json.loads((folder / "config.json").read_text())
+    if config is None:
+        config = json.loads((folder / "config.json").read_text())
     try:
         arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     except ImportError as e:
