@@ -131,8 +131,7 @@ def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None, sliding: boo
     full = min(held, s.full_tokens if full_tokens is None else full_tokens)
     paged = held - full
     if s.block_tokens is not None and paged:  # segments are allocated ahead of use
-        paged = (-(-paged // s.page_tokens) * s.page_tokens if s.limited and not sliding
-                 else allocated_positions(paged, s.page_tokens, s.block_tokens))
+        paged = allocated_positions(paged, s.page_tokens, s.block_tokens, s.limited and not sliding)
     if sliding:
         return full * s.kv_row, paged * s.window_row
     tail = min(paged, s.block_tokens or 0)  # the segment being filled keeps the page format

@@ -65,8 +65,12 @@ def next_segment_capacity(held: int, page: int, limit: int, per_token: float = 0
     return cap
 
 
-def allocated_positions(paged: int, page: int, limit: int) -> int:
-    """Positions the segments holding `paged` positions have room for (no page limit)."""
+def allocated_positions(paged: int, page: int, limit: int, page_limited: bool = False) -> int:
+    """Positions the segments holding `paged` positions have room for: every segment
+    whole, or under a page limit whole pages (room past them is given back before any
+    page steps down: `release_unwritten`)."""
+    if page_limited:
+        return -(-paged // page) * page
     held = 0
     while held < paged:
         step = next_segment_capacity(held, page, limit)
