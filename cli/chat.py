@@ -10,9 +10,8 @@ import click
 from jinja2 import TemplateError
 
 from cli import common
-from cli.chat_session import ChatSession
+from cli.chat_session import ChatSession, request_sampling, sampling_text
 from cli.terminal import PrefillBar, loader_notes, tty_reader
-from justfit import SamplingParams
 from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
 
 
@@ -32,13 +31,12 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
 
     In a terminal: an interactive session (/help lists its commands). With stdin
     piped: all of stdin is one question, and only the answer is printed. A model
-    without a chat template (a base model) continues the text as typed.
+    without a chat template (a base model) continues the text as typed. Sampling is
+    the model's recommendation (shown in the banner) unless -t or --top-p says.
     """
     if raw and template_file:
         raise click.UsageError("--raw and --template exclude each other")
     template = read_chat_template(template_file) if template_file else None
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
-                              max_tokens=max_tokens)
     stdin, stdout, stderr = sys.stdin, sys.stdout, sys.stderr
     interactive = stdin.isatty()
     if interactive:
@@ -55,6 +53,7 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {template_file}")
     notice = raw_notice(engine, raw)
+    sampling = request_sampling(engine, max_tokens, seed, temperature, top_p)
     session = ChatSession(engine, tty_reader() if interactive else [], stdout, stderr,
                           sampling=sampling, system=system, progress=stderr.isatty(),
                           show_stats=interactive, catch_interrupt=interactive, raw=notice is not None)
@@ -63,7 +62,8 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
     if interactive:
         click.echo(click.style(
             f"{engine.name} · {engine.policy.name} · context {engine.context_limit} · "
-            f"/help for commands, /quit or Ctrl-D to leave", dim=True), file=stderr)
+            f"sampling {sampling_text(engine, sampling)} · /help for commands, /quit or Ctrl-D to leave",
+            dim=True), file=stderr)
         session.run()
         return
     answer_once(session, question)

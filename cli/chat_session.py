@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
@@ -21,6 +22,7 @@ from cli.terminal import PrefillBar, deferred_sigint, line_reader, Stopped
 from justfit import SamplingParams
 from justfit.errors import JustFitError
 from justfit.memory import format_size
+from justfit.models import describe_sampling
 
 
 HELP = """\
@@ -36,6 +38,22 @@ commands:
   /quit          leave (also Ctrl-D)
 input: end a line with \\ to continue it; a \"\"\" line opens a block closed by another.
 Ctrl-C stops a reply and keeps the session."""
+
+
+def request_sampling(engine, max_tokens: int, seed: int | None, temperature: float | None = None,
+                     top_p: float | None = None) -> SamplingParams:
+    """The engine's default sampling (the model's recommendation) with what the command
+    line gave instead (None: not given)."""
+    given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+    return replace(engine.default_sampling, max_tokens=max_tokens, seed=seed, **given)
+
+
+def sampling_text(engine, sp: SamplingParams) -> str:
+    """What a conversation samples with, and whence: "temperature 0.2, top-p 0.9
+    (SmolLM2-135M-Instruct's model card)"; "(given)" where the command line changed it."""
+    defaults = engine.default_sampling
+    own = (sp.temperature, sp.top_p) == (defaults.temperature, defaults.top_p)
+    return f"{describe_sampling(sp)} ({engine.sampling_source if own else 'given'})"
 
 
 def stats_line(engine) -> str:
@@ -80,7 +98,8 @@ class ChatSession:
         self._kept: list[int] | None = None  # raw: the tokens of `messages`, as computed
         self.read = line_reader(lines)
         self.out, self.err = out, err or out
-        self.sampling = sampling or SamplingParams()
+        # none given: the model's recommendation (no engine, as when only input is read: the fallback)
+        self.sampling = sampling or (engine.default_sampling if engine is not None else SamplingParams())
         self.system = system
         self.messages: list[dict[str, str]] = []
         self.session: str | None = None  # named by /save: every turn is written through
@@ -256,6 +275,7 @@ class ChatSession:
         lines = [
             f"model: {e.name} · policy {e.policy.name} · KV {e.config.kv.format if e.config.kv else 'mlx-lm'}"
             f" · BLAS {e.blas}" + (" · raw text (no chat template)" if self.raw else ""),
+            f"sampling: {sampling_text(e, self.sampling)}",
             f"conversation: {len(self.messages)} messages, {len(e.cached_tokens)} tokens kept "
             f"of {e.context_limit} context",
         ]

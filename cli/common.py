@@ -124,24 +124,53 @@ policy_option = click.option(
 
 
 def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
-    """--ranks N > 1, not yet a rank: run this same command line as N local ranks of a
-    layer pipeline (justfit.launch), and leave with its status."""
+    """--ranks N > 1, not yet a rank: become the launcher (justfit.launch) of this same
+    command line as N local ranks of a layer pipeline. This process turns into it (exec)
+    rather than waiting on it, so a stop signal, or a service manager watching this
+    process, reaches the launcher, and nothing is left behind when it is killed."""
     if ranks <= 1 or "MLX_RANK" in os.environ or ctx.resilient_parsing:
         return
-    import subprocess
+    from justfit.launch import launched, stop_grace
 
-    args, skip = [], False
-    for a in sys.argv[1:]:  # the same command, less --ranks
+    args = _without_ranks(sys.orig_argv[1:])  # the interpreter's options, the script or -m, the command
+    drain = _option_value(ctx.command, args, "drain")
+    argv = launched(ranks, [sys.executable, *args], None if drain is None else stop_grace(drain))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+
+
+def _without_ranks(args: list[str]) -> list[str]:
+    """`args` less --ranks and its value."""
+    out, skip = [], False
+    for a in args:
         if skip or a.startswith("--ranks="):
             skip = False
             continue
         if a == "--ranks":
             skip = True
             continue
-        args.append(a)
-    from justfit.launch import launched
+        out.append(a)
+    return out
 
-    sys.exit(subprocess.call(launched(ranks, [sys.argv[0], *args])))
+
+def _option_value(command: click.Command, args: list[str], name: str) -> float | None:
+    """The number `args` give `command`'s option `name` (else its default): what the
+    launcher needs to know before the command has parsed it (a server's --drain, for how
+    long to wait before killing the ranks); None when there is none to read."""
+    option = next((p for p in command.params if p.name == name and isinstance(p, click.Option)), None)
+    if option is None:
+        return None
+    value = option.default
+    for i, a in enumerate(args):
+        if a in option.opts and i + 1 < len(args):
+            value = args[i + 1]
+        elif any(a.startswith(f"{o}=") for o in option.opts):
+            value = a.split("=", 1)[1]
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # the command itself will say what is wrong
+        return None
 
 
 ranks_option = click.option(
@@ -165,10 +194,12 @@ def options(*decorators: Callable) -> Callable:
 sampling_options = options(
     click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
                  help="Most tokens to generate (per reply)."),
-    click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.7, show_default=True,
-                 help="Sampling temperature; 0 is greedy."),
-    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-                 help="Nucleus sampling: keep the smallest token set with this much probability."),
+    click.option("--temperature", "-t", type=click.FloatRange(min=0), default=None,
+                 help="Sampling temperature; 0 is greedy. Default: the model's recommendation "
+                      "(its generation_config.json or model card; else 0.6)."),
+    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+                 help="Nucleus sampling: keep the smallest token set with this much probability. "
+                      "Default: the model's recommendation (else 0.9)."),
     click.option("--seed", type=int, default=None, help="Random seed, for repeatable sampling."),
 )
 engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option,
@@ -176,7 +207,8 @@ engine_options = options(budget_option, whole_process_option, gguf_bits_option, 
 
 
 def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bits: int | str = "native",
-                kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False):
+                kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False,
+                state_disk: int | None = None, session_keep_s: float = 600.0):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig
@@ -186,7 +218,8 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
     group = launch_group()
     budget = rank_budget(budget, group.rank() if group else 0, group.size() if group else 1)
     engine = Engine(model=model, budget=budget, group=group,
-                    config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy, budget_covers_process=whole_process))
+                    config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy, budget_covers_process=whole_process,
+                                        state_disk=state_disk, session_keep_s=session_keep_s))
     if engine.pipeline is not None:
         if engine.pipeline.rank > 0:  # this process computes its layers for rank 0, then leaves
             click.echo(f"rank {engine.pipeline.rank}: layers {list(engine.pipeline.split.layers(engine.pipeline.rank))}"
@@ -198,8 +231,20 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
             sys.exit(0)
         import atexit
 
-        atexit.register(engine.close_pipeline)
+        atexit.register(stop_followers, engine)
     return engine
+
+
+def stop_followers(engine) -> None:
+    """On rank 0 of a pipeline, as it leaves: tell the other ranks to leave (the
+    pipeline's STOP), once; nothing to tell when the group is lost (a rank gone)."""
+    if engine.pipeline_lost:
+        return
+    try:
+        engine.close_pipeline()
+    except (OSError, RuntimeError):  # a rank went meanwhile: it needs no telling
+        pass
+    engine.pipeline_lost = "the pipeline was stopped"
 
 
 def launch_group():
@@ -207,6 +252,9 @@ def launch_group():
     (a layer pipeline: justfit.pipeline), else None."""
     if "MLX_RANK" not in os.environ:
         return None
+    from justfit.launch import watch_launcher
+
+    watch_launcher()  # under justfit.launch: leave when it is gone
     import mlx.core as mx
 
     group = mx.distributed.init()

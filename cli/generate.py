@@ -8,9 +8,8 @@ import sys
 import click
 
 from cli import common
-from cli.chat_session import request_lines
+from cli.chat_session import request_lines, request_sampling, sampling_text
 from cli.terminal import PrefillBar
-from justfit import SamplingParams
 
 
 def prompt_text(prompt: str | None, stdin) -> str:
@@ -36,11 +35,12 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     """Continue a text, as typed: no chat template, the prompt is not repeated.
 
     Only the continuation goes to stdout (a final newline only on a terminal), so
-    `justfit generate ... > out.txt` holds exactly what the model wrote.
+    `justfit generate ... > out.txt` holds exactly what the model wrote. Sampling is
+    the model's recommendation unless -t or --top-p says.
     """
     text = prompt_text(prompt, sys.stdin)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    sampling = request_sampling(engine, max_tokens, seed, temperature, top_p)
     out, err = sys.stdout, sys.stderr
     bar = PrefillBar(err, err.isatty())
     gen = engine.generate(text, sampling, progress=bar)
@@ -55,4 +55,5 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     if out.isatty():
         click.echo("", file=out)
     if show_stats:
-        click.echo("\n".join(request_lines(engine.last_stats)), file=err)
+        click.echo("\n".join([f"sampling: {sampling_text(engine, sampling)}", *request_lines(engine.last_stats)]),
+                   file=err)

@@ -1,4 +1,4 @@
-"""`justfit serve`: OpenAI- and Ollama-compatible HTTP endpoints on one model."""
+"""`justfit serve`: OpenAI-, Ollama- and Anthropic-compatible HTTP endpoints on one model."""
 
 from __future__ import annotations
 
@@ -16,10 +16,30 @@ from cli import common
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback exposes the model to the network.")
 @click.option("--port", "-p", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--api-key", default=None, envvar="JUSTFIT_API_KEY", metavar="KEY",
-              help="Require 'Authorization: Bearer KEY' on every route but /health (env JUSTFIT_API_KEY).")
+@click.option("--api-key", multiple=True, envvar="JUSTFIT_API_KEY", metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health; "
+                   "repeat for several keys, each with its own sessions and cache (env JUSTFIT_API_KEY, "
+                   "several separated by spaces).")
+@click.option("--api-keys", "api_keys_file", default=None, metavar="FILE",
+              help="More keys, one a line ('#' starts a comment line); unreadable or empty: an error.")
 @click.option("--cors-origin", default=None, metavar="ORIGIN",
               help="Allow browser pages from ORIGIN (e.g. http://localhost:3000, or *). Off by default.")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10, show_default=True, metavar="SECONDS",
+              help="A connection whose request line and headers are not all in within this is closed.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30, show_default=True, metavar="SECONDS",
+              help="A request whose body is not all in within this, once its headers are, gets 408 and is closed.")
+@click.option("--drain", type=click.FloatRange(min=0), default=10, show_default=True, metavar="SECONDS",
+              help="On SIGTERM, SIGINT or SIGHUP: stop accepting, give running requests this long to finish, "
+                   "cancel the rest (their state kept), publish every session write, exit 0.")
+@click.option("--state-disk", default=None, metavar="SIZE",
+              help="Stored states on disk at most: named sessions 3/4 of it (least recently used go first), "
+                   "the prefix cache the rest. Default: the smaller of 20GiB and half the free space.")
+@click.option("--session-keep", type=click.FloatRange(min=0), default=10, show_default=True, metavar="MINUTES",
+              help="A session used this recently is evicted by the disk quota only when nothing older is "
+                   "left, and the response that evicts it says so.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True, metavar="N",
+              help="Open connections at most; past it a new one closes the oldest not being answered "
+                   "(stalled first, then idle), so slow clients never lock others out.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one computes; past it: 503 with Retry-After.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -46,25 +66,33 @@ from cli import common
 @common.policy_option
 @common.ranks_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
-          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy) -> None:
-    """Serve a model over HTTP: /v1 (OpenAI) and /api (Ollama).
+          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy,
+          api_keys_file, header_timeout, body_timeout, max_connections, drain, state_disk, session_keep) -> None:
+    """Serve a model over HTTP: /v1 (OpenAI), /api (Ollama) and /v1/messages (Anthropic).
 
     Stored conversation states are reused across requests; a request that cannot
     fit the context or the budget gets HTTP 400 (context_length_exceeded) before
-    any work. GET /health, /metrics (Prometheus) and /v1/justfit/status report.
+    any work. A request that does not say how to sample gets the model's recommended
+    sampling. GET /health, /metrics (Prometheus) and /v1/justfit/status report; the
+    status page is at /.
     """
     from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
     from justfit.memory import parse_size
     from justfit.server import ServerConfig, run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = ServerConfig(host=host, port=port, api_key=api_key, cors_origin=cors_origin, max_queue=max_queue,
+    api_keys = _api_keys(api_key, api_keys_file)  # a bad key file fails before loading
+    config = ServerConfig(host=host, port=port, api_keys=api_keys, cors_origin=cors_origin, max_queue=max_queue,
                           max_batch=max_batch, preempt=preempt,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
-                          model_name=served_name, rank_timeout_s=rank_timeout)
+                          model_name=served_name, rank_timeout_s=rank_timeout,
+                          header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                          max_connections=max_connections, drain_s=drain)
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
-    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
+                                state_disk=parse_size(state_disk) if state_disk else None,
+                                session_keep_s=session_keep * 60)
     if engine.pipeline is not None and max_batch > 1:
         raise click.UsageError("--max-batch above 1 does not run on a layer pipeline yet")
     if template is not None:
@@ -72,11 +100,27 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     name = served_name or engine.name
 
     def ready(url: str) -> None:
-        click.echo(f"serving {name} on {url}/v1 (OpenAI) and {url}/api (Ollama); Ctrl-C stops", file=sys.stderr)
-        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        from justfit.models import describe_sampling
+
+        click.echo(f"serving {name} on {url}/v1 (OpenAI), {url}/api (Ollama) and {url}/v1/messages (Anthropic), "
+                   f"the status page at {url}/; Ctrl-C stops", file=sys.stderr)
+        click.echo(f"requests that do not say are sampled at {describe_sampling(engine.default_sampling)} "
+                   f"({engine.sampling_source})", file=sys.stderr)
+        if host not in ("127.0.0.1", "localhost", "::1") and not config.api_keys:
             click.echo("warning: listening beyond this machine without --api-key", file=sys.stderr)
         if not has_chat_template(engine.tokenizer):
             click.echo(f"note: {name} is a base model with no chat template: chat routes answer 400; "
                        "send text to /v1/completions or /api/generate, or give --chat-template FILE", file=sys.stderr)
 
     run(engine, config, ready)
+
+
+def _api_keys(given: tuple[str, ...], file: str | None) -> tuple[str, ...]:
+    """The keys of --api-key and --api-keys FILE, checked; a clear error before loading anything."""
+    from justfit.server import keys
+
+    try:
+        from_file = keys.read_file(file) if file else ()
+        return keys.accepted(None, [*(keys.check(k, "--api-key") for k in given), *from_file])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None

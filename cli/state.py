@@ -1,5 +1,10 @@
 """`justfit state`: what the state directory holds (named sessions and anonymous
-prefix-cache states), and removing, verifying and trimming it."""
+prefix-cache states), and removing, verifying and trimming it.
+
+Names are printed as they are when they are plain printable text, else as a JSON
+string (quoted, every odd character escaped: control characters, lone surrogates), and
+`state rm` takes either form; everything else read from the directory (paths, reasons,
+model names) is printed with its unprintable characters escaped."""
 
 from __future__ import annotations
 
@@ -33,6 +38,32 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
+def shown(name: str) -> str:
+    """A stored name as `state ls` prints it (see the module doc); `state rm` takes it back."""
+    if name and name.isprintable() and not name.startswith('"') and name == name.strip():
+        return name
+    return json.dumps(name)
+
+
+def candidates(name: str) -> list[str]:
+    """The stored names `name` (as typed) may mean: itself, and what it says as a JSON string."""
+    out = [name]
+    if name.startswith('"'):
+        try:
+            decoded = json.loads(name)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, str) and decoded != name:
+            out.append(decoded)
+    return out
+
+
+def _safe(text: str) -> str:
+    """`text` with its unprintable characters escaped (never an encoding error, no
+    terminal control sequences from a file's content)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
 def _age(seconds: float) -> str:
     for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= span:
@@ -50,55 +81,81 @@ def state() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 def ls(state_dir, as_json) -> None:
     """Sessions and anonymous states: tokens, bytes, KV format, model, age."""
-    from statetrans.admin import inventory
+    from statetrans.admin import inventory, quarantine_items
 
     root = _root(state_dir)
     items = inventory(root)
     if as_json:
-        click.echo(json.dumps([{"session": s.session, "tokens": s.tokens, "bytes": s.bytes, "format": s.format,
-                                "model": s.model, "age_s": round(s.age_s, 1), "generation": s.generation,
-                                "current": s.current, "path": str(s.path), "error": s.error} for s in items],
-                              indent=2))
+        click.echo(json.dumps([{"session": s.session, "scope": s.scope, "tokens": s.tokens, "bytes": s.bytes,
+                                "format": s.format, "model": s.model, "age_s": round(s.age_s, 1),
+                                "generation": s.generation, "current": s.current,
+                                "path": str(s.path),
+                                "error": s.error} for s in items], indent=2))
         return
-    if not items:
-        click.echo(f"nothing stored in {root}")
+    held = quarantine_items(root)
+    if not items and not held:
+        click.echo(f"nothing stored in {_safe(root)}")
         return
     click.echo(f"{'NAME':24} {'TOKENS':>8} {'SIZE':>10} {'FORMAT':8} {'AGE':>5}  MODEL")
     for s in items:
-        name = (s.session if s.session is not None else "(anonymous)") + ("" if s.current else " (superseded)")
+        name = (shown(s.session) if s.session is not None else "(anonymous)") + ("" if s.current else " (superseded)")
         if s.error:
-            click.echo(f"{'(unreadable)':24} {s.path}: {s.error}")
+            click.echo(f"{'(unreadable)':24} {_safe(s.path)}: {_safe(s.error)}")
             continue
-        click.echo(f"{name[:24]:24} {s.tokens:>8} {_size(s.bytes):>10} {s.format:8} {_age(s.age_s):>5}  {s.model}")
-    click.echo(f"{len(items)} snapshots, {_size(sum(s.bytes for s in items))} in {root}")
+        click.echo(f"{name:24} {s.tokens:>8} {_size(s.bytes):>10} {_safe(s.format):8} {_age(s.age_s):>5}  "
+                   f"{_safe(s.model)}")
+    click.echo(f"{len(items)} snapshots, {_size(sum(s.bytes for s in items))} in {_safe(root)}")
+    if held:
+        click.echo(f"{len(held)} quarantined (see justfit state verify)")
 
 
 @state.command("rm")
 @state_dir_option
 @click.argument("name")
 def rm(state_dir, name) -> None:
-    """Delete the named session NAME."""
+    """Delete the named session NAME (as `state ls` prints it, or as it is)."""
     from statetrans.admin import remove_session
 
-    if not remove_session(_root(state_dir), name):
-        raise common.UserError(f"no session {name!r} in {_root(state_dir)}")
-    click.echo(f"removed session {name!r}")
+    root = _root(state_dir)
+    for candidate in candidates(name):
+        try:
+            found = remove_session(root, candidate)
+        except OSError as e:
+            raise common.UserError(f"cannot remove session '{shown(candidate)}': {_safe(e)}") from None
+        if found:
+            click.echo(f"removed session '{shown(candidate)}'")
+            return
+    raise common.UserError(f"no session '{shown(name)}' in {_safe(root)}")
 
 
 @state.command("verify")
 @state_dir_option
-@click.option("--remove", is_flag=True, help="Delete the broken snapshots (a session's older generation takes over).")
+@click.option("--remove", is_flag=True, help="Delete what is quarantined, the broken snapshots just found included.")
 def verify(state_dir, remove) -> None:
-    """Check every snapshot's checksums; report (and with --remove delete) broken ones."""
-    from statetrans.admin import inventory, verify as check
+    """Check every snapshot (checksums, header, structure); move broken ones into
+    quarantine (a session's older generation takes over), list what the quarantine
+    holds, and with --remove delete it."""
+    from statetrans.admin import purge_quarantine, quarantine_items, verify as check
 
     root = _root(state_dir)
-    total = len(inventory(root))
-    broken = check(root, remove)
-    for path, why in broken:
-        click.echo(f"broken: {why}" + (" (removed)" if remove else ""))
+    total, broken = check(root)
+    for path, why, moved in broken:
+        where = f"quarantined as {moved.name}" if moved is not None else "cannot be read now; left in place"
+        click.echo(f"broken: {_safe(why)} ({_safe(where)})")
+    fresh = {moved for _, _, moved in broken if moved is not None}
+    held = quarantine_items(root)
+    for q in held:
+        if q.path not in fresh:
+            click.echo(f"quarantined: {_safe(q.source)} ({_safe(q.path.name)}): {_safe(q.reason)}"
+                       + (" (removed)" if remove else ""))
+    if remove and held:
+        try:
+            purge_quarantine(root)
+        except OSError as e:
+            raise common.UserError(f"cannot empty the quarantine: {_safe(e)}") from None
+        click.echo(f"removed {len(held)} quarantined item{'s' if len(held) != 1 else ''}")
     click.echo(f"{total - len(broken)} of {total} snapshots intact")
-    if broken and not remove:
+    if any(moved is None for _, _, moved in broken) or ((broken or held) and not remove):
         raise SystemExit(1)
 
 
@@ -111,5 +168,8 @@ def gc(state_dir, keep) -> None:
     --keep SIZE. Named sessions and running processes' states are never removed."""
     from statetrans.admin import gc as collect
 
-    removed, freed = collect(_root(state_dir), keep)
+    try:
+        removed, freed = collect(_root(state_dir), keep)
+    except OSError as e:
+        raise common.UserError(f"cannot collect garbage in {_safe(_root(state_dir))}: {_safe(e)}") from None
     click.echo(f"removed {removed} snapshots, freed {_size(freed)}")

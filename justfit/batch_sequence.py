@@ -26,10 +26,13 @@ class Sequence:
     """A request's state between steps: `remaining` prompt tokens to prefill, then a
     `pending` token to feed; `finished` once its reply ends."""
 
-    def __init__(self, engine: Engine, tokens: list[int], sampling: SamplingParams, session: str | None = None):
+    def __init__(self, engine: Engine, tokens: list[int], sampling: SamplingParams, session: str | None = None,
+                 scope: str = ""):
         if not tokens:
             raise ValueError("empty prompt")
         self.engine, self.tokens, self.sp, self.session = engine, list(tokens), sampling, session
+        self.scope = scope  # whose stored states it may reuse and write
+        self.base: int | None = None  # the session's generation it started from (lost updates are forks)
         # The planner's footprint for this sequence alone; refuses, before any work, what cannot fit.
         self.offloaded, self.plan = engine.check_fits(len(tokens), sampling.max_tokens)
         self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.plan.total,
@@ -47,7 +50,8 @@ class Sequence:
         """Take the stored state sharing the longest prefix (the memory tier held to
         `state_allowance`), bound its pages to its plan, and pin its prompt."""
         e = self.engine
-        reuse = e.states.take(self.tokens, self.session, state_allowance)
+        reuse = e.states.take(self.tokens, self.session, state_allowance, scope=self.scope)
+        self.base = reuse.base
         self._bind(reuse.cache if reuse.cache is not None else e.new_cache())
         self.held = list(reuse.tokens)
         s = self.stats
@@ -72,7 +76,7 @@ class Sequence:
         its cache let go (what it sampled, its stops and text stay here); the seconds
         the write took. Raises, with the cache kept, when the write fails."""
         started = time.perf_counter()  # the time set aside counts the write too
-        self.parked = park(self.engine.states, self.held, self.cache, self.rng)
+        self.parked = park(self.engine.states, self.held, self.cache, self.rng, self.scope)
         self.cache = None
         self._parked_at = started
         s = self.stats
@@ -171,5 +175,7 @@ class Sequence:
         if cache is None:
             return
         if self.held and holds(cache, len(self.held)):
-            self.engine.states.put(self.held, cache, self.session, self.rng)
+            stored = self.engine.states.put(self.held, cache, self.session, self.rng, scope=self.scope,
+                                            base=self.base)
+            self.stats.state_write = stored.write if self.session else None
         self.stats.kv_formats = kvexec.page_formats(cache)

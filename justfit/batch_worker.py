@@ -100,10 +100,11 @@ def _admit(sched: Scheduler, runner: BatchRunner, taken: list, seqs: dict) -> No
         if job.cancel.is_set():  # its client left while it waited
             taken.pop(0)
             sched.cancelled += 1
+            job.ended_by_stop()
             job.emit("done", None)
             continue
         try:
-            seq = Sequence(sched.engine, job.tokens, job.sampling, job.session)  # refuses what cannot fit alone
+            seq = Sequence(sched.engine, job.tokens, job.sampling, job.session, job.scope)  # refuses what cannot fit alone
         except Exception as e:
             taken.pop(0)
             if not isinstance(e, JustFitError):
@@ -139,4 +140,6 @@ def _finish(sched: Scheduler, job: Job, seq: Sequence, outcome: str) -> None:
             sched.on_done(stats)
     sched._seconds = 0.7 * sched._seconds + 0.3 * (time.monotonic() - job.started)
     sched.active = [j for j in sched.active if j is not job]
+    if outcome == "cancelled":
+        job.ended_by_stop()
     job.emit("done", stats)

@@ -11,10 +11,14 @@ from phaseswap.policy import get_policy
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 means greedy.
 
-    temperature: float = 0.7
-    top_p: float = 1.0
+    The defaults are the fallback for a model that recommends no sampling of its own
+    (justfit.models.recommended_sampling reads what one does): temperature 0.6 and
+    top-p 0.9, as Llama 3's makers ship; small models wander at 0.7 without a top-p."""
+
+    temperature: float = 0.6
+    top_p: float = 0.9
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -68,10 +72,15 @@ class EngineConfig:
     # Stored states (prefix cache and sessions, statetrans.StateTiers): the memory tier
     # holds at most state_memory bytes (None: a quarter of RAM; with a budget, also what
     # the budget leaves) and spills to state_dir (None: $JUSTFIT_STATE_DIR or
-    # ~/.cache/justfit/state), whose anonymous states are kept to state_disk bytes.
+    # ~/.cache/justfit/state), which holds at most state_disk bytes (None: the smaller
+    # of 20 GiB and half its free space): named sessions session_disk of it (None: 3/4),
+    # least recently used first past that (one used in the last session_keep_s seconds
+    # only when nothing older is left), anonymous states the rest.
     state_memory: int | None = None
-    state_disk: int = 16 * 2**30
+    state_disk: int | None = None
     state_dir: str | None = None
+    session_disk: int | None = None
+    session_keep_s: float = 600.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

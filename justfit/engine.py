@@ -35,6 +35,7 @@ from phaseswap.native import install_ops
 from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
+from statetrans.quota import default_state_disk, split_state_disk
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -55,6 +56,8 @@ class Engine:
         loaded = load_lazily(model, config)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.name, self.path = loaded.name, loaded.path
+        # What a request that does not say is sampled with: the model's recommendation.
+        self.default_sampling, self.sampling_source = loaded.sampling, loaded.sampling_source
         self._share: ProcessShare | None = None  # a whole-process budget, if given
         if config.budget_bytes is not None and config.budget_covers_process:
             # Weights are not read yet (lazy load): what the process holds now besides
@@ -99,9 +102,14 @@ class Engine:
         trim_heap()  # and what converting the weights freed outside MLX
         c = self.config
         state_dir = state_root(c.state_dir)  # also remembers the weights' sha256 (model identity)
+        total = c.state_disk if c.state_disk is not None else default_state_disk(state_dir)
+        sessions_disk, anonymous_disk = split_state_disk(total)
+        if c.session_disk is not None:
+            sessions_disk, anonymous_disk = c.session_disk, max(0, total - c.session_disk)
         self.states = StateTiers(state_dir, state_identity(self, state_dir), len(self.new_cache()),
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
-                                 c.state_disk)
+                                 anonymous_disk, session_disk_limit=sessions_disk, session_keep_s=c.session_keep_s,
+                                 vocab=getattr(getattr(self.model, "args", None), "vocab_size", None))  # the logits' width
         self.last_stats: GenerationStats | None = None
         self.live_cache: list | None = None  # the running request's state, for the status page
         self.rank_limits: list[int] = []  # on a pipeline: the positions each rank's own plan holds (-1: no budget)
@@ -142,6 +150,12 @@ class Engine:
         self._share = None
         self.swap.registry.strict = True
         hold_memory_to(self.config.budget_bytes)
+
+    @property
+    def process_budget(self) -> int | None:
+        """The whole-process budget the engine's share is taken from (None: the budget,
+        if any, covers the engine alone)."""
+        return self._share.process_budget if self._share is not None else None
 
     def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the
@@ -256,17 +270,18 @@ class Engine:
 
     # -- generation --------------------------------------------------------------
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                 progress: ProgressFn | None = None, session: str | None = None) -> Iterator[Chunk]:
+                 progress: ProgressFn | None = None, session: str | None = None, scope: str = "") -> Iterator[Chunk]:
         """Stream the reply to `prompt`, starting from the stored state sharing the
-        longest prefix with it (`session`'s own first). Closing the iterator early
-        cancels cleanly: the state stored then holds exactly the tokens computed."""
+        longest prefix with it (`session`'s own first) among `scope`'s (a client's:
+        another scope's states are never reused). Closing the iterator early cancels
+        cleanly: the state stored then holds exactly the tokens computed."""
         tokens = self.encode(prompt)  # here, in the iterating thread, as before the first chunk
         if not tokens:
             raise ValueError("empty prompt")
         if self.pipeline_lost:
             raise PipelineLost(self.pipeline_lost)
         try:
-            yield from run_request(self, tokens, sampling or SamplingParams(), progress, session)
+            yield from run_request(self, tokens, sampling or self.default_sampling, progress, session, scope)
         except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
             if self.pipeline is None or not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
                 raise

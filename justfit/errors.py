@@ -40,3 +40,10 @@ class PipelineLost(JustFitError):
     def __init__(self, reason: str):
         self.reason = reason
         super().__init__(f"a rank of the layer pipeline is gone ({reason}); restart all ranks")
+
+
+class ServerStopping(JustFitError):
+    """The server is stopping (a service manager's SIGTERM, Ctrl-C): retry elsewhere or later."""
+
+    def __init__(self):
+        super().__init__("the server is stopping; retry once it is back")

@@ -5,9 +5,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 from justfit.memory import format_size
-from justfit.planner import cache_layout
+from justfit.planner import MIN_PREFILL_CHUNK, cache_layout, footprint
 from kvexec import FORMATS, KVConfig, get_format, ladder
 from kvexec.calibrate import layer_summary
+
+# llama.cpp's KV cache types the comparison rows show: bytes per K or V value. f16 is
+# its default; q8_0 stores blocks of 32 one-byte values with an fp16 scale.
+LLAMA_CPP_KV = {"f16": 2.0, "q8_0": 34 / 32}
+COMPARISON_NOTE = ("mlx-lm fp16: the KV mlx-lm's users hold (Metal, or float16/bfloat16 weights); mlx-lm fp32: "
+                   "only with float32 activations (MLX's CPU backend, as this engine runs); both with the weights as "
+                   "stored, all resident (mlx-lm streams none). llama.cpp f16 (its default) and q8_0: K and V per "
+                   "position from the model's shapes; max positions: what the budget holds beside the weights as "
+                   "stored, its compute buffers not counted (an upper bound)")
 
 
 def fit_report(engine, budget: int, context: int | None = None, outside: int = 0) -> dict:
@@ -23,8 +32,10 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     choices = [(name, replace(base or KVConfig(), format=name, layer_formats=())) for name in FORMATS
                if get_format(name).supports_head_dim(head_dim)]
     if base is not None and base.layer_formats:  # the engine's calibrated per-layer formats
-        choices.append((_kv_label(base), base))
-    for name, kv in [*choices, ("mlx-lm", None)]:
+        choices.append((kv_label(base), base))
+    if base is None:  # the engine runs mlx-lm's own cache
+        choices.append(("mlx-lm", None))
+    for name, kv in choices:
         # Capacities at the smallest prefill the planner would take under pressure (the
         # smallest chunk, on the resident forms).
         probe = engine.edge_footprint(kv=kv)
@@ -35,6 +46,7 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
             "max_positions": probe.max_positions(budget),
             "max_positions_offloaded": engine.edge_footprint(every_layer, kv).max_positions(budget),
         })
+    rows += comparison_rows(engine, budget)
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
         "budget": budget, "outside": outside, "context_limit": engine.context_limit,
@@ -47,7 +59,7 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
         "formats": rows,
     }
     # the ladder of a layer whose pages step down: a full one (sliding layers' rings never do)
-    steps = [f.label for f in ladder(base, head_dim, _first_full_layer(engine.model))] if base else []
+    steps = [f.label for f in ladder(base, head_dim, first_full_layer(engine.model))] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
                               "max_positions": engine.edge_footprint(pressed=True).max_positions(budget)}
@@ -63,7 +75,7 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
             "beyond_context": context > engine.context_limit,
             "offloaded": list(offloaded), "footprint": fp.as_dict(),
             "pages": f"stepped down as needed, to {steps[-1]} at most" if fp.shape.page_row < fp.shape.top_row
-            else f"kept in {_kv_label(base)}" if base else "mlx-lm's cache",
+            else f"kept in {kv_label(base)}" if base else "mlx-lm's cache",
             "prefill": _forms(swap.prefill_forms) if fp.shape.dense_prefill else
             "on the resident weights (no dense working copy: the budget is tight)", "prefill_chunk": fp.shape.chunk,
             "decode": f"resident {reg.resident_form}",
@@ -71,13 +83,62 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     return report
 
 
-def _first_full_layer(model) -> int:
+def comparison_rows(engine, budget: int) -> list[dict]:
+    """mlx-lm's and llama.cpp's KV for the same model and budget, each row named for
+    what it is (see COMPARISON_NOTE): mlx-lm at float16, and at float32 only where this
+    engine computes in float32; llama.cpp's f16 and q8_0."""
+    weights = engine.stored_bytes() or engine.swap.registry.total_bytes()
+    rows = []
+    for dtype, act_bytes in (("fp16", 2), ("fp32", 4)):
+        if act_bytes == 4 and not engine.policy.fp32:
+            continue
+
+        def mlx_lm(positions: int, chunk: int):
+            return footprint(engine.model, engine.model_config, positions, chunk, None, weights, 0, act_bytes,
+                             dense_prefill=False, limited=True)
+
+        probe = mlx_lm(1, MIN_PREFILL_CHUNK)
+        rows.append({"format": f"mlx-lm {dtype}", "compare": True,
+                     "bytes_per_position": probe.shape.bytes_per_position,
+                     "transient_bound": mlx_lm(engine.context_limit, engine.config.prefill_chunk).transient,
+                     "max_positions": probe.max_positions(budget), "max_positions_offloaded": None})
+    full, windows, _, _ = cache_layout(engine.model)
+    _, kv_heads, head_dim = engine.kv_shape
+    return rows + llama_cpp_rows(kv_heads, head_dim, full, windows, weights, budget)
+
+
+def llama_cpp_rows(kv_heads: int, head_dim: int, full_layers: int, windows: tuple[int, ...], weights: int,
+                   budget: int) -> list[dict]:
+    """llama.cpp's f16 and q8_0 KV from a model's shapes: bytes per position over every
+    attention layer (sliding ones until their window fills, as its SWA cache holds
+    them), and the positions whose KV fits beside `weights` in `budget`."""
+    rows = []
+    for cache_type, per_value in LLAMA_CPP_KV.items():
+        row = 2 * kv_heads * head_dim * per_value  # K and V of one position in one layer
+
+        def kv(positions: int) -> float:
+            return row * (full_layers * positions + sum(min(positions, w) for w in windows))
+
+        lo, hi = 0, 1 << 30
+        if weights + kv(1) > budget:
+            hi = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if weights + kv(mid) <= budget else (lo, mid)
+        rows.append({"format": f"llama.cpp {cache_type}", "compare": True,
+                     "bytes_per_position": row * (full_layers + len(windows)), "transient_bound": None,
+                     "max_positions": lo if hi else 0, "max_positions_offloaded": None})
+    return rows
+
+
+def first_full_layer(model) -> int:
     """The index, among the attention layers, of the first that holds every position."""
     full, windows, sliding, _ = cache_layout(model)
     return next((i for i in range(full + len(windows)) if i not in sliding), 0)
 
 
-def _kv_label(kv: KVConfig) -> str:
+def kv_label(kv: KVConfig) -> str:
+    """The KV format's name, and a calibrated one's formats by layer count."""
     return f"{kv.format}: {layer_summary(kv.layer_formats)}" if kv.layer_formats else kv.format
 
 
@@ -104,12 +165,13 @@ def format_fit(r: dict) -> str:
         f"layers {format_size(w['by_kind']['layer'])}, head {format_size(w['by_kind']['head'])}); "
         f"stored {format_size(w['stored_on_disk'])}; largest working copy {format_size(w['largest_working_copy'])}",
         "",
-        f"{'KV format':<10} {'bytes/pos':>10} {'transient':>11} {'max positions':>14} {'layers on disk':>17}",
+        f"{'KV format':<{label_width(r)}} {'bytes/pos':>10} {'transient':>11} {'max positions':>14} "
+        f"{'layers on disk':>17}",
     ]
     lines += format_rows(r, "(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
                             "transient at the trained context and the configured chunk; max positions at the "
                             "smallest chunk, prefill on the resident weights; positions past the trained context "
-                            "need a model that extrapolates)")
+                            f"{r['context_limit']:,} need a model that extrapolates. {COMPARISON_NOTE})")
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]
@@ -130,18 +192,29 @@ def format_fit(r: dict) -> str:
 def format_rows(r: dict, note: str) -> list[str]:
     """The per-format table's rows (the format in use marked, a transient column when the
     report has one), `note` under it, and the pressure ladder's line."""
-    lines = []
+    lines, width, compared = [], label_width(r), False
     for row in r["formats"]:
         mark = " *" if row["format"].partition(":")[0] == r["kv_format"] else ""
-        transient = f"{format_size(row['transient_bound']):>11} " if "transient_bound" in row else ""
-        lines.append(f"{row['format']:<10} {row['bytes_per_position']:>10.0f} {transient}"
-                     f"{row['max_positions']:>14,} {row['max_positions_offloaded']:>17,}{mark}")
+        transient = "" if "transient_bound" not in row else f"{'-':>11} " if row["transient_bound"] is None \
+            else f"{format_size(row['transient_bound']):>11} "
+        offloaded = row["max_positions_offloaded"]
+        if row.get("compare") and not compared:  # other programs' KV, the same model and budget
+            lines.append("compared with:")
+            compared = True
+        lines.append(f"{row['format']:<{width}} {row['bytes_per_position']:>10.0f} {transient}"
+                     f"{row['max_positions']:>14,} {'-' if offloaded is None else f'{offloaded:,}':>17}{mark}")
     lines.append(note)
     if r.get("pressure"):
         p = r["pressure"]
         lines.append(f"with pages stepping down {' > '.join(p['ladder'])} under the budget: "
                      f"{p['max_positions']:,} positions")
     return lines
+
+
+def label_width(r: dict) -> int:
+    """The format column's width: the longest label but a calibrated one's (its list of
+    layer formats runs over its own row)."""
+    return max([10, *(len(row["format"]) for row in r["formats"] if ":" not in row["format"])])
 
 
 def _names(offloaded: list[str]) -> str:

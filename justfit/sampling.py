@@ -9,11 +9,12 @@ requests do not disturb each other, and MLX's global RNG is never touched.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from justfit.config import SamplingParams
 
@@ -39,11 +40,11 @@ def keyed_sampler(sp: SamplingParams, vocab: int, rng: dict) -> Sampler:
     top_k = sp.top_k if sp.top_k < vocab else 0  # keeping every token is no filter
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < sp.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, sp.top_p))
+        filters.append(lambda x: top_p_filter(x, sp.top_p))
     if sp.min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, sp.min_p, 1))
+        filters.append(lambda x: min_p_filter(x, sp.min_p))
     if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
+        filters.append(lambda x: top_k_filter(x, top_k))
 
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:
@@ -53,6 +54,32 @@ def keyed_sampler(sp: SamplingParams, vocab: int, rng: dict) -> Sampler:
         return mx.random.categorical(logprobs * (1.0 / sp.temperature), key=key)
 
     return sample
+
+
+# mlx-lm's filters do the same, but compiled with MLX's global RNG state as an input and
+# output: each call replaces that state with an array whose graph holds the call's
+# logits, a chain across every sampled token that nothing evaluates.
+def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
+    """Keep the most likely tokens whose probabilities add up to `top_p` (nucleus)."""
+    ordered = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ordered.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(ordered, dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def min_p_filter(logprobs: mx.array, min_p: float) -> mx.array:
+    """Keep the tokens at least `min_p` times as likely as the most likely one."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(min_p)
+    return mx.where(logprobs < floor, -float("inf"), logprobs)
+
+
+def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
+    """Keep the `top_k` most likely tokens."""
+    dropped = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, dropped, mx.array(-float("inf"), logprobs.dtype), axis=-1)
 
 
 def logits_processors(sp: SamplingParams, prompt_len: int) -> list:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from justfit import runtime
 from justfit.config import SamplingParams
-from justfit.errors import JustFitError
+from justfit.errors import JustFitError, ServerStopping
 from justfit.tickets import Tickets
 
 log = logging.getLogger("justfit.scheduler")
@@ -49,6 +49,7 @@ class Job:
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
     session: str | None = None
+    scope: str = ""  # whose stored states it may reuse and write (a client key's hash; "": shared)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -58,6 +59,17 @@ class Job:
     route: str = ""  # the API it came through, for the status page
     phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
     last_event: float = field(default_factory=time.monotonic)  # for justfit.stall
+    stopping: bool = False  # cancelled by the server's stop, not by its client
+
+    def stop(self) -> None:
+        """Cancel for the server's stop: its client is told so (503), not left with a short reply."""
+        self.stopping = True
+        self.cancel.set()
+
+    def ended_by_stop(self) -> None:
+        """Tell the client a stop ended its request, when one did."""
+        if self.stopping:
+            self.emit("error", ServerStopping())
 
     def emit(self, kind: str, payload: Any = None) -> None:
         """Send an event to the job's loop; cancel the job when that loop is gone."""
@@ -161,6 +173,22 @@ class Scheduler:
             q.not_empty.notify()
         return at + len(self.active)
 
+    def idle(self) -> bool:
+        """Nothing computing, set aside or waiting."""
+        b = self.batch
+        return not self.active and not self.waiting and not (b is not None and (b.running or b.parked))
+
+    def uses_session(self, name: str, scope: str) -> bool:
+        """Whether a job computing or waiting names session `name` of `scope`."""
+        return any(j.session == name and j.scope == scope for j in list(self.active) + self.queued())
+
+    def stop_all(self) -> int:
+        """Cancel every job, computing or waiting, for the server's stop; how many."""
+        jobs = list(self.active) + self.queued()
+        for job in jobs:
+            job.stop()
+        return len(jobs)
+
     def close(self) -> None:
         """Cancel the running jobs and stop the worker thread once what is queued is done."""
         if self.watch is not None:
@@ -175,6 +203,7 @@ class Scheduler:
         while (job := self._queue.get()) is not None:
             if job.cancel.is_set():  # its client left while it waited
                 self.cancelled += 1
+                job.ended_by_stop()
                 job.emit("done", None)
                 continue
             self.active, job.started = [job], time.monotonic()
@@ -198,7 +227,7 @@ class Scheduler:
             job.emit("progress", (done, total, time.monotonic() - job.started))
 
         before = self.engine.last_stats
-        gen = self.engine.generate(job.tokens, job.sampling, progress, session=job.session)
+        gen = self.engine.generate(job.tokens, job.sampling, progress, session=job.session, scope=job.scope)
         failed = False
         try:
             for chunk in gen:
@@ -226,4 +255,6 @@ class Scheduler:
                 stats.queue_s = job.started - job.submitted
             if self.on_done and stats is not None:
                 self.on_done(stats)
+            if not failed:
+                job.ended_by_stop()
             job.emit("done", stats)

@@ -30,6 +30,9 @@ class GenerationStats:
     memory: MemoryReport | None = None
     kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
     phases: list[PhaseStats] = field(default_factory=list)
+    # A named session's write-through of this turn (statetrans), awaited before a
+    # response's last byte; None for anonymous requests.
+    state_write: object = field(default=None, repr=False, compare=False)
 
     @property
     def prefill_tps(self) -> float:

@@ -1,22 +1,29 @@
 """The disk tier of anonymous states (prefix-cache entries): one snapshot per state
 under `anon/`, written when memory is short, found again by later processes, and
 deleted when the tier is full: only states this process wrote, or whose writer is
-dead, never another live process's."""
+dead, never another live process's. A state that fails its checks at the scan is
+quarantined (statetrans.quarantine), never indexed."""
 
 from __future__ import annotations
 
 import json
+import logging
+import stat
 import uuid
 from pathlib import Path
 
 import mlx.core as mx
 
-from statetrans.disk import discard, fsync_path, locked, mine, owner_alive, owner_tag
+from statetrans.disk import claim, discard, fsync_path, locked, mine, owner_alive, owner_tag, owners_of
 from statetrans.faults import NONE, Faults
-from statetrans.identity import check_identity
+from statetrans.identity import peek
 from statetrans.memory_tier import Entry
+from statetrans.quarantine import quarantine, scannable
+from statetrans.schema import Expect
 from statetrans.snapshot import SnapshotError, publish_new, read_manifest, snapshot_bytes
 from statetrans.state import trimmable_meta
+
+log = logging.getLogger("justfit.statetrans")
 
 ANON = "anon"
 
@@ -24,8 +31,8 @@ ANON = "anon"
 class DiskTier:
     """One model's anonymous states on disk: written, scanned and deleted here."""
 
-    def __init__(self, root: Path, identity: dict, faults: Faults = NONE):
-        self.root, self.identity, self.faults = root, identity, faults
+    def __init__(self, root: Path, identity: dict, faults: Faults = NONE, expect: Expect = Expect()):
+        self.root, self.identity, self.faults, self.expect = root, identity, faults, expect
         self.dir = root / ANON
 
     def write(self, e: Entry, arrays: dict[str, mx.array], layers: list[dict]) -> tuple[Path, int, dict]:
@@ -33,15 +40,16 @@ class DiskTier:
         with nothing published."""
         self.faults.reach("spill")
         self.dir.mkdir(parents=True, exist_ok=True)
+        claim(self.root.parent)  # its temporary and its owner tag are a live owner's to other processes
         owner = owner_tag()
         meta = {**self.identity, "tokens": list(e.tokens), "layers": layers, "session": None,
-                "sampler": e.sampler, "owner": owner}
+                "sampler": e.sampler, "owner": owner, "scope": e.scope}
         path = self.dir / f"{e.key}-{uuid.uuid4().hex[:8]}"  # unique across processes
         return path, publish_new(path, arrays, meta, self.faults), owner
 
     def may_delete(self, e: Entry) -> bool:
         """Whether this process may delete `e`'s disk copy: its own, or a dead one's."""
-        return e.path is not None and (mine(e.owner) or not owner_alive(e.owner))
+        return e.path is not None and (mine(e.owner) or not owner_alive(e.owner, owners_of(self.root)))
 
     def delete(self, e: Entry) -> None:
         """Delete `e`'s disk copy if this process may (under the directory lock)."""
@@ -52,23 +60,46 @@ class DiskTier:
         fsync_path(self.dir)
 
     def scan(self) -> list[Entry]:
-        """Anonymous states on disk for this identity (manifests only; checked on use)."""
-        if not self.dir.is_dir():
+        """Anonymous states on disk for this identity (manifests and headers only; the
+        checksums are checked on use); what fails its checks is quarantined."""
+        if not scannable(self.root, self.dir):
             return []
         found = []
-        for d in self.dir.iterdir():
+        for d in _listing(self.dir):
             if d.name.startswith("."):
-                continue
+                continue  # temporaries (a live writer's stay untouched) and the like
             try:
-                m = read_manifest(d)
-                check_identity(m, self.identity, str(d))
-                e = Entry(d.name, [int(t) for t in m["tokens"]], path=d, disk_bytes=snapshot_bytes(d),
-                          sampler=m.get("sampler") or {}, owner=m.get("owner"),
-                          trimmable=all(trimmable_meta(layer) for layer in m.get("layers", [])))
-                found.append((d.stat().st_mtime, e))
-            except (OSError, ValueError, TypeError, KeyError, AttributeError, SnapshotError):
+                e, mtime = self._entry(d)
+            except SnapshotError as err:
+                quarantine(self.root, d, err)
                 continue
+            found.append((mtime, e))
         return [e for _, e in sorted(found, key=lambda f: f[0])]
+
+    def _entry(self, d: Path) -> tuple[Entry, float]:
+        try:
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode):
+                raise SnapshotError(f"{d}: not a snapshot folder")
+            m = peek(d, self.identity, self.expect)
+            if m.get("session") is not None:
+                raise SnapshotError(f"{d}: a session's state among the anonymous ones")
+            return Entry(d.name, list(m["tokens"]), path=d, disk_bytes=snapshot_bytes(d),
+                         sampler=dict(m.get("sampler") or {}), owner=m.get("owner"), scope=m.get("scope") or "",
+                         trimmable=all(trimmable_meta(layer) for layer in m["layers"])), st.st_mtime
+        except OSError as err:  # vanished or unreadable meanwhile: skipped, not damaged
+            raise SnapshotError(f"{d}: cannot read it ({err.strerror or err})", damaged=False) from None
+
+
+def _listing(folder: Path) -> list[Path]:
+    """What `folder` holds; [] when it is missing or cannot be listed (logged)."""
+    try:
+        return list(folder.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        log.warning("cannot list the stored states in %s: %s", folder, err)
+        return []
 
 
 def describe(path: Path) -> dict:

@@ -9,8 +9,9 @@ import json
 import os
 from pathlib import Path
 
-from statetrans.disk import locked, remove, temp_name
-from statetrans.snapshot import SnapshotError, load_snapshot
+from statetrans.disk import claim, locked, remove, temp_name
+from statetrans.schema import Expect, check_state
+from statetrans.snapshot import SnapshotError, load_snapshot, read_header, read_json_file, read_manifest, stamp_of
 from statetrans.state import holds, rebuild, state_bytes
 
 DIGESTS = "weights-sha256.json"
@@ -35,20 +36,44 @@ def check_identity(manifest: dict, identity: dict, where: str) -> None:
                             f"runs {identity.get('policy')!r} (other weight forms compute other states)")
 
 
-def read_checked(path: str | Path, identity: dict, layers: int) -> tuple[list, dict, int]:
+def read_checked(path: str | Path, identity: dict, layers: int, vocab: int | None = None) -> tuple[list, dict, int]:
     """A snapshot's cache, manifest and in-memory bytes, checked against `identity`
-    (model, KV settings, weight forms) and the model's layer count; raises
-    SnapshotError otherwise."""
-    arrays, manifest = load_snapshot(path)
-    check_identity(manifest, identity, str(path))
+    (model, KV settings, weight forms), the model's layer count and vocabulary, and
+    (statetrans.schema) before any array is read, what its header says the arrays are;
+    raises SnapshotError otherwise, whatever went wrong reading it."""
+    where = str(path)
+
+    def check(manifest: dict, shapes: dict) -> None:
+        check_identity(manifest, identity, where)
+        check_state(manifest, shapes, Expect(layers, vocab), where)
+
     try:
+        arrays, manifest = load_snapshot(path, check)
         cache = rebuild(arrays, manifest["layers"])
-        tokens = [int(t) for t in manifest["tokens"]]
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-        raise SnapshotError(f"{path}: inconsistent snapshot ({err!r})") from None
+    except SnapshotError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a stored file's content must never crash its reader
+        raise SnapshotError(f"{path}: inconsistent snapshot ({type(err).__name__}: {str(err)[:200]})",
+                            damaged=not isinstance(err, MemoryError)) from err  # too large now is not damage
+    tokens = manifest["tokens"]
     if len(cache) != layers or not holds(cache, len(tokens)):
         raise SnapshotError(f"{path}: state does not match its tokens or this model's layers")
     return cache, manifest, state_bytes(arrays)
+
+
+def peek(path: Path, identity: dict, expect: Expect) -> dict:
+    """A snapshot's manifest, checked as read_checked does but without reading its
+    arrays (their header only; the checksum is checked on use): what a scan indexes.
+    Raises SnapshotError."""
+    stamp = stamp_of(path)
+    manifest = read_manifest(path)
+    try:
+        check_identity(manifest, identity, str(path))
+        check_state(manifest, read_header(path, manifest).shapes, expect, str(path))
+    except SnapshotError as e:
+        e.stamp = e.stamp or stamp
+        raise
+    return manifest
 
 
 def file_sha256(path: Path, cache_dir: Path | None) -> str:
@@ -67,6 +92,10 @@ def file_sha256(path: Path, cache_dir: Path | None) -> str:
             h.update(block)
     digest = h.hexdigest()
     if cache_dir is not None:
+        try:
+            claim(cache_dir)  # its temporary below is a live owner's to other processes
+        except OSError:
+            pass  # then they judge it by PID and start time
         with locked(cache_dir):  # other processes may be adding theirs
             cache = _read_cache(cache_dir)
             cache[key] = {"stamp": stamp, "sha256": digest}
@@ -83,8 +112,8 @@ def _read_cache(cache_dir: Path | None) -> dict:
     if cache_dir is None:
         return {}
     try:
-        data = json.loads((cache_dir / DIGESTS).read_text())
-    except (OSError, ValueError):
+        data = read_json_file(cache_dir / DIGESTS, str(cache_dir / DIGESTS))
+    except (OSError, SnapshotError):  # a cache: unreadable is empty
         return {}
     return data if isinstance(data, dict) else {}
 

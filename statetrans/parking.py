@@ -35,17 +35,18 @@ class Parked:
     sampler: dict
     trimmable: bool
     write_s: float  # capturing and publishing the snapshot
+    scope: str = ""  # whose request it was: indexed in that scope only
 
 
-def park(tiers: StateTiers, tokens: list[int], cache: list, sampler: dict | None = None) -> Parked:
+def park(tiers: StateTiers, tokens: list[int], cache: list, sampler: dict | None = None, scope: str = "") -> Parked:
     """Write `cache` (holding exactly `tokens`) to disk; the caller lets the cache go.
     Raises (nothing published) when the write fails: the caller keeps the cache."""
     start = time.perf_counter()
     arrays, layers = capture(cache)
-    e = Entry(uuid.uuid4().hex[:16], list(tokens), sampler=dict(sampler or {}))
+    e = Entry(uuid.uuid4().hex[:16], list(tokens), sampler=dict(sampler or {}), scope=scope)
     path, size, owner = tiers.disk.write(e, arrays, layers)
     return Parked(path, list(tokens), size, owner, e.sampler, all(trimmable_meta(m) for m in layers),
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, scope)
 
 
 def unpark(tiers: StateTiers, parked: Parked) -> tuple[list, float]:
@@ -63,7 +64,7 @@ def keep_parked(tiers: StateTiers, parked: Parked) -> None:
     """Index a parked state as an ordinary anonymous disk state (the prefix cache's),
     unless the index already holds those tokens."""
     e = _entry(parked)
-    if tiers.index.same_tokens(e.tokens, None) is not None:
+    if tiers.index.same_tokens(e.tokens, None, e.scope) is not None:
         tiers.disk.delete(e)
         return
     tiers.index.add(e)
@@ -72,4 +73,4 @@ def keep_parked(tiers: StateTiers, parked: Parked) -> None:
 
 def _entry(parked: Parked) -> Entry:
     return Entry(parked.path.name, list(parked.tokens), path=parked.path, disk_bytes=parked.disk_bytes,
-                 sampler=dict(parked.sampler), owner=parked.owner, trimmable=parked.trimmable)
+                 sampler=dict(parked.sampler), owner=parked.owner, trimmable=parked.trimmable, scope=parked.scope)

@@ -1,55 +1,132 @@
 """Write-through of named sessions: at the end of each turn the session's state is
 queued (a bounded queue) for a background thread that publishes it as the session's
 next generation. A turn's write waits for the previous turn's of the same session to
-be durable first, so a crash loses at most the last turn, never more."""
+be durable first, so a crash loses at most the last turn, never more.
+
+Each write has a handle (`Write`) whoever must know the turn is durable waits on (a
+server, before a response's last byte), saying what became of it: stored, stored as a
+fork (the session had moved on since the turn began), or not stored and why. After
+each write the sessions' disk quota is enforced (statetrans.quota). Failures are
+kept, the latest few with their reasons, all of them as counts."""
 
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import queue
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
+
 import mlx.core as mx
 
 from statetrans.memory_tier import Entry
-from statetrans.sessions import SessionStore
+from statetrans.quota import SessionQuota
+from statetrans.sessions import SessionStore, folder_name
 
 log = logging.getLogger("justfit.statetrans")
+
+KEPT_FAILURES = 32  # failure messages kept (the counts cover all)
+
+
+class Write:
+    """What became of one session state's write-through: `wait()` until it is decided,
+    then `ok` (durable), `outcome` ("stored", "stored-as-fork" or "not-stored"),
+    `stored_as` (the session name written: `session` itself, or a fork `session~k`),
+    `generation`, `reason` (why not stored) and `evicted_recent` (recently used
+    sessions the disk quota had to evict to make room)."""
+
+    def __init__(self, session: str, scope: str = ""):
+        self.session, self.scope = session, scope  # the name the turn asked for
+        self.ok = False
+        self.outcome = "pending"
+        self.stored_as = ""
+        self.generation = 0
+        self.reason = ""
+        self.evicted_recent = 0
+        self.evicted: list[str] = []  # session folders the quota evicted after this write
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        """Whether the outcome is decided."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the outcome is decided (at most `timeout` seconds); whether it is."""
+        return self._done.wait(timeout)
+
+    def finish(self, outcome: str, stored_as: str = "", generation: int = 0, reason: str = "",
+               evicted: list[tuple[str, bool]] = ()) -> None:
+        """Decide the outcome and wake the waiters."""
+        self.ok = outcome != "not-stored"
+        self.outcome, self.stored_as, self.generation, self.reason = outcome, stored_as, generation, reason
+        self.evicted = [f for f, _ in evicted]
+        self.evicted_recent = sum(recent for _, recent in evicted)
+        self._done.set()
+
+    def __repr__(self) -> str:
+        return (f"Write({self.session!r}, {self.outcome}, stored_as={self.stored_as!r}, "
+                f"reason={self.reason!r}, evicted_recent={self.evicted_recent})")
 
 
 @dataclass
 class Job:
-    """A session's state waiting to be published: its entry, arrays and manifest."""
+    """A session's state waiting to be published: its entry, arrays and manifest, the
+    generation the turn started from (None: unchecked), the name the turn asked for
+    (a fork's origin) and the handle its outcome goes to."""
 
     entry: Entry
     arrays: dict[str, mx.array]  # shallow copies: the store's later in-place writes do not reach them
     meta: dict  # JSON-able, copied
+    base: int | None = None
+    origin: str = ""
+    write: Write | None = None  # made here when not given
+
+    def __post_init__(self) -> None:
+        self.origin = self.origin or self.entry.session
+        if self.write is None:
+            self.write = Write(self.origin, self.entry.scope)
+        self.key = (self.entry.scope, self.entry.session)  # as submitted (a fork renames the entry later)
 
 
 class WriteThrough:
     """A background thread publishing sessions' states from a bounded queue, in order per session."""
 
-    def __init__(self, store: SessionStore, depth: int = 2):
-        self.store = store
+    def __init__(self, store: SessionStore, depth: int = 2, quota: SessionQuota | None = None):
+        self.store, self.quota = store, quota
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=depth)
-        self._pending: dict[str, int] = {}  # session -> jobs queued or running
+        self._pending: dict[tuple[str, str], int] = {}  # (scope, session) -> jobs queued or running
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._at_exit = False  # the exit hook is registered
-        self.failures: list[str] = []  # what could not be written (the state stays in memory)
-        self.written = 0
+        self.failures: deque[str] = deque(maxlen=KEPT_FAILURES)  # the latest that could not be written
+        self.written = self.write_failures = 0
+        self.last_error = ""  # why the latest write failed, until one succeeds again
+        self.settled: deque[Job] = deque()  # done jobs whose outcome the index must follow (forks, evictions)
         self.seconds = self.last_seconds = 0.0  # spent writing in the background: in all, the latest write
+
+    @property
+    def writes(self) -> int:
+        """Writes attempted: written or failed."""
+        return self.written + self.write_failures
+
+    @property
+    def pending(self) -> list[tuple[str, str]]:
+        """(scope, session) of the writes queued or running."""
+        with self._cond:
+            return list(self._pending)
 
     def submit(self, job: Job) -> None:
         """Queue a session's state for publishing, once its previous one is durable."""
-        name = job.entry.session
+        key = job.key
         with self._cond:
-            while self._pending.get(name):
+            while self._pending.get(key):
                 self._cond.wait()
-            self._pending[name] = 1
+            self._pending[key] = 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="statetrans-writer", daemon=True)
                 self._thread.start()
@@ -58,26 +135,47 @@ class WriteThrough:
                     _wait_at_exit(self)
         self._queue.put(job)  # blocks while the queue is full: memory for copies is bounded
 
-    def wait(self, session: str | None = None) -> None:
-        """Until `session`'s writes (default: all) are done."""
+    def wait(self, key: tuple[str, str] | None = None, timeout: float | None = None) -> bool:
+        """Until the writes of `key` (scope, session) (default: all) are done, at most
+        `timeout` seconds; whether they are."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending.get(session) if session is not None else self._pending:
-                self._cond.wait()
+            while self._pending.get(key) if key is not None else self._pending:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def write(self, job: Job) -> bool:
-        """Publish `job` now, in this thread; whether it was written."""
-        e = job.entry
+        """Publish `job` now, in this thread; whether it was written (its handle says more)."""
+        e, w = job.entry, job.write
         start = time.perf_counter()
         try:
-            generation, path, size = self.store.publish(e.session, job.arrays, job.meta, e.generation)
+            got = self.store.publish(e.session, job.arrays, job.meta, e.generation, e.scope, job.base, job.origin)
         except Exception as err:  # e.g. a full disk: the state stays in memory, the previous generation on disk
+            self.write_failures += 1
             self.failures.append(f"session {e.session!r}: {err}")
+            self.last_error = f"a session's state could not be written: {reason_of(err)}"
             log.warning("could not write session %r: %s", e.session, err)
+            w.finish("not-stored", reason=reason_of(err))
             return False
-        e.generation, e.path, e.disk_bytes = generation, path, size
+        e.generation, e.path, e.disk_bytes = got.generation, got.path, got.bytes
         self.written += 1
+        self.last_error = ""
+        evicted: list[tuple[str, bool]] = []
+        if self.quota is not None:
+            self.quota.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name))
+            try:
+                evicted = self.quota.enforce(self.store, folder_name(got.name, e.scope))
+            except OSError as err:  # the write itself stands
+                log.warning("could not enforce the sessions' disk quota: %s", err)
         self.last_seconds = time.perf_counter() - start
         self.seconds += self.last_seconds
+        w.finish("stored" if got.name == job.origin else "stored-as-fork", got.name, got.generation,
+                 evicted=evicted)
+        if got.name != e.session or evicted:
+            self.settled.append(job)
         return True
 
     def _loop(self) -> None:
@@ -95,8 +193,15 @@ class WriteThrough:
             finally:
                 job.arrays = {}
                 with self._cond:
-                    self._pending.pop(job.entry.session, None)
+                    self._pending.pop(job.key, None)
                     self._cond.notify_all()
+
+
+def reason_of(err: Exception) -> str:
+    """A failure's reason without paths (it may reach clients and /health)."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return f"{errno.errorcode.get(err.errno, err.errno)}: {err.strerror or ''}".strip(": ")
+    return type(err).__name__
 
 
 def _wait_at_exit(writer: WriteThrough) -> None:

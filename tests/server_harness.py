@@ -10,7 +10,7 @@ import time
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from justfit.server import Server, ServerConfig
+from justfit.server import Server, ServerConfig, connections
 
 
 class LiveServer:
@@ -22,12 +22,11 @@ class LiveServer:
         self.thread.start()
         self.server = Server(engine, ServerConfig(port=0, **config))
 
-        async def start():
+        async def start():  # the listener `justfit serve` uses: timeouts and the connection limit
             self.runner = web.AppRunner(self.server.app(), handler_cancellation=True)
             await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]
+            self.site, port = await connections.listener(self.server.config)(self.runner, "127.0.0.1", 0)
+            return port
 
         self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
         self.url = f"http://127.0.0.1:{self.port}"

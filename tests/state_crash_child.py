@@ -43,7 +43,9 @@ def engine_for(spec: dict):
     kv = KVConfig(format="fp16", page_size=16, hot_window=16, block_tokens=64) if spec.get("paged", True) else None
     return Engine(spec["model"], config=EngineConfig(kv=kv, prefill_chunk=16, state_dir=spec["state"],
                                                      state_memory=spec.get("memory"),
-                                                     state_disk=spec.get("disk", 1 << 40)))
+                                                     # "disk": what anonymous states may hold; sessions unbounded
+                                                     state_disk=spec.get("disk", 1 << 40) + (1 << 40),
+                                                     session_disk=1 << 40))
 
 
 def sampling():

@@ -26,3 +26,21 @@ def words(n: int, seed: int) -> list[int]:
     """`n` random token ids (no special tokens), reproducible from `seed`."""
     rng = random.Random(seed)
     return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def prefilled(engine: Engine, tokens: list[int]) -> list:
+    """A fresh cache of `engine` holding `tokens`."""
+    from justfit.generate import prefill
+
+    cache = engine.new_cache()
+    prefill(engine.model, tokens, cache, 16)
+    return cache
+
+
+def tiers_like(engine: Engine, path, memory: int = 1 << 40, **kw):
+    """StateTiers for `engine`'s model at `path` (no fault injection), limits as given."""
+    from statetrans.faults import Faults
+    from statetrans.tiers import StateTiers
+
+    s = engine.states
+    return StateTiers(path, s.identity, s.layers, memory, 1 << 40, Faults(), **kw)

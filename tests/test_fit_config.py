@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
-from justfit.fit_config import _footprint, config_fit_report, read_config
+from justfit.fit_config import _footprint, config_fit_report, format_config_fit, read_config
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu", "hidden_size": 4096,
@@ -142,3 +142,33 @@ def test_cli(tmp_path):
     assert out.exit_code == 1 and "error:" in out.output
     out = CliRunner().invoke(main, ["fit", "--config", str(tmp_path / "missing.json")])
     assert out.exit_code == 1 and "cannot read" in out.output
+
+
+def test_comparison_rows_name_their_kv(smollm2_gguf):
+    """mlx-lm's KV at float16 (what its users hold), float32 only with float32
+    activations; llama.cpp's f16 and q8_0 from the shapes; SmolLM2: 30 layers, 3 KV
+    heads of 64."""
+    from justfit.models import load
+
+    config = load(str(smollm2_gguf), lazy=True).config
+    budget = 800 * 2**20
+    half = {r["format"]: r for r in config_fit_report(config, 4, budget)["formats"]}
+    assert half["mlx-lm fp16"]["bytes_per_position"] == 30 * 2 * 3 * 64 * 2 == 23_040 and "mlx-lm fp32" not in half
+    assert half["llama.cpp f16"]["bytes_per_position"] == 23_040
+    assert half["llama.cpp q8_0"]["bytes_per_position"] == 30 * 2 * 3 * 64 * 34 / 32 == 12_240
+    full = {r["format"]: r for r in config_fit_report(config, 4, budget, act_bytes=4)["formats"]}
+    assert full["mlx-lm fp32"]["bytes_per_position"] == 46_080 and full["mlx-lm fp16"] == half["mlx-lm fp16"]
+    assert "mlx-lm" not in half  # a JustFit row of mlx-lm's cache only when planning with it (--kv-format none)
+    report = config_fit_report(config, 4, budget)
+    for name in ("llama.cpp f16", "llama.cpp q8_0"):  # the most positions whose KV fits beside the weights
+        row = half[name]
+        assert report["weights"] + row["max_positions"] * row["bytes_per_position"] <= budget
+        assert report["weights"] + (row["max_positions"] + 1) * row["bytes_per_position"] > budget
+        assert row["max_positions_offloaded"] is None and row["compare"]
+    # Gemma 3 27B: llama.cpp's sliding layers stop at their window, as JustFit's do.
+    gemma = {r["format"]: r for r in config_fit_report(GEMMA3_27B, 4, 24 * 2**30)["formats"]}["llama.cpp q8_0"]
+    assert gemma["bytes_per_position"] == 62 * 2 * 16 * 128 * 34 / 32
+    assert gemma["max_positions"] > 4 * (24 * 2**30 - 16 * 2**30) / gemma["bytes_per_position"]
+    text = format_config_fit(report)
+    assert "compared with:\nmlx-lm fp16" in text and "llama.cpp q8_0      12240" in text
+    assert "mlx-lm fp32: only with float32 activations" in text and "trained context 8,192 need" in text

@@ -132,8 +132,8 @@ def test_a_failed_write_through_loses_nothing(tiny_llama_dir, tmp_path, monkeypa
     assert _engine(tiny_llama_dir, tmp_path).sessions() == {"s": len(turn2)}
 
 
-def test_drop_session_is_the_only_way_a_session_goes(tiny_llama_dir, tmp_path):
-    engine = _engine(tiny_llama_dir, tmp_path, state_disk=1)
+def test_within_its_quota_a_session_goes_only_when_dropped(tiny_llama_dir, tmp_path):
+    engine = _engine(tiny_llama_dir, tmp_path, state_disk=1, session_disk=1 << 30)
     _run(engine, _words(20, 50), session="keep")
     _run(engine, _words(20, 51), session="gone")
     engine.reset()

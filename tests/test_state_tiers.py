@@ -88,7 +88,7 @@ def test_memory_tier_is_bounded_and_spills_to_disk(tiny_llama_dir, tmp_path):
 
 
 def test_disk_tier_is_bounded_but_sessions_are_kept(tiny_llama_dir, tmp_path):
-    engine = _engine(tiny_llama_dir, tmp_path, state_memory=0, state_disk=1)
+    engine = _engine(tiny_llama_dir, tmp_path, state_memory=0, state_disk=1, session_disk=1 << 30)
     _run(engine, _words(40, 8))
     _run(engine, _words(40, 9), session="mine")
     states = engine.states

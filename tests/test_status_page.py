@@ -19,6 +19,20 @@ from tests.headless import Browser, chromium_path
 from tests.test_server import LiveServer, request
 
 LONG = {"prompt": "the " * 2500, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+# The memory chart as the test reads it: uPlot's series (labels, dashes), the last value
+# of the top band (MLX's total), of the RSS line and of the budget lines (MiB), the
+# y scale's top, and the chart described in words.
+CHART_JS = """(() => {
+  const c = window.justfitChart, labels = c.series.map(s => s.label);
+  const last = (i) => c.data[i][c.data[i].length - 1];
+  const line = (start) => labels.findIndex(l => l && l.startsWith(start));
+  const lines = {rss: line("process (RSS)"), budget: line("engine's share"), process_budget: line("whole-process")};
+  return {labels, mlx: last(1), rss: last(lines.rss), budget: last(lines.budget),
+          process_budget: last(lines.process_budget), ymax: c.scales.y.max,
+          dash: Object.fromEntries(Object.entries(lines).map(([k, i]) => [k, !!c.series[i].dash])),
+          described: document.getElementById('memdesc').textContent,
+          aria: document.getElementById('memchart').getAttribute('aria-label')};
+})()"""
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +75,17 @@ def test_live_document_follows_a_request(tiny_engine):
         assert running["route"] == "openai" and doc["queued"] == []
         assert sum(doc["now"]["kv"].values()) > 0  # the running request's pages are counted
         assert doc["now"]["weights_resident"] == doc["memory"]["weights"] > 0 and doc["budget"] == 512 * 2**20
+        # The whole process beside MLX: its RSS holds MLX's memory and more; no whole-process budget here.
+        mlx = sum(v for k, v in doc["now"].items() if k in ("weights_resident", "weights_materialized",
+                                                            "transient", "states_memory", "mlx_cache"))
+        assert doc["now"]["rss"] > mlx + sum(doc["now"]["kv"].values()) and doc["now"]["process_budget"] is None
+        # Capacity: the format in use, then every page on each next step of its pressure ladder.
+        assert [(c["format"], c["step"], c["in_use"]) for c in doc["capacity"]] == \
+            [("q8c", 0, True), ("k8cv4", 1, False), ("q4c", 2, False), ("q3c", 3, False)]
         fmt = {c["format"]: c for c in doc["capacity"]}
-        assert fmt["q8c"]["in_use"] and fmt["q4c"]["max_positions"] > fmt["q8c"]["max_positions"] > 0
+        assert fmt["q3c"]["max_positions"] > fmt["q4c"]["max_positions"] > fmt["q8c"]["max_positions"] > 0
         assert fmt["q8c"]["left"] < fmt["q8c"]["max_positions"]
+        assert all(c["past_context"] == (c["max_positions"] > doc["context_limit"]) for c in doc["capacity"])
         thread.join(60)
         live.idle()
         time.sleep(0.6)  # one more sample after the request
@@ -81,12 +103,31 @@ def test_live_document_follows_a_request(tiny_engine):
         live.close()
 
 
+def test_memory_samples_put_the_process_beside_mlx(tiny_gemma3_dir):
+    """Each sample holds the process's RSS and MLX's cache beside MLX's kinds, and under a
+    whole-process budget both budgets: the engine's share (over MLX's memory) and the
+    whole (over the RSS)."""
+    from types import SimpleNamespace
+
+    from justfit.server.status_live import LiveStatus
+
+    engine = Engine(str(tiny_gemma3_dir), budget="512MiB", config=EngineConfig(budget_covers_process=True))
+    now = LiveStatus(SimpleNamespace(engine=engine)).measure()
+    mlx = now["weights_resident"] + now["weights_materialized"] + now["transient"] + now["states_memory"]
+    assert now["process_budget"] == engine.process_budget == 512 * 2**20
+    assert now["budget"] == engine.config.budget_bytes < 512 * 2**20  # less what the process holds besides MLX
+    assert now["rss"] > mlx + now["mlx_cache"] + sum(now["kv"].values()) > 0
+
+
 @pytest.mark.skipif(chromium_path() is None, reason="chromium is not installed (./dev installs Debian's "
                                                     "`chromium` where apt is available): browser test skipped")
 def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
     """The page during a request: charts drawn, the running request shown within 1 s
-    of starting, its numbers those of the status endpoints; a screenshot."""
-    live = LiveServer(Engine(str(smollm2_gguf), budget="600MiB"), api_key="sekret")
+    of starting, its numbers those of the status endpoints; the memory chart's bands
+    (MLX's kinds) and lines (the process's RSS, the budgets) on one scale, and the
+    capacity table for the format in use with the trained context marked; a screenshot."""
+    engine = Engine(str(smollm2_gguf), budget="600MiB", config=EngineConfig(budget_covers_process=True))
+    live = LiveServer(engine, api_key="sekret")
     key = {"Authorization": "Bearer sekret"}
     body = {"messages": [{"role": "user", "content": "Tell me about lighthouses. " * 120}], "max_tokens": 8,
             "temperature": 0, "stream": True}
@@ -111,7 +152,8 @@ def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
             await b.wait_for("document.querySelector('[data-field=\"mem:kv:full\"]') !== null", timeout=5)
             page = await b.js("({fields: Object.fromEntries([...document.querySelectorAll('[data-field]')]"
                               ".map(e => [e.dataset.field, e.dataset.value])), last: window.justfitLast,"
-                              " canvases: document.querySelectorAll('.uplot canvas').length})")
+                              " canvases: document.querySelectorAll('.uplot canvas').length, chart: " + CHART_JS +
+                              ", capacity: [...document.querySelectorAll('#capacity tr')].map(r => r.innerText)})")
             status = json.loads((await asyncio.to_thread(request, live, "GET", "/v1/justfit/status", None, None,
                                                          key))[2])
             await b.screenshot(tmp_path / "status-page.png")
@@ -127,13 +169,40 @@ def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
     # What the page shows is what the endpoints said.
     assert fields["model"] == status["model"] == last["model"] and fields["policy"] == status["policy"]
     assert fields["kv_format"] == status["kv_format"] and int(fields["context_limit"]) == status["context_limit"]
-    assert int(fields["budget"]) == status["memory"]["budget"] == 600 * 2**20
+    assert int(fields["budget"]) == status["memory"]["budget"] == last["budget"] < 600 * 2**20  # the engine's share
+    assert last["process_budget"] == 600 * 2**20
     assert int(fields["mem:weights_resident"]) == status["memory"]["weights"] == last["now"]["weights_resident"]
     assert int(fields["mem:kv:full"]) == last["now"]["kv"]["full"] > 0  # the running request's KV
     assert int(fields["prompt_tokens"]) == last["running"]["prompt_tokens"] > 500
-    assert int(fields["capacity:q8c"]) == next(c["max_positions"] for c in last["capacity"] if c["format"] == "q8c")
+    # Capacity: the format in use first, then the ladder's steps; the trained context a row of
+    # its own, before the first count past it; counts past it flagged as needing extrapolation.
+    in_use, *steps = last["capacity"]
+    assert in_use["in_use"] and in_use["format"] == status["kv_format"] and len(steps) >= 1
+    assert int(fields["capacity:" + in_use["format"]]) == in_use["max_positions"]
+    assert int(fields["capacity:trained"]) == last["context_limit"] == 8192
+    for c in last["capacity"]:
+        assert fields["past:" + c["format"]] == ("true" if c["max_positions"] > 8192 else "false")
+    rows = r["page"]["capacity"]
+    trained = next(i for i, row in enumerate(rows) if row.startswith("trained context"))
+    past = [i for i, row in enumerate(rows) if "needs a model that extrapolates" in row]
+    assert past and all(i > trained for i in past) and len(rows) == len(last["capacity"]) + 1
+    # The memory chart: MLX's kinds stacked, the process's RSS and both budgets as lines, one MiB scale.
+    chart, mib = page["chart"], 2**20
+    for label in ("weights resident", "KV full", "MLX cache (freed, kept)", "process (RSS)",
+                  "engine's share of the budget (MLX's memory)", "whole-process budget (RSS)"):
+        assert label in chart["labels"], (label, chart["labels"])
+    assert chart["process_budget"] == 600 and last["now"]["process_budget"] == 600 * mib
+    assert chart["budget"] == pytest.approx(last["now"]["budget"] / mib, rel=0.2)  # the engine's share
+    assert chart["budget"] < 600
+    assert 0 < chart["mlx"] < chart["rss"] < 600 <= chart["ymax"]  # bands under the RSS, under the budget line
+    assert chart["rss"] == pytest.approx(last["now"]["rss"] / mib, rel=0.3)
+    assert chart["dash"]["budget"] and chart["dash"]["process_budget"] and not chart["dash"]["rss"]
+    assert int(fields["mem:rss"]) == last["now"]["rss"] and int(fields["mem:process_budget"]) == 600 * mib
+    assert int(fields["mem:outside"]) == last["now"]["rss"] - int(fields["mem:mlx_total"]) > 0
+    for words in ("MLX holds", "(RSS, the solid line)", "outside MLX", "whole-process budget 600.0 MiB"):
+        assert words in chart["described"] and words in chart["aria"], (words, chart["described"])
     assert int(fields["states"]) == len(last["states"]) == status["states"]["stored"]
-    assert "demo" in status["sessions"] and any(s["name"] == "demo" for s in last["states"])
+    assert "demo" in status["sessions"]["own"] and any(s["name"] == "demo" for s in last["states"])
     shot = tmp_path / "status-page.png"
     assert shot.stat().st_size > 20_000
     if os.environ.get("JUSTFIT_SCREENSHOT"):  # the closing note's copy, e.g. bench/results/status-page-DATE.png

@@ -5,7 +5,7 @@ form, and the sampling options."""
 from __future__ import annotations
 
 from justfit.config import SamplingParams
-from justfit.server.schema import BadRequest, Options, get
+from justfit.server.schema import BadRequest, Options, get, session_name
 
 # Block types a client may send back that carry nothing for a local model: the model's
 # own earlier reasoning (never produced here) and server-side tool results.
@@ -103,18 +103,19 @@ def openai_tools(body: dict) -> list[dict] | None:
     return out
 
 
-def anthropic_options(body: dict) -> Options:
+def anthropic_options(body: dict, defaults: SamplingParams = SamplingParams()) -> Options:
     """max_tokens is required, as Anthropic's is; temperature, top_p and top_k come from
-    the body (newer clients send them only through extra_body), defaulting to Anthropic's
-    own defaults (temperature 1, no top_p / top_k filter)."""
+    the body (newer clients send them only through extra_body), else from `defaults`
+    (the model's recommendation, engine.default_sampling)."""
     stops = get(body, "stop_sequences", list, [])
     if len(stops) > 16 or not all(isinstance(s, str) for s in stops):
         raise BadRequest("'stop_sequences' must be an array of at most 16 strings", "stop_sequences")
     try:
         sp = SamplingParams(
-            temperature=get(body, "temperature", float, 1.0, lo=0, hi=2),
-            top_p=get(body, "top_p", float, 1.0, lo=0, hi=1),
-            top_k=get(body, "top_k", int, 0, lo=0),
+            temperature=get(body, "temperature", float, defaults.temperature, lo=0, hi=2),
+            top_p=get(body, "top_p", float, defaults.top_p, lo=0, hi=1),
+            top_k=get(body, "top_k", int, defaults.top_k, lo=0),
+            min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
             max_tokens=get(body, "max_tokens", int, lo=1),
             stop=tuple(stops),
         )
@@ -122,5 +123,6 @@ def anthropic_options(body: dict) -> Options:
         raise BadRequest(str(e), None) from None
     metadata = get(body, "metadata", dict, {})
     return Options(sp, True, get(body, "stream", bool, False),
-                   session=get(body, "session", str, None) or get(metadata, "session", str, None, where="metadata."),
+                   session=session_name(body.get("session")) or session_name(metadata.get("session"),
+                                                                                "metadata.session"),
                    tools=openai_tools(body))

@@ -1,7 +1,8 @@
 """Anthropic's Messages API: POST /v1/messages (streamed as Anthropic's named SSE
 events, or whole) and /v1/messages/count_tokens, so Claude Code (ANTHROPIC_BASE_URL)
 and the `anthropic` package talk to the local model. Errors come back in Anthropic's
-shape (see app.py); requests are planned and queued exactly as OpenAI's are."""
+shape (see app.py); requests are checked, tokenized (on the tokenizer thread), planned
+and queued exactly as OpenAI's are."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from aiohttp import web
 from justfit.server.anthropic_request import anthropic_options, chat_messages, openai_tools
 from justfit.server.openai_routes import chat_tokens, collect, engine_error
 from justfit.server.schema import BadRequest, parse_body
+from justfit.server.sessions import STATE_HEADER, state_outcome, stream_note
 from justfit.server.tools import ToolCalls
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -90,16 +92,19 @@ class AnthropicRoutes:
         """POST /v1/messages/count_tokens: the prompt's token count, templated as for a reply."""
         body = parse_body(await request.read())
         self._model(body)
-        tokens = chat_tokens(self.engine, chat_messages(body), openai_tools(body))
+        msgs, tools = chat_messages(body), openai_tools(body)
+        await self.server.tokenizing.refuse_oversized(self.engine, msgs, tools)
+        tokens = await self.server.tokenizing.run(chat_tokens, self.engine, msgs, tools)
         return web.json_response({"input_tokens": len(tokens)})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/messages: a reply, streamed as Anthropic's events or whole."""
         body = parse_body(await request.read())
         model = self._model(body)
-        opts = anthropic_options(body)
-        tokens = chat_tokens(self.engine, chat_messages(body), opts.tools)
-        self.server.plan(tokens, opts)
+        opts = anthropic_options(body, self.engine.default_sampling)
+        msgs = chat_messages(body)
+        await self.server.tokenizing.refuse_oversized(self.engine, msgs, opts.tools)
+        tokens = await self.server.prepare(lambda: chat_tokens(self.engine, msgs, opts.tools), opts)
         job, _ = self.server.submit(tokens, opts, "anthropic", request)
         tools = ToolCalls(self.engine.tokenizer, opts.tools)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": model}
@@ -115,8 +120,12 @@ class AnthropicRoutes:
         content = ([{"type": "text", "text": text}] if text or not calls else []) + tool_blocks(calls)
         reason, sequence = stop_reason(stats, calls)
         cached = stats.cached_tokens if stats else 0
-        return web.json_response({**head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
+        stored = await state_outcome(stats, self.server.config.write_wait_s)  # durable before the answer
+        resp = web.json_response({**head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
                                   "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0)})
+        if stored is not None:
+            resp.headers[STATE_HEADER] = stored.header()
+        return resp
 
     async def _stream(self, request, job, tools: ToolCalls, head: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -161,6 +170,8 @@ class AnthropicRoutes:
                 elif kind == "done":
                     stats = p
             await start(0)
+            # The turn's session state is durable before the message's end is sent.
+            await resp.write(stream_note(await state_outcome(stats, self.server.config.write_wait_s)))
             tail = tools.flush()
             calls = tools.calls()
             if tail or not calls:

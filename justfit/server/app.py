@@ -1,8 +1,13 @@
 """The HTTP server: an aiohttp app over one engine. Middlewares answer every error
-as JSON (never a traceback), check the API key and CORS; generation requests are
-templated, tokenized and planned on the tokenizer thread (justfit/server/tokenizing.py),
-refused with the numbers when they cannot fit, then queued on the scheduler's engine
-thread. The event loop itself only parses, routes and writes."""
+as JSON (never a traceback or an exception's text), check the API keys (each its own
+scope: justfit/server/keys.py) and answer CORS preflights; the CORS headers go on
+every response, streams and errors included. Its listener times and counts every
+connection (justfit/server/connections.py). A generation request too large for the
+context by its size alone is refused at once (justfit/server/prompt_bytes.py); the
+others are templated, tokenized and planned on the tokenizer thread
+(justfit/server/tokenizing.py), refused with the numbers when they cannot fit, then
+queued on the scheduler's engine thread. The event loop itself only parses, routes
+and writes."""
 
 from __future__ import annotations
 
@@ -17,16 +22,20 @@ from aiohttp import web
 
 import justfit
 from justfit import runtime
-from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost
+from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerStopping
 from justfit.scheduler import Job, QueueFull, Scheduler
 from justfit.state_io import refuse_pipeline_session
 from justfit.tickets import TICKET_HEADER
-from justfit.server import status_page
+from justfit.server import connections, keys, status_page
 from justfit.server.metrics import Metrics, memory, prometheus
 from justfit.server.schema import BadRequest, Options
+from justfit.server.sessions import scope_of
 from justfit.server.tokenizing import TokenizerThread
 
 log = logging.getLogger("justfit.server")
+
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, Anthropic-Version, X-JustFit-Ticket"
+CORS_EXPOSE_HEADERS = "Retry-After, X-JustFit-Ticket, X-JustFit-State"
 
 
 @dataclass
@@ -35,7 +44,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None
+    api_key: str | None = None  # one more accepted key, beside api_keys
+    api_keys: tuple[str, ...] = ()  # each key its own scope of stored state (justfit.server.keys)
     cors_origin: str | None = None
     max_body_bytes: int = 16 * 2**20
     max_queue: int = 16
@@ -45,6 +55,13 @@ class ServerConfig:
     model_name: str | None = None  # the id clients use; default: the engine's model name
     keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
     rank_timeout_s: float = 300.0  # a layer pipeline silent this long mid-request is lost (justfit.stall)
+    drain_s: float = 10.0  # on a stop signal: how long running requests get to finish (justfit.server.lifecycle)
+    write_wait_s: float = 60.0  # how long a response waits for its session's write before saying it is not stored
+    # A connection's read timeouts and the connection limit (justfit.server.connections):
+    header_timeout_s: float = 10.0  # a request's line and headers must be in within this
+    body_timeout_s: float = 30.0  # and its body within this, once the headers are
+    idle_timeout_s: float = 75.0  # a keep-alive connection idle between requests this long is closed
+    max_connections: int = 256  # past it a new connection closes the oldest one not in a handler
 
 
 class Server:
@@ -61,6 +78,7 @@ class Server:
                                    stall_s=self.config.rank_timeout_s if piped else None)
         self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
+        self.draining = False  # a stop signal came: new requests get 503 (justfit.server.lifecycle)
 
     # -- models -------------------------------------------------------------------
     def check_model(self, name) -> None:
@@ -110,6 +128,9 @@ class Server:
     def submit(self, tokens: list[int], opts: Options, route: str = "", request=None) -> tuple[Job, int]:
         """Queue a planned request (`route`: the API it came through, for the status
         page); the ticket a retry brings in the TICKET_HEADER of `request` keeps its place."""
+        if self.draining:
+            raise BadRequest(str(ServerStopping()), None, 503, "server_error", "server_stopping",
+                             {"retry_after": 5, "ticket": ""})
         if getattr(self.engine, "pipeline_lost", ""):  # nothing can run until every rank is restarted
             raise BadRequest(str(PipelineLost(self.engine.pipeline_lost)), None, 503, "server_error",
                              "pipeline_degraded")
@@ -117,13 +138,23 @@ class Server:
             refuse_pipeline_session(self.engine, opts.session)
         except ValueError as e:
             raise BadRequest(str(e), "session", 400, "invalid_request_error", "session_unsupported") from None
-        job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route)
+        job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route,
+                  scope=scope_of(request))
         ticket = request.headers.get(TICKET_HEADER) if request is not None else None
         try:
             return job, self.scheduler.submit(job, ticket)
         except QueueFull as e:
             raise BadRequest(str(e), None, 503, "server_busy", "server_busy",
                              {"waiting": e.waiting, "retry_after": e.retry_after, "ticket": e.ticket}) from None
+
+    def flush_states(self) -> int:
+        """Publish (and fsync) every queued or unwritten session state; how many were pending."""
+        states = getattr(self.engine, "states", None)
+        if states is None:
+            return 0
+        pending = len(states.writer.pending) if hasattr(states.writer, "pending") else 0
+        states.flush()
+        return pending
 
     def close(self) -> None:
         """Stop the engine thread (cancelling what runs) and the tokenizer thread."""
@@ -133,16 +164,19 @@ class Server:
     # -- the app --------------------------------------------------------------------
     def app(self) -> web.Application:
         """The aiohttp application with every route and middleware."""
-        from justfit.server import anthropic_routes, ollama_routes, openai_routes
+        from justfit.server import anthropic_routes, ollama_routes, openai_routes, sessions
 
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._errors, self._cors, self._auth])
+                              middlewares=[connections.track, self._errors, self._cors, self._auth])
+        app.on_response_prepare.append(self._cors_headers)  # every response: streams and errors too
+        self.tokenizing.measure(self.engine.tokenizer)  # the prompt size bound, first on the thread
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/justfit/status", self.status)
         openai_routes.add_routes(app, self)
         ollama_routes.add_routes(app, self)
         anthropic_routes.add_routes(app, self)
+        sessions.add_routes(app, self)
         status_page.add_routes(app, self)
         app.on_shutdown.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.close))
         return app
@@ -156,6 +190,8 @@ class Server:
             resp = await handler(request)
         except BadRequest as e:
             resp = _error_response(e, ollama, anthropic)
+        except connections.BodyTimeout as e:  # the client stopped sending its body
+            resp = _error_response(BadRequest(str(e), "body", 408, code="request_timeout"), ollama, anthropic)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -177,37 +213,51 @@ class Server:
 
     @web.middleware
     async def _cors(self, request: web.Request, handler):
+        """Answers a browser's preflight (OPTIONS) when --cors-origin is set; the headers
+        themselves go on every response in _cors_headers."""
+        if self.config.cors_origin and request.method == "OPTIONS":
+            return web.Response(status=204)
+        return await handler(request)
+
+    async def _cors_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """on_response_prepare: the CORS headers, on every response as its headers go out."""
         origin = self.config.cors_origin
-        if origin and request.method == "OPTIONS":
-            resp = web.Response(status=204)
-        else:
-            resp = await handler(request)
-        if origin and not resp.prepared:
+        if origin:
             resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Api-Key, Anthropic-Version, X-JustFit-Ticket"
-            resp.headers["Access-Control-Expose-Headers"] = "Retry-After, X-JustFit-Ticket"
-            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-        return resp
+            resp.headers["Access-Control-Allow-Headers"] = CORS_ALLOW_HEADERS
+            resp.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.config.api_key
+        """Lets in a request carrying an accepted key, or none where the server has none,
+        and sets request[keys.SCOPE] (justfit.server.keys): the key's scope, "" without
+        keys, None on a public route (/health, the status page) or a preflight reached
+        without a valid key."""
+        accepted = keys.accepted(self.config.api_key, self.config.api_keys)
+        if not accepted:
+            request[keys.SCOPE] = ""
+            return await handler(request)
+        request[keys.SCOPE] = keys.match(keys.presented(request.headers), accepted)
         public = request.path == "/health" or status_page.is_page(request.path)  # the page asks for the key itself
-        if key and not public and request.method != "OPTIONS":
-            bearer, header = request.headers.get("Authorization", ""), request.headers.get("X-Api-Key")
-            if bearer != f"Bearer {key}" and header != key:  # OpenAI clients send Bearer, Anthropic's x-api-key
-                raise BadRequest("missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
-                                 None, 401, "authentication_error", "invalid_api_key")
+        if request[keys.SCOPE] is None and not public and request.method != "OPTIONS":
+            raise BadRequest("missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                             None, 401, "authentication_error", "invalid_api_key")
         return await handler(request)
 
     # -- operations -----------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: ok (degraded once a pipeline rank is gone), and the model served."""
         lost, pipeline = getattr(self.engine, "pipeline_lost", ""), getattr(self.engine, "pipeline", None)
-        body = {"status": "degraded" if lost else "ok", "model": self.model_id}
+        states = getattr(self.engine, "states", None)
+        failing = states.degraded() if states is not None else ""
+        status = "stopping" if self.draining else "degraded" if lost or failing else "ok"
+        body = {"status": status, "model": self.model_id}
+        if failing:  # the newest session write failed (e.g. a full disk): said here, details in the log
+            body["reason"] = "session writes are failing: the latest turns are held in memory only"
         if pipeline is not None:
             body["pipeline"] = {"ranks": pipeline.size, "lost": lost or None}
-        return web.json_response(body)
+        return web.json_response(body, status=503 if self.draining else 200)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         """GET /metrics: the counters as Prometheus text."""
@@ -233,7 +283,7 @@ class Server:
             "states": {"stored": len(e.states.entries), "in_memory": e.states.memory_bytes,
                        "on_disk": e.states.disk_bytes, "spilled": e.states.spilled,
                        "restored": e.states.restored},
-            "sessions": e.sessions(), "queue": {"waiting": self.scheduler.waiting,
+            "sessions": sessions_seen_by(e.states, scope_of(request)), "queue": {"waiting": self.scheduler.waiting,
                                                  "running": self.scheduler.running is not None,
                                                  "running_count": len(self.scheduler.active),
                                                  "max": self.config.max_queue, "max_batch": self.config.max_batch,
@@ -242,6 +292,14 @@ class Server:
                          "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
             "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,
         }, dumps=_dumps)
+
+
+def sessions_seen_by(states, scope: str) -> dict:
+    """The sessions a client may see: its own by name (positions each), every other
+    key's only as counts."""
+    own = {row["name"]: row["tokens"] for row in states.session_list(scope)}
+    others = {k: n for k, n in states.session_counts().items() if k != scope}
+    return {"own": own, "other_keys": len(others), "other_sessions": sum(others.values())}
 
 
 def _short_name(name: str) -> str:
@@ -266,26 +324,15 @@ def _error_response(e: BadRequest, ollama: bool, anthropic: bool = False) -> web
         resp.headers[TICKET_HEADER] = e.details.get("ticket", "")
     if e.status == 401:
         resp.headers["WWW-Authenticate"] = "Bearer"
+    if e.status == 408:  # what is left of the body would be read as the next request
+        resp.force_close()
     return resp
 
 
 def run(engine, config: ServerConfig, ready=None) -> None:
-    """Serve until interrupted; `ready(url)` is called once listening."""
-    async def main() -> None:
-        server = Server(engine, config)
-        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # the real one when asked for 0
-        if ready:
-            ready(f"http://{config.host}:{port}")
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+    """Serve until a stop signal, then stop gracefully (justfit.server.lifecycle);
+    `ready(url)` is called once listening."""
+    from justfit.server import lifecycle
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    lifecycle.run(lambda: Server(engine, config), config.host, config.port, config.drain_s, ready,
+                  start_site=connections.listener(config))

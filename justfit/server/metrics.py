@@ -89,6 +89,16 @@ def prometheus(m: Metrics, engine, scheduler) -> str:
     metric("memory_bytes", "gauge", "Memory by kind.", [(f'{{kind="{k}"}}', v) for k, v in memory(engine).items()])
     metric("queue_depth", "gauge", "Requests waiting.", [("", scheduler.waiting)])
     metric("running", "gauge", "Requests computing now.", [("", len(scheduler.active))])
-    metric("sessions", "gauge", "Named sessions held.", [("", len(engine.states.sessions))])
+    states = engine.states
+    metric("sessions", "gauge", "Named sessions held, every client's.", [("", sum(states.session_counts().values()))])
+    metric("session_writes_total", "counter", "Session turns written through to disk, by outcome.",
+           [('{outcome="attempted"}', states.writes), ('{outcome="failed"}', states.write_failures)])
+    metric("state_spill_failures_total", "counter", "Anonymous states that could not be spilled to disk.",
+           [("", states.spill_failures)])
+    metric("state_writes_failing", "gauge", "1 while the latest session write or spill failed (see /health).",
+           [("", 1 if states.degraded() else 0)])
+    metric("sessions_evicted_total", "counter", "Sessions dropped by the disk quota (recent: used in the last "
+           "minutes).", [('{recent="false"}', states.quota.evicted - states.quota.evicted_recent),
+                         ('{recent="true"}', states.quota.evicted_recent)])
     metric("uptime_seconds", "gauge", "Seconds since the server started.", [("", time.time() - m.started)])
     return "\n".join(lines) + "\n"

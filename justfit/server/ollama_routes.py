@@ -69,20 +69,22 @@ class OllamaRoutes:
         """POST /api/chat: a chat reply, streamed as NDJSON or whole."""
         body = parse_body(await request.read())
         self.server.check_model(get(body, "model", str, None))
-        opts = ollama_options(body, self.server.config.default_max_tokens)
+        opts = ollama_options(body, self.server.config.default_max_tokens, self.engine.default_sampling)
         msgs = messages(body)
+        await self.server.tokenizing.refuse_oversized(self.engine, msgs, opts.tools)
         return await self._generate(request, lambda: chat_tokens(self.engine, msgs, opts.tools), opts, chat=True)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """POST /api/generate: a continuation of the prompt, streamed as NDJSON or whole."""
         body = parse_body(await request.read())
         self.server.check_model(get(body, "model", str, None))
-        opts = ollama_options(body, self.server.config.default_max_tokens)
+        opts = ollama_options(body, self.server.config.default_max_tokens, self.engine.default_sampling)
         prompt, system = get(body, "prompt", str, ""), get(body, "system", str, None)
         context = get(body, "context", list, [])
         if not prompt and not context:  # Ollama's "load the model" call
             return web.json_response({"model": self.server.model_id, "created_at": _now(), "response": "",
                                       "done": True, "done_reason": "load"})
+        await self.server.tokenizing.refuse_oversized(self.engine, prompt, system, ids=len(context), param="prompt")
         raw = get(body, "raw", bool, False) or not has_chat_template(self.engine.tokenizer)
 
         def tokenize() -> list[int]:  # on the tokenizer thread
@@ -133,7 +135,8 @@ class OllamaRoutes:
             if error is not None:
                 if resp is None:
                     raise engine_error(error)
-                await resp.write((json.dumps({"error": str(error)}) + "\n").encode())
+                # A stable message (the scheduler logged the details), never the exception's text.
+                await resp.write((json.dumps({"error": engine_error(error).message}) + "\n").encode())
                 await resp.write_eof()
                 return resp
             tail = tools.flush()

@@ -5,16 +5,20 @@ clients ignore but which keep connections alive through a long prompt."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
 from aiohttp import web
 
 from justfit.chat_template import has_chat_template
-from justfit.errors import JustFitError, PipelineLost
+from justfit.errors import JustFitError, PipelineLost, ServerStopping
 from justfit.server.logprobs import chat_entries, chat_entry, chat_logprobs, completion_logprobs
+from justfit.server.sessions import STATE_HEADER, state_outcome, stream_note
 from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls
+
+log = logging.getLogger("justfit.server")
 
 
 def add_routes(app: web.Application, server) -> None:
@@ -34,10 +38,17 @@ def chat_tokens(engine, msgs: list[dict], tools: list | None) -> list[int]:
     """`msgs` (and `tools`) through the chat template; BadRequest when there is none or it refuses."""
     if not has_chat_template(engine.tokenizer):  # never a made-up role format the model never saw
         raise BadRequest(NO_CHAT_TEMPLATE, "messages", code="no_chat_template")
+    from jinja2.exceptions import TemplateError
+
     try:
         return engine.apply_chat_template(msgs, tools=tools)
-    except Exception as e:  # the template's own rules (e.g. alternating roles)
-        raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from None
+    except TemplateError as e:  # the template's own rules (e.g. alternating roles), in its words
+        raise BadRequest(f"the chat template rejected the messages: {e.message or 'no reason given'}",
+                         "messages") from None
+    except Exception:  # anything else is not the client's to read: details in the log
+        log.warning("the chat template failed on a request", exc_info=True)
+        raise BadRequest("the chat template could not render these messages", "messages",
+                         code="chat_template_failed") from None
 
 
 def vocab_size(engine) -> int:
@@ -58,6 +69,8 @@ def engine_error(e: Exception) -> BadRequest:
     for another JustFitError, else 500."""
     if isinstance(e, PipelineLost):
         return BadRequest(str(e), None, 503, "server_error", "pipeline_degraded")
+    if isinstance(e, ServerStopping):
+        return BadRequest(str(e), None, 503, "server_error", "server_stopping")
     if isinstance(e, JustFitError):
         return BadRequest(str(e), None, 400, "context_length_exceeded", "context_length_exceeded")
     return BadRequest("internal error while generating", None, 500, "server_error")
@@ -98,21 +111,23 @@ class OpenAIRoutes:
         """POST /v1/chat/completions: a chat reply, streamed (SSE) or whole."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
-        opts = openai_options(body, self.server.config.default_max_tokens)
+        opts = openai_options(body, self.server.config.default_max_tokens, defaults=self.engine.default_sampling)
         msgs = messages(body)
+        await self.server.tokenizing.refuse_oversized(self.engine, msgs, opts.tools)
         return await self._generate(request, lambda: chat_tokens(self.engine, msgs, opts.tools), opts, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: a continuation of a text or token prompt, streamed or whole."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
-        opts = openai_options(body, self.server.config.default_max_tokens, chat=False)
+        opts = openai_options(body, self.server.config.default_max_tokens, False, self.engine.default_sampling)
         if get(body, "echo", bool, False) or body.get("best_of", 1) not in (1, None):
             raise BadRequest("echo and best_of are not supported", "echo")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            await self.server.tokenizing.refuse_oversized(self.engine, prompt, param="prompt")
             return await self._generate(request, lambda: self.engine.encode(prompt), opts, "text")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return await self._generate(request, lambda: token_ids(prompt, vocab_size(self.engine), "prompt"),
@@ -150,7 +165,11 @@ class OpenAIRoutes:
             choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
-        return web.json_response({**self._head(rid, kind), "choices": [choice], "usage": usage(stats)})
+        stored = await state_outcome(stats, self.server.config.write_wait_s)  # durable before the answer
+        resp = web.json_response({**self._head(rid, kind), "choices": [choice], "usage": usage(stats)})
+        if stored is not None:
+            resp.headers[STATE_HEADER] = stored.header()
+        return resp
 
     async def _stream(self, request, job, ahead, opts, tools, rid, kind) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -207,6 +226,8 @@ class OpenAIRoutes:
                     await resp.write(f"data: {json.dumps(engine_error(p).body())}\n\n".encode())
                 elif event == "done":
                     stats = p
+            # The turn's session state is durable before the reply's end is sent.
+            await resp.write(stream_note(await state_outcome(stats, self.server.config.write_wait_s)))
             tail = tools.flush()
             if tail:
                 await resp.write(piece(tail))

@@ -35,8 +35,10 @@ def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object, or BadRequest."""
     try:
         body = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or a 5000-digit integer
-        raise BadRequest(f"request body is not valid JSON: {e}", "body") from None
+    except json.JSONDecodeError as e:  # where, in our words; never the exception's text
+        raise BadRequest(f"request body is not valid JSON (line {e.lineno}, column {e.colno})", "body") from None
+    except (ValueError, UnicodeDecodeError):  # not UTF-8, or a 5000-digit integer
+        raise BadRequest("request body is not valid JSON: not UTF-8, or a number too long", "body") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply", "body") from None
     if not isinstance(body, dict):
@@ -70,6 +72,28 @@ def get(body: dict, name: str, types, default: Any = _MISSING, *, lo: float | No
     if lo is not None and value < lo or hi is not None and value > hi:
         rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
         raise BadRequest(f"'{path}' must be {rng}, not {value}", path)
+    return value
+
+
+SESSION_NAME_CHARS = 256
+
+
+def session_name(value, path: str = "session") -> str | None:
+    """A session name a client sent: text of 1-256 characters, valid Unicode (no lone
+    surrogates) and no control characters, so every tool can show and name it; None
+    when absent. On disk it is only ever hashed (statetrans.sessions)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest(f"'{path}' must be a string, not {type(value).__name__}", path)
+    if not 1 <= len(value) <= SESSION_NAME_CHARS:
+        raise BadRequest(f"'{path}' must be 1 to {SESSION_NAME_CHARS} characters", path)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{path}' is not valid Unicode (a lone surrogate)", path) from None
+    if any(ord(c) < 32 or 0x7f <= ord(c) < 0xa0 for c in value):
+        raise BadRequest(f"'{path}' must not contain control characters", path)
     return value
 
 
@@ -179,8 +203,10 @@ def _response_format(body: dict) -> None:
                          "response_format", code="unsupported_response_format")
 
 
-def openai_options(body: dict, default_max_tokens: int, chat: bool = True) -> Options:
-    """A chat (or, `chat` False, a legacy completions) request's options."""
+def openai_options(body: dict, default_max_tokens: int, chat: bool = True,
+                   defaults: SamplingParams = SamplingParams()) -> Options:
+    """A chat (or, `chat` False, a legacy completions) request's options; what it does
+    not say is sampled as `defaults` (the model's recommendation, engine.default_sampling)."""
     n = get(body, "n", int, 1)
     if n != 1:
         raise BadRequest("'n' must be 1: one completion per request", "n")
@@ -191,11 +217,11 @@ def openai_options(body: dict, default_max_tokens: int, chat: bool = True) -> Op
     stream_options = get(body, "stream_options", dict, {})
     try:
         sp = SamplingParams(
-            temperature=get(body, "temperature", float, 1.0, lo=0, hi=2),
-            top_p=get(body, "top_p", float, 1.0, lo=0, hi=1),
-            top_k=get(body, "top_k", int, 0, lo=0),
-            min_p=get(body, "min_p", float, 0.0, lo=0, hi=1),
-            repetition_penalty=get(body, "repetition_penalty", float, 1.0, lo=0.01, hi=10),
+            temperature=get(body, "temperature", float, defaults.temperature, lo=0, hi=2),
+            top_p=get(body, "top_p", float, defaults.top_p, lo=0, hi=1),
+            top_k=get(body, "top_k", int, defaults.top_k, lo=0),
+            min_p=get(body, "min_p", float, defaults.min_p, lo=0, hi=1),
+            repetition_penalty=get(body, "repetition_penalty", float, defaults.repetition_penalty, lo=0.01, hi=10),
             seed=get(body, "seed", int, None),
             max_tokens=max_tokens if given else default_max_tokens,
             stop=_stop(body.get("stop"), "stop"),
@@ -209,22 +235,24 @@ def openai_options(body: dict, default_max_tokens: int, chat: bool = True) -> Op
     _response_format(body)
     tools = get(body, "tools", list, None)
     return Options(sp, given, stream, get(stream_options, "include_usage", bool, False, where="stream_options."),
-                   get(body, "session", str, None), tools or None)
+                   session_name(body.get("session")), tools or None)
 
 
-def ollama_options(body: dict, default_max_tokens: int) -> Options:
-    """An Ollama request's options in the engine's terms, Ollama's defaults where absent."""
+def ollama_options(body: dict, default_max_tokens: int, defaults: SamplingParams = SamplingParams()) -> Options:
+    """An Ollama request's options in the engine's terms, `defaults` (the model's
+    recommendation, as a Modelfile's parameters are Ollama's) where absent."""
     opts = get(body, "options", dict, {})
     w = "options."
     num_predict = get(opts, "num_predict", int, None, lo=-2, where=w)
     given = num_predict is not None and num_predict >= 0
     try:
         sp = SamplingParams(
-            temperature=get(opts, "temperature", float, 0.8, lo=0, hi=2, where=w),
-            top_p=get(opts, "top_p", float, 0.9, lo=0, hi=1, where=w),
-            top_k=get(opts, "top_k", int, 40, lo=0, where=w),
-            min_p=get(opts, "min_p", float, 0.0, lo=0, hi=1, where=w),
-            repetition_penalty=get(opts, "repeat_penalty", float, 1.0, lo=0.01, hi=10, where=w),
+            temperature=get(opts, "temperature", float, defaults.temperature, lo=0, hi=2, where=w),
+            top_p=get(opts, "top_p", float, defaults.top_p, lo=0, hi=1, where=w),
+            top_k=get(opts, "top_k", int, defaults.top_k, lo=0, where=w),
+            min_p=get(opts, "min_p", float, defaults.min_p, lo=0, hi=1, where=w),
+            repetition_penalty=get(opts, "repeat_penalty", float, defaults.repetition_penalty, lo=0.01, hi=10,
+                                   where=w),
             seed=get(opts, "seed", int, None, where=w),
             max_tokens=num_predict if given else default_max_tokens,
             stop=_stop(opts.get("stop"), "options.stop"),

@@ -1,7 +1,8 @@
 """What the status page shows, as one JSON document: memory by kind now and over the
-last minutes (a ring of samples taken twice a second), stored states and sessions,
-running and queued requests with their progress, the last requests' phases, and the
-positions that still fit per KV format."""
+last minutes (a ring of samples taken twice a second: what MLX holds by kind, and the
+whole process's RSS beside it), stored states and sessions, running and queued requests
+with their progress, the last requests' phases, and the positions that still fit in the
+KV format in use and the pressure ladder's next steps, against the trained context."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import psutil
 
+from justfit.fit import first_full_layer, kv_label
+from justfit.memory import rss_bytes
 from justfit.server.metrics import memory
+from kvexec import ladder
 from phaseswap.registry import Residency
 
 SAMPLE_EVERY_S = 0.5
@@ -53,7 +57,10 @@ class LiveStatus:
         self.samples.append(self.measure())
 
     def measure(self) -> dict:
-        """Memory by kind now."""
+        """Memory by kind now: what MLX holds (the kinds, and its cache of freed buffers),
+        the process's RSS (MLX's memory and everything else: interpreter, libraries,
+        tokenizer, the server), and the budgets: the engine's, over MLX's memory, and
+        a whole-process one, over the RSS."""
         engine = self.server.engine
         try:
             kv = kv_bytes_by_format(engine.live_cache)
@@ -65,15 +72,19 @@ class LiveStatus:
         accounted = weights + materialized + sum(kv.values()) + states
         return {"t": round(time.time(), 3), "weights_resident": weights, "weights_materialized": materialized,
                 "kv": kv, "states_memory": states, "transient": max(0, mx.get_active_memory() - accounted),
-                "budget": engine.config.budget_bytes}
+                "mlx_cache": mx.get_cache_memory(), "rss": rss_bytes(),
+                "budget": engine.config.budget_bytes, "process_budget": engine.process_budget}
 
-    def _states(self, now: float) -> list[dict]:
+    def _states(self, now: float, scope: str = "") -> list[dict]:
+        """The viewer's own (`scope`'s) stored states; another key's are only counted
+        (`other_keys_states` in the document)."""
         tiers = self.server.engine.states
-        names = {key: name for name, key in list(tiers.sessions.items())}
         rows = []
         for key, e in list(tiers.entries.items()):
             seen = self.first_seen.setdefault(key, now)
-            rows.append({"name": names.get(key), "tokens": len(e.tokens),
+            if e.scope != scope:
+                continue
+            rows.append({"name": e.session, "tokens": len(e.tokens),
                          "where": "memory" if e.cache is not None else "disk",
                          "memory_bytes": e.nbytes if e.cache is not None else 0,
                          "disk_bytes": e.disk_bytes if e.path is not None else 0,
@@ -115,29 +126,32 @@ class LiveStatus:
         return psutil.Process().memory_info().rss + psutil.virtual_memory().available, "memory available"
 
     def capacity(self, held: int) -> list[dict]:
-        """Per KV format: the most positions one request may hold under the budget (what
-        `justfit fit` reports), and how many of them are still free beside the running one."""
-        from kvexec import FORMATS, KVConfig, get_format
-
+        """The most positions the budget holds (what `justfit fit` reports) in the KV
+        format in use, then with every page in each of the pressure ladder's next steps,
+        and how many are still free beside the running requests. `past_context`: more
+        than the trained context, which a request never exceeds; such a count is only
+        reached by several requests and stored states, or a model that extrapolates."""
         engine = self.server.engine
         budget, _ = self._budget()
         # Re-plan when the budget changes; free memory (no budget) moves all the time: per 64 MiB.
         key = (budget // (2**20 if engine.config.budget_bytes else 2**26), tuple(engine.swap.offloaded))
         if not self._capacity or self._capacity[0] != key:
-            head_dim, base = engine.kv_shape[2], engine.config.kv
-            rows = []
-            for name in [*FORMATS, None]:
-                if name is not None and not get_format(name).supports_head_dim(head_dim):
-                    continue
-                kv = None if name is None else replace(base or KVConfig(), format=name, layer_formats=())
-                fp = engine.edge_footprint(tuple(engine.swap.offloaded), kv=kv)
-                rows.append({"format": name or "mlx-lm", "max_positions": fp.max_positions(budget),
-                             "in_use": name == (base.format if base else None)})
+            offloaded, base = tuple(engine.swap.offloaded), engine.config.kv
+            rows = [{"format": base.format if base else "mlx-lm", "label": kv_label(base) if base else "mlx-lm",
+                     "step": 0, "max_positions": engine.edge_footprint(offloaded).max_positions(budget)}]
+            steps = ladder(base, engine.kv_shape[2], first_full_layer(engine.model)) if base else []
+            for i, fmt in enumerate(steps[1:], 1):  # every page stepped down this far
+                kv = replace(base, format=fmt.name, layer_formats=())
+                rows.append({"format": fmt.name, "label": fmt.label, "step": i,
+                             "max_positions": engine.edge_footprint(offloaded, kv=kv).max_positions(budget)})
             self._capacity = (key, rows)
-        return [{**r, "left": max(0, r["max_positions"] - held)} for r in self._capacity[1]]
+        limit = engine.context_limit
+        return [{**r, "in_use": r["step"] == 0, "left": max(0, r["max_positions"] - held),
+                 "past_context": r["max_positions"] > limit} for r in self._capacity[1]]
 
-    def document(self, since: float = 0.0) -> dict:
-        """Everything the page shows; the history only after `since` (epoch seconds)."""
+    def document(self, since: float = 0.0, scope: str = "") -> dict:
+        """Everything the page shows to a client of `scope`; the history only after
+        `since` (epoch seconds)."""
         engine, now = self.server.engine, time.monotonic()
         running, batch, queued = self._requests(now)
         budget, budget_kind = self._budget()
@@ -147,10 +161,13 @@ class LiveStatus:
             "blas": engine.blas, "backend": str(mx.default_device()),
             "kv_format": engine.config.kv.format if engine.config.kv else "mlx-lm",
             "context_limit": engine.context_limit, "budget": engine.config.budget_bytes,
+            "process_budget": engine.process_budget,
             "capacity_budget": budget, "capacity_budget_kind": budget_kind,
             "now": self.measure(), "memory": memory(engine),
             "history": [s for s in list(self.samples) if s["t"] > since],
-            "states": self._states(now), "running": running, "batch": batch, "queued": queued,
+            "states": self._states(now, scope),
+            "other_keys_states": sum(1 for e in list(engine.states.entries.values()) if e.scope != scope),
+            "running": running, "batch": batch, "queued": queued,
             "recent": self._recent(),
             "capacity": self.capacity(held),
             "requests": {"completed": self.server.scheduler.completed, "failed": self.server.scheduler.failed,

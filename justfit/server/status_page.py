@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from justfit.server.schema import BadRequest
+from justfit.server.sessions import scope_of
 from justfit.server.status_live import SAMPLE_EVERY_S, LiveStatus
 
 STATIC = Path(__file__).parent / "static"
@@ -36,7 +37,7 @@ def add_routes(app: web.Application, server) -> None:
             since = float(request.query.get("since", "0"))
         except ValueError:
             raise BadRequest("'since' must be a number (epoch seconds)", "since") from None
-        return web.json_response(live.document(since), headers={"Cache-Control": "no-store"})
+        return web.json_response(live.document(since, scope_of(request)), headers={"Cache-Control": "no-store"})
 
     async def sampling(app: web.Application):
         task = asyncio.create_task(_sample_forever(live))

@@ -1,0 +1,292 @@
+"""The server's listener: read timeouts and a connection limit on every connection.
+
+aiohttp bounds neither how long a client may take to send a request's headers or body
+nor how many connections are open, so one client holding hundreds of connections open
+with half a request each would keep them forever. Each accepted connection gets a
+`GuardedProtocol` around aiohttp's own protocol, with one timer at a time:
+
+- headers: from the connection's start, or from the first byte of a later request,
+  to the moment the request reaches the app (`track`, the outermost middleware);
+  past `header_timeout_s` the connection is closed;
+- body: from there until the body has arrived in full; past `body_timeout_s` a
+  handler reading it gets `BodyTimeout` (answered 408), and the connection is closed;
+- idle: a keep-alive connection between requests is closed after `idle_timeout_s`.
+
+While the app works on a request whose body is in (a generation, a stream) no timer
+runs. At `max_connections` a new connection first closes an older one that is not in
+a handler (one still sending headers, then an idle one, then one sending a body,
+oldest first), so a flood of stalled connections never locks out /health; only when
+every connection is inside a handler is the new one refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections import Counter
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+log = logging.getLogger("justfit.server")
+
+FD_RESERVE = 128  # descriptors kept for everything but client connections (weights, states, pipes)
+CLOSE_GRACE_S = 5.0  # after a body timeout: time for the 408 to go out before the connection is cut
+HEAD, BODY, BUSY, IDLE = "head", "body", "busy", "idle"
+EVICT_ORDER = (HEAD, IDLE, BODY)  # who goes first when the limit is reached
+
+
+class BodyTimeout(asyncio.TimeoutError):
+    """A request's body did not arrive in time (raised where the handler reads it;
+    a TimeoutError so that aiohttp's own drain of an unread body ends quietly)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long a client may take, and how many connections may be open."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 75.0
+    max_connections: int = 256
+
+    @classmethod
+    def of(cls, config) -> "Limits":
+        """The limits a ServerConfig asks for."""
+        return cls(config.header_timeout_s, config.body_timeout_s, config.idle_timeout_s, config.max_connections)
+
+
+class Guard:
+    """The open connections of one listener and what became of the closed ones."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.open: dict[GuardedProtocol, None] = {}  # insertion order: oldest first
+        self.closed: Counter = Counter()  # why connections were closed: head, body, idle, evicted, refused
+        self.peak = 0  # the most connections open at once
+
+    def admit(self, conn: "GuardedProtocol") -> bool:
+        """Count a new connection, closing an older one when at the limit; False when
+        every connection is inside a handler (the new one is then closed)."""
+        if len(self.open) >= self.limits.max_connections:
+            victim = self._victim()
+            if victim is None:
+                self.closed["refused"] += 1
+                log.debug("connection limit (%d) reached with every connection busy: refused one",
+                          self.limits.max_connections)
+                return False
+            self.closed["evicted"] += 1
+            victim.close()
+        self.open[conn] = None
+        self.peak = max(self.peak, len(self.open))
+        return True
+
+    def _victim(self) -> "GuardedProtocol | None":
+        first: dict[str, GuardedProtocol] = {}
+        for conn in self.open:
+            if conn.phase not in first:
+                first[conn.phase] = conn
+                if conn.phase == EVICT_ORDER[0]:
+                    break
+        return next((first[p] for p in EVICT_ORDER if p in first), None)
+
+    def forget(self, conn: "GuardedProtocol") -> None:
+        """Stop counting a connection (closed, or closing)."""
+        self.open.pop(conn, None)
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """aiohttp's protocol for one connection (`inner`), with the timers of the module doc."""
+
+    def __init__(self, inner: asyncio.Protocol, guard: Guard):
+        self.inner, self.guard = inner, guard
+        self.transport: asyncio.Transport | None = None
+        self.phase, self.in_handler, self.closing = HEAD, False, False
+        self._pending = False  # bytes of a next request came while the app worked on this one
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio's side: everything goes on to aiohttp ----------------------------------
+    def connection_made(self, transport) -> None:
+        """Admitted (maybe in an older one's place) or refused; the header timer starts."""
+        self.transport = transport
+        self.inner.connection_made(transport)
+        if not self.guard.admit(self):
+            self.close()
+            return
+        self._arm(HEAD, self.guard.limits.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        """The bytes go to aiohttp; the first of a new request starts its header timer."""
+        if self.phase == IDLE:  # the first byte of the next request
+            self._arm(HEAD, self.guard.limits.header_timeout_s)
+        elif self.phase == BUSY:  # a pipelined request: timed once the current one is answered
+            self._pending = True
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        """aiohttp's answer to a half-closed connection."""
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        """Flow control, aiohttp's."""
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        """Flow control, aiohttp's."""
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        """No more timers, no longer counted; aiohttp ends what ran on the connection."""
+        self.closing = True
+        self._cancel()
+        self.guard.forget(self)
+        self.inner.connection_lost(exc)
+
+    # -- the app's side (track) ---------------------------------------------------------
+    def request_started(self, payload) -> None:
+        """A request reached the app: its headers are in; time its body, if any."""
+        if self.closing:
+            return
+        self.in_handler, self._pending = True, False
+        if payload.is_eof():
+            self._enter(BUSY)
+        else:
+            self._arm(BODY, self.guard.limits.body_timeout_s, payload)
+            payload.on_eof(self._body_in)  # aiohttp's StreamReader calls it once the body is complete
+
+    def request_finished(self) -> None:
+        """The app answered (a stream has ended); idle, or the next request's headers."""
+        self.in_handler = False
+        if self.closing or self.phase != BUSY:  # a body still arriving keeps its timer
+            return
+        if self._pending:
+            self._arm(HEAD, self.guard.limits.header_timeout_s)
+        else:
+            self._arm(IDLE, self.guard.limits.idle_timeout_s)
+
+    def _body_in(self) -> None:
+        if self.closing or self.phase != BODY:
+            return
+        if self.in_handler:
+            self._enter(BUSY)
+        else:  # answered before its body was read (a 401): the next request may follow
+            self._arm(IDLE, self.guard.limits.idle_timeout_s)
+
+    # -- timers -----------------------------------------------------------------------
+    def _enter(self, phase: str) -> None:
+        self._cancel()
+        self.phase = phase
+
+    def _arm(self, phase: str, seconds: float, payload=None) -> None:
+        self._enter(phase)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(seconds, self._expired, phase, payload)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, phase: str, payload) -> None:
+        self._timer = None
+        if self.closing or phase != self.phase:
+            return
+        self.guard.closed[phase] += 1
+        log.debug("closing a connection: %s not complete within its timeout", phase)
+        if phase == BODY and payload is not None:
+            # The handler (or aiohttp, draining an unread body) is waiting on it: it
+            # answers 408 and closes; the timer below cuts a client that does not read.
+            payload.set_exception(BodyTimeout(f"request body not received within "
+                                              f"{self.guard.limits.body_timeout_s:g} s"))
+            self.phase = BODY + "-expired"
+            self._timer = asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self.close)
+            return
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (aiohttp cancels a handler still running on it)."""
+        if self.closing:
+            return
+        self.closing = True
+        self._cancel()
+        self.guard.forget(self)  # no longer counted, though the socket closes on the next turn of the loop
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _guarded(request: web.Request) -> GuardedProtocol | None:
+    transport = request.transport
+    proto = transport.get_protocol() if transport is not None else None
+    return proto if isinstance(proto, GuardedProtocol) else None
+
+
+@web.middleware
+async def track(request: web.Request, handler):
+    """The outermost middleware: tells the connection's guard when a request starts
+    (its headers are in) and when it has been answered."""
+    conn = _guarded(request)
+    if conn is None:  # served by a listener without a guard (aiohttp's own TCPSite)
+        return await handler(request)
+    conn.request_started(request.content)
+    try:
+        return await handler(request)
+    finally:
+        conn.request_finished()
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP listener whose every connection is a GuardedProtocol; registered with its
+    runner like aiohttp's TCPSite, so `stop()` and `runner.cleanup()` close it."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: Limits):
+        super().__init__(runner, backlog=max(128, limits.max_connections))
+        self.host, self.requested_port, self.guard = host, port, Guard(limits)
+
+    @property
+    def name(self) -> str:
+        """The URL listened on."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the real one when asked for 0)."""
+        return self._server.sockets[0].getsockname()[1] if self._server else self.requested_port
+
+    async def start(self) -> None:
+        """Listen; each connection accepted gets aiohttp's protocol inside a GuardedProtocol."""
+        await super().start()  # registers with the runner
+        make_protocol, guard = self._runner.server, self.guard
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: GuardedProtocol(make_protocol(), guard), self.host, self.requested_port, backlog=self._backlog)
+
+
+def fit_descriptors(limits: Limits) -> Limits:
+    """`limits` with max_connections within the process's open-file limit, raising
+    the soft limit toward the hard one first (macOS starts processes at 256)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = limits.max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        fits = max(1, soft - FD_RESERVE)
+        log.warning("open-file limit %d: serving at most %d connections, not %d", soft, fits,
+                    limits.max_connections)
+        return Limits(limits.header_timeout_s, limits.body_timeout_s, limits.idle_timeout_s, fits)
+    return limits
+
+
+def listener(config) -> Callable[[web.BaseRunner, str, int], Awaitable[tuple[GuardedSite, int]]]:
+    """`start_site(runner, host, port) -> (site, port)` for `config`'s limits (a
+    ServerConfig): a started GuardedSite and the port it listens on."""
+    async def start_site(runner: web.BaseRunner, host: str, port: int) -> tuple[GuardedSite, int]:
+        site = GuardedSite(runner, host, port, fit_descriptors(Limits.of(config)))
+        await site.start()
+        return site, site.port
+
+    return start_site

@@ -1,0 +1,10 @@
+"""A rank-like process for tests/test_rank_lifecycle.py: watches the launcher's pipe
+(justfit.launch.watch_launcher), says so, then waits to be ended."""
+
+import time
+
+from justfit.launch import watch_launcher
+
+watch_launcher()
+print("watching", flush=True)
+time.sleep(60)
