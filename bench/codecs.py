@@ -1,4 +1,4 @@
-"""Key and value codecs measured where calibration measures them (issue 19, deliverable 1).
+"""Key and value codecs measured where calibration measures them.
 
 Each attention layer's queries, keys and values are recorded on calibration's fixed text
 (kvexec/layer_error.py); one side is stored in a codec and the other kept exact, and the

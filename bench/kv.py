@@ -80,8 +80,7 @@ def bytes_per_position(context: int) -> list[dict]:
 def decode(context: int, formats: list[str], steps: int, policy: str = "auto") -> list[dict]:
     """Decode speed at `context` per row (stock mlx-lm, JustFit on mlx-lm's KV cache, then
     each format spec), each row in a fresh process: in one process a row's speed
-    depended on its place, the first JustFit row 5-25% faster whichever format it ran
-    (`kv-decode-20261203-130252` against `-131204`, the same formats in the other order)."""
+    depended on its place (the first JustFit row ran faster whichever format it was)."""
     from bench.common import run_worker
 
     rows = []

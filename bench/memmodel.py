@@ -51,11 +51,10 @@ class MemoryModel:
 
 # Peak bytes of one mlx-lm prefill attention call per (chunk x query head x position
 # seen), by (activation dtype, KV bits), measured on MLX 0.32's CPU backend at SmolLM2's
-# shape, chunk 256, 2,048 positions seen (bench/results/attn-transient-20261201-*.json):
-# one scores array in the activations' dtype plus the mask, not float32 scores and
-# exponentials as the planner assumes for JustFit's own path.
-# The quantized-KV rows are mlx-lm's quantized_scaled_dot_product_attention (float16
-# scores and their softmax; same file, 2,048 positions seen).
+# shape, chunk 256, 2,048 positions seen (`python -m bench.attn_transient`): one scores
+# array in the activations' dtype plus the mask, not float32 scores and exponentials as
+# the planner assumes for JustFit's own path. The quantized-KV rows are mlx-lm's
+# quantized_scaled_dot_product_attention (float16 scores and their softmax).
 SCORE_BYTES = {("float16", None): 2.18, ("float32", None): 4.24, ("float16", 8): 2.64, ("float16", 4): 2.39}
 
 
@@ -75,9 +74,8 @@ def fit(points: list[tuple[int, int]], baseline: int, weights: int, kv_per_posit
     """The model through measured (positions, peak bytes) points. Baseline, weights and
     KV bytes are measured or follow from shapes, the transient from the attention peak
     measured on its own (`transient`); only the constant is fitted. A per-position
-    slope fitted to short runs' points measures the allocator, not the KV: on
-    mlx-lm-fp32, three points at 160-480 positions gave ten times the true slope
-    (capacity-20261202-082119), so none is fitted."""
+    slope fitted to short runs' points measures the allocator, not the KV (on short
+    float32 stock runs it came out many times the true slope), so none is fitted."""
     if not points:
         raise ValueError("no measured points to fit")
     per, fixed = transient

@@ -1,5 +1,7 @@
 """Results as people read them: markdown tables and PNG plots, written beside the
-JSON every benchmark saves (bench/results/NAME-TIME.{json,md,png})."""
+JSON every benchmark saves (bench/results/NAME-TIME.{json,md,png}); and, run with no
+files, the docs' results table (bench.summary) and bench/results/INDEX.md
+(bench.results_index), both from the saved JSON."""
 
 from __future__ import annotations
 
@@ -161,12 +163,22 @@ def _share_fidelity(rows: list[dict]) -> None:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="Rewrite the views beside saved results; or, with "
-                                             "--combine, save one capacity result from several runs.")
-    ap.add_argument("files", nargs="+")
+    ap = argparse.ArgumentParser(description="With no files: rewrite the results table in README.md and "
+                                             "docs/BENCHMARKS.md and bench/results/INDEX.md from the saved JSON. "
+                                             "With files: rewrite the views beside them; or, with --combine, "
+                                             "save one capacity result from several runs.")
+    ap.add_argument("files", nargs="*")
     ap.add_argument("--combine", action="store_true")
     args = ap.parse_args()
-    if args.combine:
+    if not args.files:
+        if args.combine:
+            ap.error("--combine needs the result files to combine")
+        from bench import results_index, summary
+
+        for doc in summary.write():
+            print(f"rewrote the results table in {doc}")
+        print(f"wrote {results_index.write()}")
+    elif args.combine:
         from bench.common import publish
 
         publish("capacity", combine_capacity(args.files), False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 # need to where the smaller systems hold tens of thousands of positions.
 PRESETS = {
     "smollm2": "400,550,800,1100,1600MiB",
-    "gemma3": "1100,1300,1600,2000,2400MiB",  # JustFit's load alone peaked at 970 MiB (capacity-20261130-112641)
+    "gemma3": "1100,1300,1600,2000,2400MiB",  # from just above what JustFit's load alone peaks at
 }
 BASELINES = ("mlx-lm", "mlx-lm-tuned", "llama.cpp", "llama.cpp-q8_0")
 

@@ -35,9 +35,8 @@ class ProcessShare:
 def prefill_ways(chunk: int, budget: int | None) -> Iterator[tuple[int, bool]]:
     """(prefill chunk, on dense working copies) to try, cheapest first: a smaller chunk
     shrinks the transient (scores, activations) at little cost; at the smallest, prefill
-    on the resident forms drops the dense copy of a layer (as fast at 128-token chunks:
-    SmolLM2 ~400 tok/s either way here, against 548 dense and 404 resident at 512).
-    Both come before offloading layers."""
+    on the resident forms drops the dense copy of a layer (as fast as dense at the
+    smallest chunks, slower at larger ones). Both come before offloading layers."""
     yield chunk, True
     while budget is not None and chunk > MIN_PREFILL_CHUNK:
         chunk = max(MIN_PREFILL_CHUNK, chunk // 2)

@@ -78,7 +78,7 @@ def decode(
     `on_logprobs(token, logprobs)` sees the distribution each token was drawn from."""
     context = mx.array(history)
     # Greedy with nothing to adjust or report: the argmax of the logits, computed with
-    # them (the normalizing logsumexp over the vocabulary cost ~0.7 ms a token on the CPU).
+    # them (the normalizing logsumexp over the vocabulary is a cost every token on the CPU).
     plain = sampler is greedy_sampler and not processors and on_logprobs is None
     choice = mx.argmax(logits) if plain else None
     while True:

@@ -4,8 +4,7 @@ the ranks writing straight to this process's stdout and stderr.
 
 Why not `mlx.launch` itself: it relays every rank's output through a loop that polls the
 ranks' stdin pipes, which are always writable, so it never sleeps: it holds more than a
-core while the ranks compute (measured here: 114% of a core beside two idle ranks).
-On two cores that halves a pipeline's speed. Here nothing is relayed: the ranks inherit
+core while the ranks compute. On two cores that halves a pipeline's speed. Here nothing is relayed: the ranks inherit
 the file descriptors, and this process sleeps until a rank ends or a signal comes.
 
 How the group stops. Rank 0 drives the pipeline (in `justfit serve`, the server); the

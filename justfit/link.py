@@ -1,7 +1,7 @@
 """Transfers between neighbouring ranks of a layer pipeline that wait asleep.
 
 MLX's ring backend waits for data by spinning: a rank waiting on its neighbour holds a
-core at 100% (measured here: a 5 s wait cost 5 s of CPU). Ranks on one machine share
+core at 100% for as long as it waits. Ranks on one machine share
 its cores, so the waiting rank slows the one computing; on any machine an idle follower
 would hold a core between requests. So each rank also opens one plain TCP connection to
 the next rank of the ring, a doorbell: a sender rings it (one byte) once its data is

@@ -64,13 +64,13 @@ def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[
     found = cached_measurement(name, cache_dir, candidates)
     if found is not None:  # the usual load: no second copy of the model
         return found.choose(tolerance)
-    # a one-time wait worth naming (15 s for SmolLM2 here, about a minute for Gemma 3)
+    # a one-time wait worth naming (seconds to a minute on a CPU)
     log.info("measuring which KV page formats this model's layers take (once per model, then cached)")
     probe = load_lazily(model, config)
     kvexec.install(probe.model)
     # On the CPU each layer runs its chunks dense, just in time, as the engine's prefill
     # does, and a tied head every position's logits through the native kernel where it
-    # is built: MLX's CPU product on 4- or 5-bit weights made SmolLM2's calibration ~7x slower.
+    # is built: MLX's CPU product on 4- or 5-bit weights made calibration several times slower.
     if mx.default_device() == mx.cpu:
         phase = PhaseSwap(probe.model, "cpu-native" if native_available() else "cpu-compact").phase("prefill")
     else:

@@ -2,7 +2,7 @@
 
 mlx-lm's layer makes about twenty MLX operations a call: three projections, a reshape
 and a transpose for each, two rotations, the attention and a transpose and reshape of
-its output. At decode on the CPU each costs MLX's dispatch (~6 us here), more than its
+its output. At decode on the CPU each costs MLX's dispatch, more than its
 arithmetic. With the native kernels and a paged cache the same layer makes four:
 the joined q/k/v projection (phaseswap.native.join_siblings), heads split and rotated
 in one (native/heads.cpp), KVExec's attention written in the output projection's
@@ -11,7 +11,7 @@ scaled rotary embedding, float16, Metal) runs mlx-lm's own code.
 
 The gated MLPs' activation (silu(gate) * up, gelu_approx(gate) * up) is one native
 operation with vector exponentials on both cores (native/gated.cpp): MLX's compiled
-CPU version computes one element at a time, ~12 ms for a 512-token SmolLM2 chunk.
+CPU version computes one element at a time.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ _GEMMA_NORMS = _NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernor
 
 def _modules(block: llama.TransformerBlock | gemma3_text.TransformerBlock, gemma: bool) -> tuple:
     """The modules a decoder layer's fused steps read, looked up in the modules' dicts
-    by C-level maps (an nn.Module's attribute lookup costs ~1 us): their ids tell
+    by C-level maps (an nn.Module's attribute lookup is slow in a hot loop): their ids tell
     whether `_BlockSteps` still holds."""
     attn, mlp = block["self_attn"], block["mlp"]
     found = (attn, mlp, *map(attn.get, _ATTENTION_PARTS), *map(mlp.get, _MLP_PARTS),
@@ -157,8 +157,8 @@ class _Step:
 
 @dataclass(frozen=True)
 class _BlockSteps:
-    """A decoder layer's fused native steps with their settings gathered once (a layer's
-    Python took ~65 us a decode step gathering them, a third of its graph building):
+    """A decoder layer's fused native steps with their settings gathered once (gathering
+    them every decode step was a large share of a layer's graph building):
     kept while the layer holds the same modules (`_modules`, held here so that no id is
     reused while it is compared; they are the layer's own)."""
 
@@ -220,8 +220,8 @@ def _native_block(block: llama.TransformerBlock | gemma3_text.TransformerBlock, 
     does not apply: norm and q/k/v products; heads; attention; output projection and
     residual (Gemma: its norm between); norm, gate/up products and activation; down
     projection and residual (Gemma: its norm between). Each fused step computes what the
-    layer's own native operations do one by one, bit for bit: the other eight operations'
-    dispatch and graph building were ~8% of a SmolLM2 decode step."""
+    layer's own native operations do one by one, bit for bit, without the other eight
+    operations' dispatch and graph building."""
     attn = block["self_attn"]
     if _heads_settings(attn, x, cache, None) is None:
         return None

@@ -1,4 +1,4 @@
-"""Layers pipelined across the ranks of an `mx.distributed` group (issue 21): each rank
+"""Layers pipelined across the ranks of an `mx.distributed` group: each rank
 holds only its share of the decoder layers; rank 0 also holds the embedding, the final
 norm's consumer and the head, and drives every forward pass.
 

@@ -1,4 +1,4 @@
-"""A layer pipeline's state saved and restored across its ranks (issue 21).
+"""A layer pipeline's state saved and restored across its ranks.
 
 Each rank writes its share (its layers' pages, its stand-ins' positions) as a StateTrans
 snapshot on its own disk, `PATH/rank{R}-{GEN}`, under a generation rank 0 names. Rank

@@ -30,8 +30,8 @@ RESERVE_FLOOR = 1 << 18
 PAGE_MARGIN = 0.04
 # The smallest prefill chunk a tight budget may ask for: SmolLM2 prefill runs as fast at
 # 128 tokens per chunk as at 512; at 64 its activations (64 x 576 x 4 B, 147 KB) fall
-# below glibc's mmap threshold (256 KiB under a budget) and fragment the heap: measured
-# 11 MiB more outside MLX at the peak, more than the smaller transient saves.
+# below glibc's mmap threshold (256 KiB under a budget) and fragment the heap, which
+# costs more outside MLX at the peak than the smaller transient saves.
 MIN_PREFILL_CHUNK = 128
 
 
@@ -276,7 +276,7 @@ def choose_policy(model: nn.Module, config: dict, name: str, context: int, kv: K
                   budget: int | None) -> str:
     """`name`, or for "auto" under a budget on CPU without the native kernel the
     faster weights form unless it leaves too little for `context` positions: then
-    cpu-compact (the stored weights, about half of cpu's q8t bytes, ~3x slower decode).
+    cpu-compact (the stored weights, about half of cpu's q8t bytes, a slower decode).
     With the native kernel "auto" is cpu-int16 (cpu-native without AVX2), the stored
     weights at full speed, whatever the budget. Decided from shapes, before any weight is converted."""
     if name != "auto" or budget is None or default_policy() != "cpu":

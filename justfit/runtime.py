@@ -20,7 +20,7 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
   shared stream as its default. Requests run one at a time (justfit/scheduler.py),
   so the stream is never used by two threads at once.
 * mlx-lm without its hub loader. mlx-lm's package `__init__` imports its loader,
-  which imports `transformers` (~46 MiB resident, a sixth of a 270 MiB SmolLM2 process)
+  which imports `transformers` (tens of MiB resident, a large share of a small process)
   for tokenizers JustFit's converted GGUF models do not use. When `mlx_lm` is not
   imported yet, it is registered with its `__init__` deferred: `mlx_lm.models.*` load
   alone, and the first name asked of the package itself (`mlx_lm.load`,
@@ -60,18 +60,17 @@ def setup() -> Runtime:
         if _runtime is None:
             # An idle OpenMP worker (the native kernels') spins for GOMP_SPINCOUNT rounds
             # before it sleeps. Beside OpenBLAS's pthread build, a long spin held a core
-            # through its prefill GEMMs (at the default 300,000: SmolLM2 prefill ~330
-            # against ~570 tok/s at 10,000). The OpenMP build's GEMMs run on the same
-            # threads, so the worker may spin through a decode step's gaps, where each
-            # sleep and wake cost time: 1,000,000 rounds, one step in ten no longer
-            # 1.5-2.5x the median (decode 14% faster at 2K, prefill unchanged).
+            # through its prefill GEMMs (at the default 300,000 prefill ran far slower
+            # than at 10,000). The OpenMP build's GEMMs run on the same threads, so the
+            # worker may spin through a decode step's gaps, where each sleep and wake
+            # cost time: at 1,000,000 the slow outlier steps go (prefill unchanged).
             rank = "MLX_RANK" in os.environ
             shared = blas.openmp_build(blas.find_openblas()) and not rank
             os.environ.setdefault("GOMP_SPINCOUNT", "1000000" if shared else "10000")
             if rank:  # ranks of a pipeline may share this machine's cores
                 # An idle rank's OpenMP (the native kernel) and OpenBLAS threads would spin
-                # while it waits, starving the rank that computes: a two-rank decode ran
-                # 10x slower here. Read once, when each library loads: so before them.
+                # while it waits, starving the rank that computes. Read once, when each
+                # library loads: so before them.
                 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
                 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
             openblas = blas.preload()  # must precede the first `import mlx.core`

@@ -1,4 +1,4 @@
-"""Bounded waits for a layer pipeline (issue 21). A rank that stops answering (alive but
+"""Bounded waits for a layer pipeline. A rank that stops answering (alive but
 stuck, or cut off without its connection closing) leaves the engine thread blocked in a
 transfer MLX cannot time out. This watchdog bounds the wait: past `stall_s` without an
 event from the running job (a prefill chunk done, a token), the group is marked lost

@@ -2,8 +2,8 @@
 sandboxed Jinja chat template, without `transformers`.
 
 mlx-lm's TokenizerWrapper wraps a transformers tokenizer, and importing transformers
-holds ~46 MiB resident (with the wrapper's Python-side vocabulary, ~75 MiB beside an
-8 MiB tokenizer.json); at a 550 MiB whole-process budget that is ~9,000 KV positions.
+holds tens of MiB resident (more with the wrapper's Python-side vocabulary): under a
+whole-process budget, thousands of KV positions.
 A converted folder's tokenizer.json and tokenizer_config.json are JustFit's own
 (justfit/gguf/tokenizer.py), so this class reads them directly, with the part of the
 wrapper's interface JustFit uses: `encode`, `decode`, `apply_chat_template`,

@@ -38,7 +38,7 @@ class KVPlaceholder:
     the data, by any path but the seam, raises SeamBypassed."""
 
     # Made per layer and step: it keeps what it needs and works out shape and dtype
-    # only when asked (a placeholder costs ~2 us; one per layer per decoded token).
+    # only when asked (one is made per layer per decoded token).
     __slots__ = ("_like", "_positions", "_dtype")
 
     def __init__(self, like: mx.array, positions: int, dtype: mx.Dtype | None = None):

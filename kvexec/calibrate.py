@@ -8,30 +8,27 @@ candidate replays each layer's record with every position but the sinks in pages
 harshest layout a long context has): the layer's relative attention error. One more
 forward pass, every layer in the smallest candidate, measures the output's KL divergence
 from the reference; over the summed squared attention errors that gives the model's gain
-(for small errors KL grows with the squared errors, layer by layer: Gemma 3's gain is
-several times SmolLM2's). One pass is one draw of the quantization noise, and a draw's
-KL rests on a few positions (a fifth of SmolLM2's on 10 of 512): draws spread by 8%
-(SmolLM2) and 3.5% (Gemma 3), and one draw on one core and the same on two differ as
-much: a rounding that flips one code changes what later layers quantize. So the pass is
+(for small errors KL grows with the squared errors, layer by layer; the gain differs
+between models several-fold). One pass is one draw of the quantization noise, and a
+draw's KL rests on a few positions, so draws spread, and one draw on one core and the
+same on two differ as much: a rounding that flips one code changes what later layers
+quantize. So the pass is
 made PROBE_DRAWS times, each with the pages' groups shifted one token (one more sink),
 and the gain is their mean. A model-wide KL budget (`tolerance`, nats per token in this
 layout) is then spent where it saves the most bytes (`allocate`): every layer starts in
 its smallest candidate and, while the predicted KL (gain x summed squared errors) is
 over budget, the layer whose next step buys the most predicted KL per byte steps up;
 then any layer that can step back down within the budget does. (Splitting the budget
-evenly, each layer held to the same error, chose 0.3-0.4 more bits per value at the same
-budget on SmolLM2 and Gemma 3: its discrete steps left most layers well under their
-share.) A byte counts at the model's trained context: a sliding-window layer's pages
+evenly, each layer held to the same error, chose more bits per value at the same budget:
+its discrete steps left most layers well under their share.) A byte counts at the model's trained context: a sliding-window layer's pages
 stop growing at its window, so its bytes count window / context of a full layer's (Gemma
 3: 512 / 32,768). Such a layer (a share of at most 1/16) keeps its widest candidate
 outright: its steps up come almost free, and the budget decides the formats of the full
 layers, which hold every position of a long context. The result is deterministic on a
 machine (a fixed text, a fixed layout, a CPU pass); across machines the per-layer errors
-agree to 0.3% and the gain to a few percent (the draws' mean: SmolLM2 0.0375 on one core
-and 0.0390 on two here, single draws 0.033-0.044), and with it a layer near the budget's
-edge may differ. The measurement is cached per model identity and candidates (any
-tolerance chooses from it), so only a model's first load pays (15 s for SmolLM2, 52 s
-for Gemma 3 on a 2-core CPU)."""
+agree closely and the gain to a few percent, and with it a layer near the budget's edge
+may differ. The measurement is cached per model identity and candidates (any tolerance
+chooses from it), so only a model's first load pays."""
 
 from __future__ import annotations
 
@@ -53,22 +50,19 @@ from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
 VERSION = 6  # bump when the procedure changes: cached results of older ones are ignored
 # Smallest first is not required: candidates are ordered by bytes per position.
 CANDIDATES = ("k4a128v4r64", "k5a128v4r64", "k5a128v5r64", "k6a128v5r64", "k6a128v6r64", "k8c128v6r64", "q8c")
-# Output KL (nats per token) all layers' pages together may add, in LAYOUT. Swept from
-# 4e-4 to 2.5e-3 (docs/BENCHMARKS.md): 1e-3 is the largest whose choice held top-1 >= 99%,
-# KL <= 1e-3 and perplexity within 0.5% on SmolLM2 at 4K and Gemma 3 at 8K and 16K
-# (1.2e-3 gave Gemma 3 98.999% at 8K; SmolLM2 alone held to 2e-3).
+# Output KL (nats per token) all layers' pages together may add, in LAYOUT: the largest
+# budget whose choice held top-1 >= 99%, KL <= 1e-3 and perplexity within 0.5% on both
+# offline models (docs/BENCHMARKS.md, the default pages).
 TOLERANCE = 1e-3
 # A layer holding at most this share of the trained context (a sliding window's pages
 # stop growing there) keeps its widest candidate: its bytes at a long context are a few
-# MiB, and errors spent there save almost nothing (Gemma 3 at 9e-4 put three of them in
-# narrower formats, and its top-1 at 8K fell to 98.90%; with them at q8c, 99.17%).
+# MiB, and errors spent there save almost nothing while costing fidelity.
 WIDEST_SHARE = 1 / 16
 # Every position but the sinks in pages: the harshest layout a long context has (the
 # sinks exact, so the error measured is the pages' alone).
 LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4, full_bits=32)
-# Draws of the quantization noise the gain is averaged over (see module doc): six take
-# the spread between machines from ~8% to ~3% (SmolLM2) for ~7 s more on a first load
-# here (Gemma 3: 20-27 s).
+# Draws of the quantization noise the gain is averaged over (see module doc): six narrow
+# the spread between machines several-fold for a few seconds more on a first load.
 PROBE_DRAWS = 6
 TEXT = Path(__file__).with_name("calibration_text.txt")
 

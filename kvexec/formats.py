@@ -154,7 +154,7 @@ class Codec:
 
     def _untransposed(self, x: mx.array, enc: dict[str, mx.array]) -> mx.array:
         """x @ dequantize(stored): JustFit's native kernel for a few float32 rows on the
-        CPU (MLX's reads pages at about 1 GB/s there), else MLX's quantized_matmul."""
+        CPU (MLX's reads pages slowly there), else MLX's quantized_matmul."""
         ext = rows_kernel()
         if (ext is not None and x.dtype == mx.float32 and x.shape[-2] <= ROWS_KERNEL_MAX
                 and self.bits in getattr(ext, "ROWS_BITS", (4, 8)) and x.ndim == enc["w"].ndim):

@@ -2,7 +2,7 @@
 
 The two-pass path in kvexec/attention.py makes 20-30 MLX operations a layer at decode
 (a product per block and side, the scores' concatenation, their slices, the sums); on
-the CPU each costs MLX's dispatch, about 6 us here, more than their arithmetic at short
+the CPU each costs MLX's dispatch, more than their arithmetic at short
 contexts. The native operation does the same arithmetic in one: every block scored on
 its stored form, one softmax, every block's values weighted and summed.
 

@@ -2,7 +2,7 @@
 // its stored form, one softmax over all the scores, every block's values weighted and
 // summed, in a single primitive. The same arithmetic as kvexec/attention.py's two-pass
 // path (which makes 20-30 operations a layer of it: at decode on the CPU each costs
-// MLX's dispatch, ~6 us, more than the arithmetic at short contexts).
+// MLX's dispatch, more than the arithmetic at short contexts).
 #pragma once
 
 #include <optional>

@@ -23,7 +23,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            mx::StreamOrDevice s = {});
 
 // What the products of one x may do around themselves in the same operation: the steps
-// of a decode layer that MLX would otherwise dispatch one by one (~5 us each here).
+// of a decode layer that MLX would otherwise dispatch one by one, each at a cost.
 // `norm`: x is RMS-normed by this weight first; `gate` (a GateKind, gated.h) >= 0: the
 // two products become one output, act(y0) * y1; `post_norm`: the single output is
 // RMS-normed by this weight; `residual`: then added to it. Both norms take norm_eps and

@@ -61,8 +61,8 @@ void product(const float* x, const uint8_t* w, const S* scales, const S* biases,
 
 // One row's products with several weights (a layer's q, k and v; gate and up) in one
 // parallel loop over every weight's groups of four columns: x rounded once per packing
-// (4-bit or not), one fork and join where a loop per weight paid each (~12 us of a
-// SmolLM2 layer's q/k/v products). Each column computes as in `product`, bit for bit.
+// (4-bit or not), one fork and join where a loop per weight paid each. Each column
+// computes as in `product`, bit for bit.
 template <typename T, typename S>
 void joint_products(const float* x, const std::vector<RoundedProduct>& ps, int in, int group_size) {
   const int groups = in / group_size;

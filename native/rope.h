@@ -1,6 +1,5 @@
 // JustFit's rotary position embedding for MLX's CPU backend: `mx.fast.rope`'s CPU
-// path is its fallback, about twenty operations a call (~110 us for one decode
-// position here); this primitive is one.
+// path is its fallback, about twenty operations a call; this primitive is one.
 #pragma once
 
 #include <vector>

@@ -40,8 +40,8 @@ inline mlx::core::cpu::CommandEncoder& begin_cpu(mlx::core::Stream stream, const
 // An input's bytes in row-major order, for a kernel that reads rows: its own where it is
 // row-contiguous when computed (hidden states, stored pages, weights), else a copy made
 // when the kernel runs. Copying there rather than through a Contiguous node keeps such
-// nodes out of the graph: at decode each node costs MLX's dispatch (~6 us) whether it
-// copies or not, and they were a sixth of a step's operations.
+// nodes out of the graph: at decode each node costs MLX's dispatch whether it copies or
+// not.
 struct RowMajor {
   mlx::core::array a;
   std::vector<uint8_t> copy;

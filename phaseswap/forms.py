@@ -2,15 +2,15 @@
 
 * stored: what the model folder holds (`nn.QuantizedLinear` / `nn.Linear` / embeddings).
 * dense: fp32 `nn.Linear`, a working copy for compute-bound phases. On MLX's CPU
-  backend a dequantized GEMM through OpenBLAS runs ~70x faster than `quantized_matmul`.
+  backend a dequantized GEMM through OpenBLAS runs far faster than `quantized_matmul`.
 * q8t: the weight transposed to [in, out] and quantized at 8 bits along `out`.
-  MLX's CPU quantized matvec is ~4x faster with this layout (transpose=False) than
+  MLX's CPU quantized matvec is several times faster with this layout (transpose=False) than
   with the stored one, and beats a dense fp32 matvec while taking 1.25 bytes/weight:
   the compact form for memory-bound decode on CPU. Re-quantizing is not exact.
 * grouped: exact for affine-quantized weights. The stored integer grid, transposed per
   input group and packed at 8 bits under unit scales (so the fast untransposed matvec
   reproduces it exactly), and the stored scales and biases applied per group after:
-  y = sum_g s_g * (x_g Q_g^T) + b_g * sum(x_g). 1.5 bytes/weight, ~1.3x q8t's time.
+  y = sum_g s_g * (x_g Q_g^T) + b_g * sum(x_g). 1.5 bytes/weight, somewhat slower than q8t.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ def _bias(mod: nn.Module, dtype: mx.Dtype) -> mx.array | None:
 def _bare(cls: type[nn.Module]) -> nn.Module:
     """An mlx.nn layer with no parameters yet. Its own __init__ would draw weights from
     MLX's global random key, which nothing here evaluates: each draw lengthens the key's
-    lazy graph (~2 KiB kept per layer made, ~0.9 KiB per prefilled token on SmolLM2,
-    whose prefill makes dense copies of every linear per chunk)."""
+    lazy graph (memory kept for every layer made, and prefill makes dense copies of
+    every linear per chunk)."""
     module = cls.__new__(cls)
     nn.Module.__init__(module)
     return module

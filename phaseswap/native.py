@@ -45,7 +45,7 @@ def eligible(mod: nn.Module) -> bool:
 def native_dequantize(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
                       mode: str = "affine") -> mx.array | None:
     """mx.dequantize in float32 through the native kernel (MLX's CPU dequantize unpacks a
-    5-bit matrix bit by bit, ~60x slower; 4 and 8 bits ~20x), or None where it does not
+    5-bit matrix bit by bit, far slower), or None where it does not
     apply. Scales and biases as stored: float16 ones widen exactly."""
     # weights the native forms hold (the widths the matvec reads); others keep MLX's
     if kernels() is None or mode != "affine" or biases is None or bits not in getattr(kernels(), "MATVEC_BITS", ()):
@@ -212,8 +212,7 @@ def to_native(mod: nn.Module, activation_bits: int = 32) -> nn.Module | None:
     """`mod` in the native form, or None when the kernel cannot compute it. With
     `activation_bits` 8 or 16 its products round each input row's blocks of 32 to that
     many bits (at the block's largest magnitude) and multiply in integers: 8 as llama.cpp
-    does with its q8 activation blocks (about 0.5% relative error per product on random
-    data), 16 about 250 times closer to float32. The weights are the stored ones either way."""
+    does with its q8 activation blocks, 16 far closer to float32. The weights are the stored ones either way."""
     if not eligible(mod):
         return None
     cls = NativeQuantizedEmbedding if isinstance(mod, nn.QuantizedEmbedding) else NativeQuantizedLinear
@@ -222,8 +221,7 @@ def to_native(mod: nn.Module, activation_bits: int = 32) -> nn.Module | None:
 
 class NativeRoPE(nn.RoPE):
     """nn.RoPE whose float32 CPU path is the native kernel: one operation where MLX's
-    CPU fallback for mx.fast.rope makes about twenty (~110 us for one decode position
-    here, sixty times a SmolLM2 token). Same angles: MLX's inverse frequencies, float32."""
+    CPU fallback for mx.fast.rope makes about twenty (two calls a layer each token). Same angles: MLX's inverse frequencies, float32."""
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         ext = kernels()

@@ -61,6 +61,7 @@ class Turns:
     name: str
     acked: dict[str, int] = field(default_factory=dict)  # session -> positions after its last acknowledged turn
     not_stored: int = 0  # complete responses that said their state was not stored
+    turns: int = 0  # acknowledged turns in all
     history: list[dict] = field(default_factory=list)
     conversations: int = 0
 
@@ -105,6 +106,7 @@ def stream_turn(url: str, turns: Turns, max_tokens: int = 6, timeout: float = 30
         return True
     # The state holds the prompt and every generated token but the last (sampled, never fed).
     turns.acked[turns.session] = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    turns.turns += 1
     turns.history = messages + [{"role": "assistant", "content": "".join(text)}]
     if len(turns.history) > 16:  # keep prompts short: a new conversation, a new session
         turns.history, turns.conversations = [], turns.conversations + 1

@@ -1,6 +1,7 @@
 """The documentation points at things that exist: every link resolves (its heading too),
-every repository path and benchmark result file it cites is there, and the README keeps
-the two fresh-machine commands that CI runs, and stays a page for users."""
+every repository path and benchmark result file it cites is there, bench/results/ holds
+only the result files the docs cite (and their index), and the README keeps the two
+fresh-machine commands that CI runs, and stays a page for users."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ RESULTS = ROOT / "bench" / "results"
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\s]+)`")
-# A cited benchmark result: SUITE-YYYYMMDD[-HHMMSS], with or without its folder and suffix.
-RESULT = re.compile(r"\b([a-z]+(?:-[a-z]+)*-\d{8}(?:-\d{6})?)(?![\d-])")
+# A cited benchmark result: SUITE-YYYYMMDD[-HHMMSS][-TAG], with or without its folder and suffix.
+RESULT = re.compile(r"\b([a-z]+(?:-[a-z0-9]+)*-\d{8}(?:-\d{6})?(?:-[a-z]+\d*)?)(?![\w-])")
+RESULTS_MAX_BYTES = 1_500_000  # bench/results/ keeps what the docs cite, not every run
 REPO_DIRS = (".ci/", "bench/", "cli/", "docs/", "justfit/", "kvexec/", "phaseswap/", "statetrans/", "tests/")
 PLACEHOLDERS = ("SUITE", "TIME", "NAME", "test_X", "*", "<", "{", "...")
 # The README's first lines, byte for byte: CI (.ci/run) runs the test command.
@@ -74,6 +76,19 @@ def test_cited_results_exist(doc: Path) -> None:
     missing = sorted({stem for stem in RESULT.findall(doc.read_text())
                       if not any(name.startswith(stem) for name in saved)})
     assert not missing, f"{doc.name} cites result files not in bench/results/: {missing}"
+
+
+def test_results_kept_are_the_ones_the_docs_cite() -> None:
+    """Every file in bench/results/ is cited by a doc (INDEX.md aside), INDEX.md lists
+    them as `python -m bench.report` writes it, and the folder stays small."""
+    from bench import results_index
+
+    cited = {stem for doc in DOCS for stem in RESULT.findall(doc.read_text())}
+    files = [p for p in RESULTS.iterdir() if p.is_file() and p.name != "INDEX.md"]
+    uncited = sorted(p.name for p in files if p.name.split(".")[0] not in cited)
+    assert not uncited, f"result files no doc cites (cite them or delete them): {uncited}"
+    assert (RESULTS / "INDEX.md").read_text() == results_index.markdown(RESULTS), "run python -m bench.report"
+    assert sum(p.stat().st_size for p in RESULTS.iterdir()) <= RESULTS_MAX_BYTES
 
 
 def test_readme_keeps_the_fresh_machine_commands() -> None:

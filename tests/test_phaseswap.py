@@ -102,7 +102,7 @@ def test_phase_stats_report_materialization(q8_dir):
 
 def test_serving_never_draws_from_mlx_global_random_key(q8_dir):
     # Each draw from MLX's global key lengthens its lazy graph (nothing evaluates it):
-    # made per prefill chunk, the dense leases' layers kept ~0.9 KiB per prefilled token.
+    # made per prefill chunk, the dense leases' layers kept memory per prefilled token.
     eng = Engine(str(q8_dir), config=EngineConfig(policy="cpu", prefill_chunk=8))
     key = mx.random.state[0]
     for prompt, sp in (("a prompt of several chunks, each leased dense", SamplingParams(temperature=0, max_tokens=4)),

@@ -94,7 +94,7 @@ print(json.dumps({"mlx_before_setup": before, "facts": facts(),
 def test_setup_sets_the_openmp_spin_before_anything_loads_it_and_keeps_a_users_choice():
     """Idle OpenMP workers of the native kernels spin 1,000,000 rounds beside OpenBLAS's
     OpenMP build (one pool of threads), 10,000 beside any other: at GNU OpenMP's default
-    (300,000) they held a core through the pthread build's prefill GEMMs (docs/BENCHMARKS.md)."""
+    (300,000) they held a core through the pthread build's prefill GEMMs."""
     code = r"""
 import json, os, sys
 from justfit import runtime
