@@ -17,7 +17,8 @@ from tests.serve_process import ServeProcess, Turns, alive, group_pids, keep_tur
 CLIENTS = 3
 
 
-def _inject(model: str, state_dir, signum: int, rng: random.Random, clients: list[Turns]) -> dict:
+def _inject(model: str, state_dir, signum: int, rng: random.Random, clients: list[Turns],
+            delay: tuple[float, float]) -> dict:
     """One server life: clients stream turns, `signum` arrives mid-turn; what followed."""
     server = ServeProcess(model, state_dir, "--drain", "10")
     pids = group_pids(server.proc)
@@ -25,7 +26,7 @@ def _inject(model: str, state_dir, signum: int, rng: random.Random, clients: lis
     threads = [threading.Thread(target=keep_turning, args=(server.url, c, stop), daemon=True) for c in clients]
     for t in threads:
         t.start()
-    time.sleep(rng.uniform(0.3, 1.5))  # turns are in flight: streamed, writing, or between
+    time.sleep(rng.uniform(*delay))  # turns are in flight: streamed, writing, or between
     sent = time.monotonic()
     server.proc.send_signal(signum)
     try:
@@ -49,13 +50,13 @@ def _lost(state_dir, clients: list[Turns]) -> list[str]:
             for c in clients for name, want in c.acked.items() if stored.get(name, -1) < want]
 
 
-def _run(model: str, tmp_path, signum: int, cycles: int, seed: int) -> dict:
+def _run(model: str, tmp_path, signum: int, cycles: int, seed: int, delay=(0.3, 1.5)) -> dict:
     rng = random.Random(seed)
     state_dir = tmp_path / "state"
     clients = [Turns(f"client{i}") for i in range(CLIENTS)]
     worst_exit = 0.0
     for cycle in range(cycles):
-        out = _inject(model, state_dir, signum, rng, clients)
+        out = _inject(model, state_dir, signum, rng, clients, delay)
         assert not out["left"], f"cycle {cycle}: processes left behind: {out['left']}"
         if signum != signal.SIGKILL:
             assert out["code"] == 0, f"cycle {cycle}: exit status {out['code']}\n{out['log'][-3000:]}"
@@ -108,3 +109,12 @@ def test_a_stopping_server_answers_new_requests_503_and_exits_0(tiny_llama_dir, 
         assert stored_positions(tmp_path / "state").get("long", 0) > 0  # the running turn finished and stored
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_acknowledged_turn_is_lost_on_smollm2(tmp_path, signum, request):
+    """The same on the real SmolLM2 (a few injections; --long only: each start loads it)."""
+    if not request.config.getoption("--long"):
+        pytest.skip("long variant: --long")
+    figures = _run("smollm2", tmp_path, signum, cycles=3, seed=signum, delay=(2.0, 6.0))  # turns take longer
+    print(f"SmolLM2 {signal.Signals(signum).name}: {figures}")

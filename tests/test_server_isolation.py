@@ -51,6 +51,8 @@ def test_the_pin_probe_learns_nothing_across_keys(live):
     # The same probe by the owner's own key does reuse (the test would pass vacuously otherwise).
     own = [_cached(_complete(live, BOB, secret.replace("7315", g))[2]) for g in ("1111", "7315")]
     assert own[1] > own[0]
+    print(f"PIN probe across keys, cached_tokens by guess: {dict(zip(guesses, seen))}; by the owner's key: "
+          f"1111 -> {own[0]}, 7315 -> {own[1]}")
 
 
 def test_sessions_are_each_keys_own(live):
