@@ -8,6 +8,14 @@ chunks), so no logits are stored.
     python -m bench.quality --formats q8c,q8c@0.6,q8c@0.45   # pages held to 60%, 45% of q8c's bytes
     python -m bench.quality --formats calibrated,calibrated/0.05,k5a128v4r64   # calibrated per model
 
+With `--context N` every row scores llama-perplexity's windows (bench.scoring: chunks
+of N tokens, each in a fresh cache, its second half scored), and the baselines' KV
+caches can be measured on the same tokens, each against its own engine's float16 KV
+(bench.peer_fidelity):
+
+    python -m bench.quality --model smollm2 --context 2048 --tokens 8192 --formats calibrated \
+        --reference fp16 --llama-cpp ~/llama.cpp/build/bin --mlx-lm-kv 8
+
 Pass-key retrieval: noise lines, one pass-key line at each depth, then the question;
 a hit is a greedy reply whose first integer is the key.
 
@@ -19,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from justfit import runtime
@@ -38,74 +45,97 @@ from justfit.loader import kv_calibration
 from justfit.state_io import model_identity, state_root
 from kvexec import KVConfig
 from kvexec.calibrate import calibrated_config, layer_summary
+from phaseswap.policy import get_policy
 
 # Formats are compared with float32 activations (the native kernel where built): rounded
 # ones (cpu-int16, cpu-int8) could turn a format's last-bit differences into rounding
-# flips and measure the rounding as much as the pages.
+# flips and measure the rounding as much as the pages. `--policy auto` measures them with
+# the activations the engine runs with here (both the pages and their reference).
 POLICY = "cpu-native"
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 def evaluate(model_name: str, n_tokens: int, formats: list[str], chunk: int = 512,
-             reference: str = "fp32") -> list[dict]:
+             reference: str = "fp32", context: int | None = None, policy: str = POLICY) -> list[dict]:
     """Teacher-forced top-1, KL and perplexity of each format against `reference`:
     "fp32", mlx-lm's own cache in the engine's compute dtype, or "fp16", pages in
-    float16 (the float16-KV reference a stock float16 run keeps)."""
-    from bench.common import long_text
+    float16 (the float16-KV reference a stock float16 run keeps). `context`: score
+    llama-perplexity's windows of that length (bench.scoring) instead of one sequence."""
+    from bench.scoring import score
 
-    engine = Engine(model_name, config=EngineConfig(kv=KVConfig(), policy=POLICY))
-    model, tok = engine.model, engine.tokenizer
-    ids = list(tok.encode(long_text()))[:n_tokens]
-    if len(ids) < n_tokens:
-        raise SystemExit(f"text has only {len(ids)} tokens")
-    ref_cache = make_prompt_cache(model) if reference == "fp32" else \
-        _paged_cache(model, reference, KVConfig(format=reference), n_tokens, engine.kv_shape)
+    engine = Engine(model_name, config=EngineConfig(kv=KVConfig(), policy=policy))
+    model = engine.model
+    layout, ids = text_layout(engine.tokenizer, n_tokens, context)
+    length = context or n_tokens
     configs = {f: kv_config(engine, model_name, f) for f in formats}
-    caches = {f: _paged_cache(model, f, configs[f], n_tokens, engine.kv_shape) for f in formats}
-    stats = {f: {"agree": 0, "kl": 0.0, "nll": 0.0} for f in ["reference", *formats]}
-    scored = 0
-    for start in range(0, n_tokens - 1, chunk):
-        piece = ids[start : min(start + chunk, n_tokens - 1)]
-        targets = np.array(ids[start + 1 : start + 1 + len(piece)])
-        x = mx.array(piece)[None]
-        # Statistics in numpy: its vectorized exp is far faster than MLX CPU's on vocab-wide rows.
-        ref_lp = _log_softmax(np.array(model(x, cache=ref_cache)[0].astype(mx.float32)))
-        ref_top = ref_lp.argmax(axis=-1)
-        ref_p = np.exp(ref_lp)
-        rows = {"reference": ref_lp}
-        for f, cache in caches.items():
-            rows[f] = _log_softmax(np.array(model(x, cache=cache)[0].astype(mx.float32)))
-        for f, lp in rows.items():
-            s = stats[f]
-            s["agree"] += int((lp.argmax(axis=-1) == ref_top).sum())
-            s["kl"] += float((ref_p * (ref_lp - lp)).sum())
-            s["nll"] -= float(np.take_along_axis(lp, targets[:, None], axis=-1).sum())
-        mx.eval([c.state for c in ref_cache])
-        scored += len(piece)
-        print(f"{scored}/{n_tokens - 1} tokens", file=sys.stderr, flush=True)
-    ref_ppl = math.exp(stats["reference"]["nll"] / scored)
+
+    def paged(spec: str, kv: KVConfig):
+        return lambda: _paged_cache(model, spec, kv, length, engine.kv_shape)
+
+    def forward(piece: list[int], cache) -> np.ndarray:
+        logits = model(mx.array(piece)[None], cache=cache)[0].astype(mx.float32)
+        mx.eval(logits, [c.state for c in cache])
+        # Statistics in numpy: its vectorized exp is ~20x MLX CPU's on vocab-wide rows.
+        return np.array(logits)
+
+    made = {}  # each format's last cache: where the pressure ladder left its pages
+
+    def keep(f: str):
+        def make():
+            made[f] = paged(f, configs[f])()
+            return made[f]
+        return make
+
+    ref = (lambda: make_prompt_cache(model)) if reference == "fp32" else paged(reference, KVConfig(format=reference))
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        print(f"{done[0]}/{layout.chunks * (length - 1)} tokens", file=sys.stderr, flush=True)
+
+    tallies = score(layout, ids, (ref, forward), {f: (keep(f), forward) for f in formats}, chunk, progress)
     out = []
     for f in ["reference", *formats]:
-        s = stats[f]
-        ppl = math.exp(s["nll"] / scored)
         out.append({"system": f"justfit-{f}" if f != "reference" else f"reference-{reference}", "model": model_name,
-                    "format": f, "tokens": n_tokens, "top1": s["agree"] / scored, "kl": s["kl"] / scored,
-                    "ppl": ppl, "ppl_delta": ppl / ref_ppl - 1,
+                    "format": f, **layout.describe(), **tallies[f].row(tallies["reference"]),
+                    "reference": "mlx-lm KV in float32" if reference == "fp32" else f"JustFit {reference} pages",
+                    "policy": get_policy(policy).name,
                     "bits_per_value": _bits_per_value(KVConfig(format=reference) if f == "reference" else configs[f],
                                                       engine.kv_shape)})
         if f != "reference" and configs[f].layer_formats:
             out[-1]["layer_formats"] = layer_summary(configs[f].layer_formats)
-            growing = [i for i, c in enumerate(c for c in caches[f] if isinstance(c, kvexec.PagedKVCache))
+            growing = [i for i, c in enumerate(c for c in made[f] if isinstance(c, kvexec.PagedKVCache))
                        if c.store.window is None]
             out[-1]["bits_per_value_growing"] = _bits_per_value(configs[f], engine.kv_shape, growing)
-        if "@" in f:  # where the ladder left the pages: positions per format, all layers
-            out[-1]["kv_formats"] = kvexec.page_formats(caches[f])
+        if "@" in f:  # where the ladder left the pages (the last window's): positions per format, all layers
+            out[-1]["kv_formats"] = kvexec.page_formats(made[f])
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
+
+
+def text_layout(tokenizer, n_tokens: int, context: int | None):
+    """(bench.scoring.Layout, the token ids of bench.common.long_text) for `tokenizer`."""
+    from bench.common import long_text
+    from bench.scoring import Layout, adds_bos
+
+    return Layout(n_tokens, context, adds_bos(tokenizer)), list(tokenizer.encode(long_text()))
+
+
+def peers(args) -> list[dict]:
+    """The baselines' rows (bench.peer_fidelity) on the windows JustFit's were scored on."""
+    from bench.common import long_text
+    from bench.peer_fidelity import llamacpp_rows, mlx_lm_rows
+    from justfit.models import load
+
+    layout, ids = text_layout(load(args.model).tokenizer, args.tokens, args.context)
+    rows = []
+    if args.llama_cpp:
+        rows += llamacpp_rows(args.llama_cpp, args.model, long_text(), layout, ids,
+                              tuple(args.llama_cache_types.split(",")))
+    if args.mlx_lm_kv:
+        for dtype in args.mlx_lm_dtype.split(","):
+            rows += mlx_lm_rows(args.model, layout, ids, args.mlx_lm_kv, dtype=dtype,
+                                limit_s=args.mlx_lm_limit * 60, chunk=args.chunk)
+    return rows
 
 
 def _bits_per_value(kv: KVConfig, kv_shape: tuple[int, int, int], layers=None) -> float | None:
@@ -193,11 +223,22 @@ QUICK = {"tokens": 512, "formats": "q8c", "passkey_lengths": "384", "depths": "0
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--formats", default="fp16,q8,q4,q3,q2")
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens of the text (with --context: its multiple)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="score llama-perplexity's windows of this many tokens (each in a fresh cache, its "
+                         "second half scored) instead of one sequence of --tokens; needed for the baselines")
+    ap.add_argument("--formats", default="fp16,q8,q4,q3,q2", help="JustFit's page formats; empty: none")
+    ap.add_argument("--chunk", type=int, default=512, help="tokens fed a forward pass")
     ap.add_argument("--reference", default="fp32", choices=("fp32", "fp16"),
                     help="fp32: mlx-lm's cache in the compute dtype; fp16: float16 pages")
+    ap.add_argument("--policy", default=POLICY, help="JustFit's weight policy (auto: what the engine runs with here)")
+    ap.add_argument("--llama-cpp", default="", help="llama.cpp's binaries: measure its KV cache types too")
+    ap.add_argument("--llama-cache-types", default="f16,q8_0,q4_0")
+    ap.add_argument("--mlx-lm-kv", type=int, default=0, help="bits of mlx-lm's QuantizedKVCache to measure; 0: skip")
+    ap.add_argument("--mlx-lm-dtype", default="float16",
+                    help="mlx-lm's parameters, activations and reference KV: float16 (as its users run it), "
+                         "float32, float32-dense (weights dequantized: BLAS on the CPU), or a list")
+    ap.add_argument("--mlx-lm-limit", type=float, default=20, help="minutes: mlx-lm rows past this are not measured")
     ap.add_argument("--passkey-lengths", default="", help="e.g. 1024,2048,4096; empty: skip")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--skip-teacher-forced", action="store_true")
@@ -208,8 +249,15 @@ def main(argv: list[str] | None = None) -> None:
 
     apply_quick(args, QUICK, argv)
 
-    formats = args.formats.split(",")
-    rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk, args.reference)
+    formats = [f for f in args.formats.split(",") if f]
+    if not {*args.mlx_lm_dtype.split(",")} <= {"float16", "float32", "float32-dense"}:
+        ap.error(f"--mlx-lm-dtype takes float16, float32, float32-dense or a list, not {args.mlx_lm_dtype!r}")
+    if args.context and args.tokens % args.context:
+        ap.error(f"--tokens {args.tokens} is not a multiple of --context {args.context}")
+    rows = [] if args.skip_teacher_forced else evaluate(args.model, args.tokens, formats, args.chunk, args.reference,
+                                                        args.context, args.policy)
+    if not args.skip_teacher_forced and (args.llama_cpp or args.mlx_lm_kv):
+        rows += peers(args)
     if args.passkey_lengths:
         lengths = [int(n) for n in args.passkey_lengths.split(",")]
         rows += passkey(args.model, lengths, [float(d) for d in args.depths.split(",")], formats)

@@ -97,7 +97,9 @@ class ServeGroup:
         while True:
             self.proc.poll()  # reap the top process, a child of this one
             if not self.left():
-                return time.monotonic() - since
+                took = time.monotonic() - since
+                self.proc.wait(10)  # it may have ended between the poll and the look: reap it now
+                return took
             if time.monotonic() > end:
                 raise AssertionError(f"still there {timeout:g} s on: {self.left()}")
             time.sleep(0.05)
