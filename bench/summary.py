@@ -79,7 +79,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _sci(x: float) -> str:
-    mantissa, exponent = f"{x:.1e}".split("e")
+    mantissa, exponent = f"{abs(x) if x == 0 else x:.1e}".split("e")  # a KL of -0.0 (rounding) reads as 0
     return f"{mantissa}e{int(exponent)}"
 
 
