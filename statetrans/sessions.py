@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from statetrans.disk import alive, claim, discard, real_dir, fsync_path, locked, remove, temp_name, temp_owner
+from statetrans.disk import claim, discard, real_dir, fsync_path, locked, remove, temp_alive, temp_name
 from statetrans.faults import NONE, Faults
 from statetrans.identity import peek
 from statetrans.memory_tier import Entry
@@ -169,7 +169,7 @@ class SessionStore:
         path = self.dir / folder
         with locked(self.root):
             try:
-                busy = any((pid := temp_owner(p.name)) is not None and alive(pid) for p in path.iterdir())
+                busy = any(temp_alive(p) for p in path.iterdir())
             except OSError:
                 return False
             if busy:

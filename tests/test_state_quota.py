@@ -169,3 +169,24 @@ def test_default_state_disk(tmp_path):
     want = min(STATE_DISK_CAP, shutil.disk_usage(tmp_path).free // 2)
     assert abs(default_state_disk(tmp_path / "not" / "yet") - want) < 2**26  # free space moves a little meanwhile
     assert split_state_disk(8 * 2**30) == (6 * 2**30, 2 * 2**30)
+
+
+def test_eviction_spares_a_session_a_live_process_is_writing(engine, tmp_path):
+    """The quota never deletes a session folder holding a live writer's temporary (this
+    process's here), and does once only a dead writer's is left."""
+    import subprocess
+
+    from statetrans.disk import temp_name
+
+    tiers = tiers_like(engine, tmp_path / "state")
+    tokens = words(10, 7)
+    tiers.put(tokens, prefilled(engine, tokens), "s").write.wait(30)
+    folder = tiers.store.folder("s")
+    live = folder / temp_name("g")
+    live.mkdir()
+    assert not tiers.store.drop_folder(folder.name) and folder.is_dir()
+    live.rmdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (folder / f".g.tmp-{dead.pid}-0000abcd").mkdir()  # an older version's name: judged by its PID
+    assert tiers.store.drop_folder(folder.name) and not folder.exists()

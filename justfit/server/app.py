@@ -79,6 +79,7 @@ class Server:
         self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
         self.draining = False  # a stop signal came: new requests get 503 (justfit.server.lifecycle)
+        self.keys = keys.accepted(self.config.api_key, self.config.api_keys)  # every key let in
 
     # -- models -------------------------------------------------------------------
     def check_model(self, name) -> None:
@@ -152,7 +153,7 @@ class Server:
         states = getattr(self.engine, "states", None)
         if states is None:
             return 0
-        pending = len(states.writer.pending) if hasattr(states.writer, "pending") else 0
+        pending = len(states.writer.pending)
         states.flush()
         return pending
 
@@ -234,11 +235,10 @@ class Server:
         and sets request[keys.SCOPE] (justfit.server.keys): the key's scope, "" without
         keys, None on a public route (/health, the status page) or a preflight reached
         without a valid key."""
-        accepted = keys.accepted(self.config.api_key, self.config.api_keys)
-        if not accepted:
+        if not self.keys:
             request[keys.SCOPE] = ""
             return await handler(request)
-        request[keys.SCOPE] = keys.match(keys.presented(request.headers), accepted)
+        request[keys.SCOPE] = keys.match(keys.presented(request.headers), self.keys)
         public = request.path == "/health" or status_page.is_page(request.path)  # the page asks for the key itself
         if request[keys.SCOPE] is None and not public and request.method != "OPTIONS":
             raise BadRequest("missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
