@@ -179,9 +179,11 @@ def mlx_lm_rows(model: str, layout, ids: list[int], bits: int = 8, group_size: i
 
     floats, _, dense = dtype.partition("-")
     name = f"mlx-lm-kv{bits}" + ("" if dtype == "float16" else f"-{dtype}")
-    rows = [{"system": f"mlx-lm-{dtype}", "format": f"{floats} KV"}, {"system": name, "format": f"q{bits}g{group_size}"}]
+    rows = [{"system": f"mlx-lm-{dtype}", "format": f"{floats} KV"},
+            {"system": name, "format": f"q{bits}g{group_size}"}]
+    matrices = "quantized matrices dequantized" if dense else "quantized matrices as stored"
     common = {"model": model, **layout.describe(), "reference": f"mlx-lm KVCache, {floats} activations and KV",
-              "weights_dtype": f"{floats} ({'quantized matrices dequantized' if dense else 'quantized matrices as stored'})"}
+              "weights_dtype": f"{floats} ({matrices})"}
     rows = [{**r, **common} for r in rows]
     loaded = load_stock(model, replace(STOCK["mlx-lm"], dtype=floats, dense=bool(dense)))
     net = loaded.model
