@@ -27,7 +27,9 @@ allows), mlx-lm-kv4 (tuned, 4-bit), llama.cpp (its defaults: float16 KV, flash a
 as it decides) / llama.cpp-q8_0 / llama.cpp-q4_0 (from `--llama-cpp DIR`, flash attention,
 -ctk/-ctv, the same GGUF, whole-process peak RSS, n_ctx stepped), justfit-lossless (q8c pages, pressure ladder off), justfit-calibrated
 (the CLI's default pages, calibrated per model, ladder off), justfit-default (the CLI's
-defaults: calibrated pages stepping down the ladder as the budget tightens), justfit-compact (the
+defaults: calibrated pages stepping down the ladder as the budget tightens), justfit-disk (the
+calibrated pages, ladder off, the pages the budget cannot hold on disk and read back just
+in time: kvexec/disk_pages.py), justfit-compact (the
 fewest bytes per position), justfit-retention (at most `--retain` positions kept); any
 JustFit system with `+resident` keeps every weight in memory (EngineConfig.stream_weights
 False: no layer streamed from disk at the budget's edge, as the others keep theirs).
@@ -44,7 +46,7 @@ import subprocess
 import sys
 
 SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
-           "justfit-calibrated", "justfit-default", "justfit-compact", "justfit-retention")
+           "justfit-calibrated", "justfit-default", "justfit-disk", "justfit-compact", "justfit-retention")
 QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120, "repeats": 1,
          "fidelity_tokens": 0}
 MIB = 2**20
@@ -59,7 +61,8 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
     cmd = [sys.executable, "-m", "bench.capacity", "--worker", system, "--model", args.model,
            "--budget", str(budget), "--step", str(step or args.step), "--out", str(args.out),
            "--max-positions", str(limit or args.max_positions), "--max-seconds", str(args.max_seconds),
-           "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step)]
+           "--retain", str(args.retain), "--fine-from", str(fine_from), "--fine-step", str(fine_step),
+           "--start-at", str(args.start_at)]
     ranks = int(system.partition("@")[2] or 1)
     if ranks > 1:  # a layer pipeline: every rank a worker, each held to the budget
         from justfit.launch import launched
@@ -223,6 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "reserved-memory edge")
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help="skip the second, finer run after a budget stop")
+    ap.add_argument("--start-at", type=int, default=0, metavar="N",
+                    help="JustFit systems: begin with N positions of random keys and values written straight into "
+                         "pages (no prefill), then grow as usual: the memory of a long context without its prefill "
+                         "(rows say synthetic_start)")
     ap.add_argument("--fine-from", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fine-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         from justfit.memory import parse_size
 
         run_worker(args.worker, args.model, parse_size(args.budget), args.step, args.out, args.max_positions,
-                   args.max_seconds, args.retain, args.fine_from, args.fine_step)
+                   args.max_seconds, args.retain, args.fine_from, args.fine_step, args.start_at)
         return {}
     from bench import fidelity
     from bench.common import machine_info, publish
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         fidelity.mark(r)
     settings = {k: getattr(args, k) for k in ("model", "budget", "step", "stock_step", "out", "max_positions",
-                                              "max_seconds",
+                                              "max_seconds", "start_at",
                                               "retain", "refine", "repeats", "fidelity_tokens")}
     settings.update(budget=names[0] if len(names) == 1 else ",".join(names), budgets=names)
     result = {"machine": machine_info(), "settings": settings, "systems": rows, "headline": headline(rows)}

@@ -78,7 +78,7 @@ def _stock_setup(system: str, model: str):
     return loaded.tokenizer, step, details, facts
 
 
-def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
+def _justfit(model: str, system: str, budget: int, retain: int, limit: int, start: int = 0):
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
     from kvexec import FORMATS, KVConfig, get_format
@@ -105,6 +105,11 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
         config = replace(config, kv=KVConfig(format="calibrated", pressure=()))
     elif system == "justfit-default":  # the CLI's defaults: calibrated pages stepping down the ladder
         config = replace(config, kv=KVConfig(format="calibrated"))
+    elif system == "justfit-disk":  # the CLI's default pages, no ladder: what the budget cannot hold goes to disk
+        import tempfile
+
+        config = replace(config, kv=KVConfig(format="calibrated", pressure=()),
+                         kv_disk=tempfile.mkdtemp(prefix="justfit-bench-kv-"))
     engine = Engine(model, config=config, group=group)
     if engine.pipeline is not None and engine.pipeline.rank > 0:
         engine.follow()  # until rank 0 ends (or this rank's Peak ends the run)
@@ -119,6 +124,11 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
 
     def step(tokens: list[int], out: int) -> list[int]:
         nonlocal history
+        if not history and start:  # the first step: positions of random KV stored straight into pages
+            from bench.synthetic_state import store_random_state
+
+            store_random_state(engine, tokens[:start])
+            history, tokens = tokens[:start], tokens[start:]
         sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
         got = [c.token for c in engine.generate(history + tokens, sp) if c.token is not None]
         history = history + tokens + got
@@ -138,11 +148,14 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
                 "kv_formats": stats.kv_formats,
                 "kv_dtype": f"pages {','.join(sorted(stats.kv_formats)) or 'none yet'}, hot window {hot}",
                 "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,
+                "kv_disk": stats.kv_disk,
                 "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
 
     # what the planner says this budget holds (at its smallest prefill, pages stepping down
     # where the ladder is on): a prediction beside the measurement, never in its place
     planner = engine.edge_footprint(pressed=bool(kv.pressure))
+    if engine.config.kv_disk is not None:  # every growing layer's pages on disk at the budget's edge
+        planner = engine.edge_footprint(disk_layers=planner.shape.full_layers)
     planned = planner.max_positions(engine.config.budget_bytes)
     facts = {"trained_context": engine.model_config.get("max_position_embeddings"), "planned_positions": planned,
              "weights_bytes": planner.weights,
@@ -154,8 +167,12 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int):
 
 
 def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int, max_positions: int,
-               max_seconds: float, retain: int, fine_from: int = 0, fine_step: int = 0) -> None:
-    """Prints one JSON line per completed step, then {"end": reason}."""
+               max_seconds: float, retain: int, fine_from: int = 0, fine_step: int = 0,
+               synthetic: int = 0) -> None:
+    """Prints one JSON line per completed step, then {"end": reason}. `synthetic`: the first
+    step begins with that many positions of random keys and values stored straight into
+    pages (JustFit systems; no prefill: the memory of a long context without the hours
+    its prefill takes here)."""
     if system.startswith("justfit"):
         from justfit import runtime
 
@@ -170,7 +187,8 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
     sampler = Peak(budget, int(os.environ.get("MLX_RANK", "0")))
     sampler.start()
     if system.startswith("justfit"):
-        tokenizer, step, details, facts = _justfit(model, system, budget, retain, max_positions + out + 1)
+        tokenizer, step, details, facts = _justfit(model, system, budget, retain, max_positions + out + 1, synthetic)
+        facts["synthetic_start"] = synthetic
     else:
         tokenizer, step, details, facts = _stock_setup(system, model)
     text = prompt_tokens(tokenizer, max_positions)
@@ -183,6 +201,7 @@ def run_worker(system: str, model: str, budget: int, step_tokens: int, out: int,
     start = time.perf_counter()
     while True:
         size = fine_step if fine_from and fed + generated >= fine_from else step_tokens
+        size += synthetic if not fed else 0
         if fed + generated + size + out > max_positions:
             break
         if time.perf_counter() - start > max_seconds:

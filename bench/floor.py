@@ -53,3 +53,24 @@ def floor_fields(decode_tps: float, read_bytes: int, bandwidth: float) -> dict:
     floor = bandwidth / read_bytes
     return {"read_mib_per_token": round(read_bytes / 2**20, 1), "floor_tps": round(floor, 1),
             "floor_fraction": round(decode_tps / floor, 3)}
+
+
+def disk_read_bandwidth(nbytes: int = 512 * 2**20, folder: str | None = None) -> float:
+    """Bytes per second of a cold sequential read from disk: a file of `nbytes` written
+    in `folder` (the temporary folder), flushed and dropped from the page cache, read
+    in 8 MiB pieces, each dropped again once read (as KV pages on disk are read)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile(dir=folder) as f:
+        fd, piece = f.fileno(), os.urandom(8 * 2**20)
+        for at in range(0, nbytes, len(piece)):
+            os.pwrite(fd, piece, at)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buf = bytearray(len(piece))
+        start = time.perf_counter()
+        for at in range(0, nbytes, len(piece)):
+            os.preadv(fd, [buf], at)
+            os.posix_fadvise(fd, at, len(piece), os.POSIX_FADV_DONTNEED)
+        return nbytes / (time.perf_counter() - start)

@@ -33,12 +33,17 @@ def speed_markdown(result: dict) -> str:
     bw = result.get("read_bandwidth_gbs")
     title = "Speed" + (f" (decode floor: MiB read per token at {max(bw):.1f} GB/s, the best streaming read "
                        f"of {', '.join(map(str, bw))} GB/s measured before and after)" if bw else "")
+    if result.get("disk_read_gbs"):
+        title += f"; disk bound: KV pages on disk read once a token at {result['disk_read_gbs']} GB/s (cold)"
     return _table(title, result, "system:l | context:r | prefill tok/s:r | decode tok/s:r | TTFT s:r | "
-                  "peak MiB:r | MiB read/token:r | floor tok/s:r | of floor:r | runs:r", "context", lambda r: [
-                      r["system"], str(r["context"]), f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.2f}",
-                      f"{r['ttft_s']:.2f}", f"{r['peak_mib']:.0f}" if "peak_mib" in r else "",
+                  "peak MiB:r | MiB read/token:r | floor tok/s:r | of floor:r | disk bound tok/s:r | of it:r | "
+                  "runs:r", "context", lambda r: [
+                      r["system"], f"{r['context']}{' (synthetic)' if r.get('synthetic') else ''}",
+                      f"{r['prefill_tps']:.1f}" if "prefill_tps" in r else "-", f"{r['decode_tps']:.2f}",
+                      f"{r['ttft_s']:.2f}" if "ttft_s" in r else "-", f"{r['peak_mib']:.0f}" if "peak_mib" in r else "",
                       str(r.get("read_mib_per_token", "")), str(r.get("floor_tps", "")),
-                      f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else "", str(r.get("runs", ""))])
+                      f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else "", str(r.get("io_bound_tps", "")),
+                      f"{r['io_bound_fraction']:.0%}" if "io_bound_fraction" in r else "", str(r.get("runs", ""))])
 
 
 def quality_markdown(result: dict) -> str:

@@ -112,7 +112,12 @@ def _generic(r: dict) -> str:
     return "fields: " + ", ".join(k for k in r if k != "machine")
 
 
-SUMMARIES = {"capacity": _capacity, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
+def _footprint(r: dict) -> str:
+    return _some([f"{s['system']}{' (' + s['tree'] + ')' if s.get('tree') else ''} {s['model']} {s['context']:,}: "
+                  + ("error" if "error" in s else f"peak {s['peak_rss'] / 2**20:.0f} MiB") for s in r["rows"]])
+
+
+SUMMARIES = {"capacity": _capacity, "footprint": _footprint, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
              "state": _rows, "state-restart": _rows, "sessions": _rows, "serve": _serve,
              "kv-calibration-smollm2": _calibration, "kv-calibration-gemma3": _calibration,
              "codecs-smollm2": _codecs, "codecs-gemma3": _codecs}

@@ -18,6 +18,10 @@ a short follow-up. Every TTFT is the wall time of a non-streamed one-token reque
 
 What each server says it reused (llama-server's `timings.cache_n`, JustFit's
 `usage.prompt_tokens_details.cached_tokens`) goes in the row, so a cache miss shows.
+With `--repeats N` the systems take turns, N rounds, and each time is the median of
+its rounds (every round's value kept beside it); each round records the machine's
+1-minute load average before and after, since other work on a shared machine moves
+these times.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -150,6 +155,7 @@ async def measure(system: str, model: str, context: int, llama_cpp: str = "", ti
         row.update(kv_dtype="f16", prompt_cache="cache_prompt (default on); slot save/restore across the restart")
     else:
         row.update(prompt_cache="prefix cache; named session written through, restored after the restart")
+    row["load_before"] = round(os.getloadavg()[0], 2)
     scratch = Path(tempfile.mkdtemp(prefix="justfit-resume-peers-"))
     session = SESSION if system == "justfit" else None
     path = "/v1/completions"
@@ -199,6 +205,31 @@ async def measure(system: str, model: str, context: int, llama_cpp: str = "", ti
         return row
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        row["load_after"] = round(os.getloadavg()[0], 2)
+    for kind in ("warm", "restart"):
+        row[f"{kind}_speedup"] = row["ttft_cold_s"] / row[f"ttft_{kind}_s"]
+    return row
+
+
+TIMES = ("ttft_cold_s", "ttft_warm_s", "ttft_restart_s", "turn1_s", "start_s", "restart_start_s",
+         "slot_save_s", "slot_restore_s")
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One system's rounds as one row: each time the median of its rounds (the rounds'
+    values in `KEY_rounds`), the speedups from the medians; a failed round makes the row
+    an error row, the rounds kept."""
+    if len(rounds) == 1:
+        return rounds[0]
+    row = {**rounds[0], "repeats": len(rounds)}
+    failed = [r["error"] for r in rounds if "error" in r]
+    for key in (*TIMES, "load_before", "load_after"):
+        values = [r[key] for r in rounds if key in r]
+        if values:
+            row[f"{key}_rounds"] = values
+            row[key] = statistics.median(values)
+    if failed:
+        return {**row, "error": failed[0]}
     for kind in ("warm", "restart"):
         row[f"{kind}_speedup"] = row["ttft_cold_s"] / row[f"ttft_{kind}_s"]
     return row
@@ -210,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=4096, help="tokens of the first turn")
     ap.add_argument("--systems", default="justfit,llama-server")
     ap.add_argument("--llama-cpp", default="", help="llama.cpp's binaries (llama-server)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds, the systems taking turns; times are medians")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
     from bench.common import machine_info, save
@@ -218,11 +250,16 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(systems) - {"justfit", "llama-server"}
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}: choose justfit, llama-server")
-    rows = []
-    for system in systems:  # one at a time: neither server shares the CPU with the other
-        rows.append(asyncio.run(measure(system, args.model, args.context, args.llama_cpp)))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    result = {"machine": machine_info(), "systems": rows}
+    if args.repeats < 1:
+        ap.error("--repeats takes 1 or more")
+    rounds: dict[str, list[dict]] = {system: [] for system in systems}
+    for _ in range(args.repeats):
+        for system in systems:  # one at a time: neither server shares the CPU with the other
+            rounds[system].append(asyncio.run(measure(system, args.model, args.context, args.llama_cpp)))
+            print(json.dumps(rounds[system][-1]), file=sys.stderr, flush=True)
+    rows = [combine(rounds[system]) for system in systems]
+    settings = {"model": args.model, "context": args.context, "repeats": args.repeats, "cores": os.cpu_count()}
+    result = {"machine": machine_info(), "settings": settings, "systems": rows}
     path = save("resume-peers", result)
     if args.json:
         print(json.dumps(result))

@@ -4,11 +4,14 @@ process on the same prompt tokens.
     python -m bench.speed --model smollm2 --contexts 1024,4096 --decode 64
     python -m bench.speed --model gemma3 --contexts 1024,4096,8192,16384,32768 --repeat 3
     python -m bench.speed --quick                 # 256 tokens, 8 decoded: a minute
+    python -m bench.speed --systems justfit-default,justfit-disk,justfit-disk-warm --contexts 100000 --synthetic
     python -m bench.speed --llama-cpp ~/llama.cpp/build/bin   # adds llama.cpp, -q8_0 and -q4_0
 
 Systems: `justfit-default` (what `justfit chat` and `serve` run: PhaseSwap policy auto,
 i.e. cpu-int16 where the native kernel is built, calibrated KV pages, OpenBLAS; another
 page format with `--kv-format`;
+`justfit-disk` the same with every growing layer's KV pages on disk, read back just in
+time and dropped from the OS page cache (cold), `justfit-disk-warm` left in it;
 `justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
 two local ranks, justfit.launch); stock `generate_step` on the same
 quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
@@ -29,12 +32,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 SYSTEMS = ("justfit-default", "mlx-lm", "mlx-lm-tuned", "mlx-lm-dense")
 QUICK = {"contexts": "256", "decode": 8, "systems": "justfit-default,mlx-lm"}
 
 
-def _worker(system: str, model: str, context: int, decode: int, kv_format: str = "calibrated") -> dict:
+def _worker(system: str, model: str, context: int, decode: int, kv_format: str = "calibrated",
+            synthetic: bool = False) -> dict:
     if system.startswith("justfit") or system == "mlx-lm-dense":
         from justfit import runtime
 
@@ -50,12 +55,24 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
 
         policy, ranks = _policy_ranks(system)
         group = mx.distributed.init() if ranks > 1 else None
-        engine = Engine(model, config=EngineConfig(policy=policy, kv=KVConfig(format=kv_format)), group=group)
+        config = EngineConfig(policy=policy, kv=KVConfig(format=kv_format), context_limit=context + decode + 1)
+        if system.startswith("justfit-disk"):  # every growing layer's pages on disk, read back just in time
+            import tempfile
+
+            config = replace(config, kv_disk=tempfile.mkdtemp(prefix="justfit-bench-kv-"), kv_disk_layers=1 << 10,
+                             kv_disk_cached=system.endswith("-warm"))
+        engine = Engine(model, config=config, group=group)
         if group is not None and group.rank() > 0:
             engine.follow()  # until rank 0 is done; only rank 0 prints
             os._exit(0)
         tokens = _prompt(engine.tokenizer, context)
         sp = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
+        if synthetic:  # decode only: `context` positions of random keys and values stored first
+            from bench.synthetic_state import store_random_state
+
+            store_random_state(engine, tokens[:-1])
+            # one step spills and reads the pages once (warm: into the page cache)
+            list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)))
         start = time.perf_counter()
         first = None
         for chunk in engine.generate(tokens, sp):
@@ -65,7 +82,8 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
         engine.close_pipeline()
         from bench.floor import justfit_read_bytes
 
-        return {"prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "ttft_s": first,
+        return {"prefill_tps": None if synthetic else st.prefill_tps, "decode_tps": st.decode_tps,
+                "ttft_s": None if synthetic else first, "kv_disk": st.kv_disk, "synthetic": synthetic,
                 # a pipeline's decode reads on every rank: no one process's floor
                 "read_bytes": justfit_read_bytes(engine, context + decode) if group is None else None,
                 "peak_mib": st.memory.mlx_peak / 2**20, "rss_peak_mib": st.memory.rss_peak / 2**20,
@@ -145,19 +163,22 @@ def main(argv: list[str] | None = None) -> dict:
                     help="folder with llama.cpp's llama-bench (or the binary), run on the same GGUF")
     ap.add_argument("--kv-format", default="calibrated",
                     help="page format of the JustFit rows (default: the CLI's, calibrated per model)")
-    ap.add_argument("--worker", nargs=5, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE", "KV"),
+    ap.add_argument("--synthetic", action="store_true",
+                    help="decode only, after CONTEXT positions of random keys and values of the model's shape "
+                         "(no prefill: long contexts in minutes; decode costs what it costs on real ones)")
+    ap.add_argument("--worker", nargs=6, metavar=("SYSTEM", "MODEL", "CONTEXT", "DECODE", "KV", "SYNTHETIC"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from bench.common import apply_quick
 
     apply_quick(args, QUICK, argv)
     if args.worker:
-        system, model, context, decode, kv_format = args.worker
-        print(json.dumps(_worker(system, model, int(context), int(decode), kv_format)))
+        system, model, context, decode, kv_format, synthetic = args.worker
+        print(json.dumps(_worker(system, model, int(context), int(decode), kv_format, synthetic == "1")))
         return {}
 
     from bench.common import machine_info, progress_bar, publish, run_worker
-    from bench.floor import floor_fields, read_bandwidth
+    from bench.floor import disk_read_bandwidth, floor_fields, read_bandwidth
 
     bandwidth = [read_bandwidth()]  # again at the end: the machine is shared
     rows = []
@@ -169,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeat):
                 bar.set_postfix_str(f"{system} @ {context:,}")
                 ranks = _policy_ranks(system)[1] if system.startswith("justfit") else 1
-                worker = [system, args.model, str(context), str(args.decode), args.kv_format]
+                worker = [system, args.model, str(context), str(args.decode), args.kv_format,
+                          "1" if args.synthetic else "0"]
                 runs.append(run_worker("bench.speed", worker, args.timeout, ranks))
                 bar.update()
             ok = [r for r in runs if "error" not in r]
@@ -177,11 +199,14 @@ def main(argv: list[str] | None = None) -> dict:
                    "runs": len(ok)}
             if ok:
                 for key in ("prefill_tps", "decode_tps", "ttft_s", "peak_mib", "rss_peak_mib"):
+                    if ok[0][key] is None:
+                        continue
                     vals = sorted(r[key] for r in ok)
                     row[key] = vals[len(vals) // 2]  # median; the best run beside it
                     row[f"{key}_best"] = vals[0] if key in ("ttft_s", "peak_mib", "rss_peak_mib") else vals[-1]
                 row["read_bytes"] = ok[0].get("read_bytes")
-                for key in ("blas", "weights_dtype", "kv_dtype", "kv_bits", "prefill_step", "note"):
+                for key in ("blas", "weights_dtype", "kv_dtype", "kv_bits", "prefill_step", "note", "kv_disk",
+                            "synthetic"):
                     if key in ok[0]:
                         row[key] = ok[0][key]  # of the worker process, not this one
             else:
@@ -195,11 +220,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         rows += llama_bench(args.llama_cpp, args.model, contexts, args.decode, args.repeat)
     bandwidth.append(read_bandwidth())
+    disk = disk_read_bandwidth() if any(s.startswith("justfit-disk") for s in systems) else None
     for row in rows:
         if row.get("read_bytes") and row.get("decode_tps"):
             row.update(floor_fields(row["decode_tps"], row["read_bytes"], max(bandwidth)))
+        on_disk = (row.get("kv_disk") or {}).get("bytes_on_disk")
+        if disk and on_disk and row.get("decode_tps"):  # every page on disk is read once a token
+            row["io_bound_tps"] = round(disk / on_disk, 3)
+            row["io_bound_fraction"] = round(row["decode_tps"] / row["io_bound_tps"], 3)
     result = {"machine": machine_info(), "read_bandwidth_gbs": [round(b / 1e9, 3) for b in bandwidth],
-              "systems": rows}
+              "disk_read_gbs": None if disk is None else round(disk / 1e9, 3), "systems": rows}
     publish("speed", result, args.json)
     return result
 

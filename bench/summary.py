@@ -27,11 +27,16 @@ HEADER = ("| measured | JustFit | compared with | result files | rerun |", "|---
 # every weight resident; llama.cpp from the run beside JustFit's where there was one.
 CAPACITY = {400: "capacity-20261205-001302", 550: "capacity-20261204-234405", 800: "capacity-20261205-020651"}
 LLAMA_Q8_0 = {400: "capacity-20261202-082145", 550: "capacity-20261204-234405", 800: "capacity-20261202-082145"}
-LLAMA_F16 = {400: "capacity-20261204-213946", 550: "capacity-20261204-213946"}
-FIDELITY = {"SmolLM2": "quality-20261204-231322", "Gemma 3": "quality-20261205-000138"}
+LLAMA_F16 = dict.fromkeys((400, 550, 800), "capacity-20261205-121238")  # 1,100 MiB too, JustFit not run there
+_QUALITY = ("python -m bench.quality --model {} --tokens 8192 --context {} --formats calibrated,q8c "
+            "--reference fp16 --llama-cpp DIR --mlx-lm-kv 8 --mlx-lm-dtype float32-dense")
+# Per model: the quality run measuring every system on the same text and positions.
+PEER_FIDELITY = {"SmolLM2": ("quality-20261205-101054", _QUALITY.format("smollm2", 8192)),
+                 "Gemma 3": ("quality-20261205-105003", _QUALITY.format("gemma3", 2048))}
 SPEED = "speed-20261204-235541"  # SmolLM2, llama.cpp in the same run
 SPEED_GEMMA = ("speed-20261204-190058", "speed-20261204-190706")  # two runs minutes apart
 BATCH = "batch-20261204-021948"
+RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same run
 JUSTFIT_ROW = "justfit-calibrated+resident"  # the CLI's default pages, every weight resident
 LLAMA_SYSTEM = re.compile(r"^llama\.cpp")
 
@@ -84,7 +89,7 @@ def _sci(x: float) -> str:
 
 
 def capacity_rows(results: Path = RESULTS) -> list[Row]:
-    """SmolLM2's positions at whole-process budgets against llama.cpp's q8_0 and f16 KV,
+    """SmolLM2's positions at whole-process budgets against llama.cpp's f16 and q8_0 KV,
     and the row that says why mlx-lm's float16 KV is not in the table."""
     def got(files: dict[int, str], system: str) -> dict[int, dict]:
         return {b: _find(load(f, results), system, budget_mib=float(b)) for b, f in files.items()}
@@ -95,7 +100,7 @@ def capacity_rows(results: Path = RESULTS) -> list[Row]:
                "--max-seconds 4800 --max-positions 98304 --fidelity-tokens 0")
 
     def row(base: dict[int, dict], files: dict[int, str], name: str, llama: str) -> Row:
-        budgets = sorted(base)
+        budgets = sorted(set(base) & set(jf))  # where both sides were measured
         return Row(f"capacity, SmolLM2, positions held within {' / '.join(map(str, budgets))} MiB (whole process)",
                    " / ".join(_positions(jf[b]) for b in budgets) + " (default pages, every weight resident)",
                    f"{name}: " + " / ".join(_positions(base[b]) for b in budgets) + " (JustFit "
@@ -103,47 +108,40 @@ def capacity_rows(results: Path = RESULTS) -> list[Row]:
                    tuple(dict.fromkeys([*(CAPACITY[b] for b in budgets), *(files[b] for b in budgets)])),
                    command.format(llama=llama, budgets=",".join(f"{b}MiB" for b in budgets)))
 
-    return [row(q8, LLAMA_Q8_0, "llama.cpp, q8_0 KV (lossy), n_ctx reserved", "llama.cpp-q8_0"),
-            row(f16, LLAMA_F16, "llama.cpp, f16 KV (its default), n_ctx reserved", "llama.cpp"),
+    return [row(f16, LLAMA_F16, "llama.cpp, f16 KV (its default; at JustFit's fidelity or above), n_ctx reserved",
+                "llama.cpp"),
+            row(q8, LLAMA_Q8_0, "llama.cpp, q8_0 KV (lossy: see the fidelity rows), n_ctx reserved", "llama.cpp-q8_0"),
             Row("capacity against mlx-lm with float16 KV (as its users run it)", "",
                 "not measured here (needs Metal)", (), "")]
 
 
-def newest_llama_fidelity(results: Path = RESULTS) -> str | None:
-    """The newest quality result holding llama.cpp rows with a measured top-1, if any."""
-    for path in sorted(results.glob("quality-*.json"), key=lambda p: p.stem.split("-", 1)[1], reverse=True):
-        try:
-            rows = json.loads(path.read_text()).get("systems", [])
-        except (OSError, ValueError):
-            continue
-        if any(LLAMA_SYSTEM.match(str(r.get("system", ""))) and "top1" in r for r in rows):
-            return path.stem
-    return None
+def _same_top1(r: dict) -> str:
+    return f"top-1 {r['top1']:.2%}, KL {_sci(r['kl'])}"
 
 
 def fidelity_rows(results: Path = RESULTS) -> list[Row]:
-    """JustFit's default pages against its float16 KV, and llama.cpp's caches against
-    its own f16 KV where a result file holds them (else a row saying they are pending)."""
-    cells = []
-    for model, stem in FIDELITY.items():
-        r = _find(load(stem, results), "justfit-calibrated")
-        cells.append(f"{model}: top-1 {r['top1']:.2%}, KL {_sci(r['kl'])} over {r['tokens']:,} tokens")
-    rows = [Row("fidelity of the default pages (teacher-forced on `bench.common.long_text()`)", "; ".join(cells),
-                "JustFit's own float16 KV (the reference)", tuple(FIDELITY.values()),
-                "python -m bench.quality --model smollm2 --tokens 4096 --formats calibrated --reference fp16")]
-    stem = newest_llama_fidelity(results)
-    if stem is None:
-        rows.append(Row("fidelity of llama.cpp's KV caches against its own f16 KV, SmolLM2", "",
-                        "pending: no result file holds it yet", (), ""))
-        return rows
-    result = load(stem, results)
-    measured = [r for r in result["systems"] if LLAMA_SYSTEM.match(str(r.get("system", ""))) and "top1" in r]
-    text = "; ".join(f"{r['system']}: top-1 {r['top1']:.1%}"
-                     + (f", KL {_sci(r['kl'])}" if r.get("kl") is not None else "")
-                     + (f" over {r['tokens']:,} tokens" if isinstance(r.get("tokens"), int) else "") for r in measured)
-    rows.append(Row("fidelity of llama.cpp's KV caches against its own f16 KV, SmolLM2", "", text, (stem,),
-                    result.get("command") or "python -m bench.quality --model smollm2 --llama-cpp DIR"))
-    return rows
+    """Per model, one quality run on the same text and positions for every system:
+    JustFit's default pages against its float16 KV, llama.cpp's lossy caches against
+    its own f16 KV, mlx-lm's quantized KV against its float32 KV."""
+    out = []
+    for model, (stem, command) in PEER_FIDELITY.items():
+        result = load(stem, results)
+        jf = _find(result, "justfit-calibrated")
+        peers = [f"llama.cpp {r['format']} KV: {_same_top1(r)}" for r in result["systems"]
+                 if LLAMA_SYSTEM.match(str(r.get("system", ""))) and r.get("format") != "f16" and "top1" in r]
+        text = "; ".join(peers) + " (each against llama.cpp's f16 KV)"
+        for r in result["systems"]:
+            if str(r.get("system", "")).startswith("mlx-lm-kv") and "top1" in r:
+                layers = re.search(r"in (\d+) of (\d+) layers", str(r.get("kv_cache", "")))
+                where = f" in {layers[1]} of {layers[2]} layers (its full-attention ones)" \
+                    if layers and layers[1] != layers[2] else ""
+                text += (f"; mlx-lm {r['format']} KV{where}: {_same_top1(r)} (against its float32 KV, "
+                         "float32 activations)")
+        windows = f"{jf['chunks']} window{'s' if jf['chunks'] > 1 else ''} of {jf['context']:,} tokens"
+        out.append(Row(f"fidelity, {model}: same text and positions for every system ({windows}, "
+                       f"{jf['scored']:,} positions scored)", f"default pages: {_same_top1(jf)} (against its "
+                       "float16 KV)", text, (stem,), command))
+    return out
 
 
 def speed_rows(results: Path = RESULTS) -> list[Row]:
@@ -162,10 +160,12 @@ def speed_rows(results: Path = RESULTS) -> list[Row]:
         return " / ".join(_ratio(x[key], y[key]) for x, y in zip(a, b))
 
     prompts = " / ".join(f"{c:,}" for c in contexts)
-    out = [Row(f"{what}, SmolLM2, tok/s {where} a {prompts}-token prompt", pair(jf, key),
-               f"llama.cpp, f16 KV, same run: {pair(ll, key)} (JustFit {ratios(key, jf, ll)})", (SPEED,),
-               command.format(model="smollm2"))
-           for what, where, key in (("prefill", "over", "prefill_tps"), ("decode", "after", "decode_tps"))]
+    keys = (("prefill", "prefill_tps"), ("decode", "decode_tps"))
+    out = [Row(f"prefill and decode, SmolLM2, tok/s over / after a {prompts}-token prompt",
+               "; ".join(f"{what} {pair(jf, key)}" for what, key in keys),
+               "llama.cpp, f16 KV, same run: " + ", ".join(f"{what} {pair(ll, key)}" for what, key in keys)
+               + " (JustFit " + "; ".join(ratios(key, jf, ll) for _, key in keys) + ")", (SPEED,),
+               command.format(model="smollm2"))]
     runs = [load(stem, results) for stem in SPEED_GEMMA]
     jf_g = [[_find(r, "justfit-default", context=c) for c in contexts] for r in runs]
     ll_g = [[_find(r, "llama.cpp", context=c) for c in contexts] for r in runs]
@@ -193,9 +193,31 @@ def batching_rows(results: Path = RESULTS) -> list[Row]:
                 f"--context {s['context']} --tokens {s['tokens']} --repeats {s['repeats']}")]
 
 
+def resume_rows(results: Path = RESULTS) -> list[Row]:
+    """A long conversation's next turn: JustFit's prefix cache and named session against
+    llama-server's prompt cache and slot save/restore, the same run."""
+    result = load(RESUME, results)
+    jf, ll = _find(result, "justfit"), _find(result, "llama-server")
+    repeats = result.get("settings", {}).get("repeats", 1)
+    each = f"medians of {repeats} rounds" if repeats > 1 else "one round"
+
+    def s(x: float) -> str:
+        return f"{x:.2f} s"
+
+    return [Row(f"next turn of a {jf['context']:,}-token SmolLM2 conversation (+{jf['follow_up_tokens']} tokens), "
+                f"time to first token, {each} on a shared machine",
+                f"prefix cache {s(jf['ttft_warm_s'])}; named session after a restart {s(jf['ttft_restart_s'])} "
+                f"(recomputing: {s(jf['ttft_cold_s'])})",
+                f"llama-server, f16 KV, same run: cache_prompt {s(ll['ttft_warm_s'])}; slot saved and restored "
+                f"across a restart {s(ll['ttft_restart_s'])} (recomputing: {s(ll['ttft_cold_s'])})", (RESUME,),
+                f"python -m bench.resume_peers --model smollm2 --context {jf['context']} --llama-cpp DIR"
+                + (f" --repeats {repeats}" if repeats > 1 else ""))]
+
+
 def rows(results: Path = RESULTS) -> list[Row]:
     """Every row of the table, in the order shown."""
-    return [*capacity_rows(results), *fidelity_rows(results), *speed_rows(results), *batching_rows(results)]
+    return [*capacity_rows(results), *fidelity_rows(results), *speed_rows(results), *resume_rows(results),
+            *batching_rows(results)]
 
 
 def block(results: Path = RESULTS) -> str:

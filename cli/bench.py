@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-SUITES = ("batch", "blas", "capacity", "codecs", "kv", "parity", "plan", "quality", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -21,10 +21,12 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     quality  KV format fidelity: top-1, KL, perplexity, pass-key
     kv       KV transient, bytes per position, decode speed at a context
     codecs   key and value codecs' attention error per layer at equal bits
+    footprint whole-process peak of one request, JustFit's server against llama-server
     plan     planner's predicted peak vs measured; a run with layers offloaded under a tight budget
     state    time to first token from a snapshot vs cold prefill; snapshot size
     sessions 2 or 4 sessions sharing one budget, swapped to disk in turn
     serve    the HTTP server: second-turn TTFT, concurrent clients, fuzz
+    resume_peers  a long conversation's next-turn TTFT against llama-server's prompt cache and slot restore
     batch    several requests at once vs one at a time: decode throughput, TTFT during a long prefill
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect

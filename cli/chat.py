@@ -26,7 +26,7 @@ from justfit.chat_template import has_chat_template, read_chat_template, use_cha
               help="A Jinja chat template to use instead of the model's own (or for a base model).")
 @common.engine_options
 def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file, budget, whole_process, gguf_bits,
-         kv_format, policy) -> None:
+         kv_format, policy, kv_disk, kv_disk_limit, deterministic) -> None:
     """Chat with a model.
 
     In a terminal: an interactive session (/help lists its commands). With stdin
@@ -49,7 +49,8 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
     if notes:
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
     with loader_notes(stderr) if notes else contextlib.nullcontext():
-        engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+        engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
+                                    kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic)
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {template_file}")
     notice = raw_notice(engine, raw)

@@ -202,13 +202,49 @@ sampling_options = options(
                       "Default: the model's recommendation (else 0.9)."),
     click.option("--seed", type=int, default=None, help="Random seed, for repeatable sampling."),
 )
+
+
+def _parse_size_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    from justfit.memory import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from e
+
+
+kv_disk_options = options(
+    click.option("--kv-disk", default="auto", metavar="DIR|off", show_default=True,
+                 help="Folder for KV pages the budget cannot keep in memory: the planner puts some "
+                      "layers' pages there and reads them back just in time (auto: kv-pages in the "
+                      "state directory; off: never, pages step down to smaller formats instead)."),
+    click.option("--kv-disk-limit", default=None, metavar="SIZE", callback=_parse_size_option,
+                 help="Most bytes of KV pages on disk per request (default: half the folder's free space)."),
+    click.option("--deterministic", is_flag=True,
+                 help="Replies that do not depend on how a prompt was chunked (a shared prefix's length, a "
+                      "batch's schedule): prefill chunks stop at page flushes; slower prefill."),
+)
 engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option,
-                         ranks_option)
+                         kv_disk_options, ranks_option)
+
+
+def kv_disk_folder(value: str | None) -> str | None:
+    """--kv-disk's folder: None for off, the state directory's kv-pages for auto."""
+    if value is None or value == "off":
+        return None
+    if value == "auto":
+        from justfit.state_io import state_root
+
+        return str(state_root() / "kv-pages")
+    return value
 
 
 def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bits: int | str = "native",
                 kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False,
-                state_disk: int | None = None, session_keep_s: float = 600.0):
+                state_disk: int | None = None, session_keep_s: float = 600.0, kv_disk: str | None = "auto",
+                kv_disk_limit: int | None = None, deterministic: bool = False):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig
@@ -219,7 +255,9 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
     budget = rank_budget(budget, group.rank() if group else 0, group.size() if group else 1)
     engine = Engine(model=model, budget=budget, group=group,
                     config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy, budget_covers_process=whole_process,
-                                        state_disk=state_disk, session_keep_s=session_keep_s))
+                                        state_disk=state_disk, session_keep_s=session_keep_s,
+                                        kv_disk=kv_disk_folder(kv_disk) if kv is not None else None,
+                                        kv_disk_limit=kv_disk_limit, deterministic=deterministic))
     if engine.pipeline is not None:
         if engine.pipeline.rank > 0:  # this process computes its layers for rank 0, then leaves
             click.echo(f"rank {engine.pipeline.rank}: layers {list(engine.pipeline.split.layers(engine.pipeline.rank))}"

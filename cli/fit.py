@@ -34,6 +34,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
     """Weights, KV bytes per position, transient bound and maximum context per KV
     format for a memory budget (default: memory available now), without running;
     with --config, from a model's config.json alone."""
+    from justfit.breakdown import format_breakdown, process_breakdown
     from justfit.fit import fit_report, format_fit
 
     budgets = budget if isinstance(budget, tuple) else (budget or psutil.virtual_memory().available,) * ranks
@@ -76,4 +77,6 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
         click.echo(json.dumps(report, indent=2) if as_json else format_ranks(report))
         return
     report = fit_report(engine, budgets[0], context, outside)
-    click.echo(json.dumps(report, indent=2) if as_json else format_fit(report))
+    report["process"] = process_breakdown(engine)  # measured now, loaded, before any request
+    text = "\n".join([format_fit(report), "", *format_breakdown(report["process"])])
+    click.echo(json.dumps(report, indent=2) if as_json else text)

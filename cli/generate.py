@@ -31,7 +31,7 @@ def prompt_text(prompt: str | None, stdin) -> str:
 @click.option("--stats", "show_stats", is_flag=True, help="Print the request's phase figures to stderr.")
 @common.engine_options
 def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, budget, whole_process, gguf_bits,
-             kv_format, policy) -> None:
+             kv_format, policy, kv_disk, kv_disk_limit, deterministic) -> None:
     """Continue a text, as typed: no chat template, the prompt is not repeated.
 
     Only the continuation goes to stdout (a final newline only on a terminal), so
@@ -39,7 +39,8 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     the model's recommendation unless -t or --top-p says.
     """
     text = prompt_text(prompt, sys.stdin)
-    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process)
+    engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
+                                kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic)
     sampling = request_sampling(engine, max_tokens, seed, temperature, top_p)
     out, err = sys.stdout, sys.stderr
     bar = PrefillBar(err, err.isatty())

@@ -64,9 +64,10 @@ from cli import common
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
+@common.kv_disk_options
 @common.ranks_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
-          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy,
+          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy, kv_disk, kv_disk_limit, deterministic,
           api_keys_file, header_timeout, body_timeout, max_connections, drain, state_disk, session_keep) -> None:
     """Serve a model over HTTP: /v1 (OpenAI), /api (Ollama) and /v1/messages (Anthropic).
 
@@ -92,7 +93,8 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
                                 state_disk=parse_size(state_disk) if state_disk else None,
-                                session_keep_s=session_keep * 60)
+                                session_keep_s=session_keep * 60, kv_disk=kv_disk, kv_disk_limit=kv_disk_limit,
+                                deterministic=deterministic)
     if engine.pipeline is not None and max_batch > 1:
         raise click.UsageError("--max-batch above 1 does not run on a layer pipeline yet")
     if template is not None:

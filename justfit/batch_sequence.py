@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 import kvexec
+from justfit import pages
 from justfit.config import SamplingParams
 from justfit.generate import feed, prefill, token_logprobs
 from justfit.sampling import keyed_sampler, logits_processors, new_rng
@@ -38,6 +39,7 @@ class Sequence:
         self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.plan.total,
                                      prefill_chunk=self.plan.shape.chunk)
         self.cache: list | None = None
+        self.reader = None  # reads the cache's pages on disk (justfit.pages)
         self.held: list[int] = []  # exactly what `cache` holds
         self.pending: int | None = None  # sampled, not yet fed
         self.finished = False
@@ -53,6 +55,7 @@ class Sequence:
         reuse = e.states.take(self.tokens, self.session, state_allowance, scope=self.scope)
         self.base = reuse.base
         self._bind(reuse.cache if reuse.cache is not None else e.new_cache())
+        kvexec.keep_exact(self.cache, len(self.tokens) - 1)  # as justfit.runner does: the same prompt again computes this reply
         self.held = list(reuse.tokens)
         s = self.stats
         s.cached_tokens, s.restored_from, s.restore_s = len(self.held), reuse.source, reuse.seconds
@@ -61,14 +64,11 @@ class Sequence:
     def _bind(self, cache: list) -> None:
         """Use `cache`, its pages held to this sequence's plan and its prompt pinned."""
         e, plan = self.engine, self.plan
-        if e.config.kv is not None and plan.shape.full_layers:
-            # Each sequence's pages keep to its own plan: the batch was admitted on the
-            # sum of the plans (justfit.batch.BatchRunner.fits).
-            budget = e.config.budget_bytes
-            kvexec.limit_pages(cache, None if budget is None else
-                               plan.page_allowance(plan.total) // plan.shape.full_layers)
-        if e.config.kv is None or e.config.kv.pin_prompt:
-            kvexec.pin(cache, len(self.tokens))
+        # Each sequence's pages keep to its own plan: the batch was admitted on the sum
+        # of the plans (justfit.batch.BatchRunner.fits).
+        room = None if e.config.budget_bytes is None else plan.page_allowance(plan.total)
+        pages.release(self.cache, self.reader)
+        self.reader = pages.bind(e, cache, plan, room, len(self.tokens))
         self.cache = cache
 
     def park(self) -> float:
@@ -77,7 +77,8 @@ class Sequence:
         the write took. Raises, with the cache kept, when the write fails."""
         started = time.perf_counter()  # the time set aside counts the write too
         self.parked = park(self.engine.states, self.held, self.cache, self.rng, self.scope)
-        self.cache = None
+        pages.release(self.cache, self.reader)
+        self.cache = self.reader = None
         self._parked_at = started
         s = self.stats
         s.preemptions += 1
@@ -110,6 +111,8 @@ class Sequence:
         fewer); after the last one, the first token's chunk."""
         e, done = self.engine, len(self.held)
         size = self.plan.shape.chunk if limit is None else max(1, min(limit, self.plan.shape.chunk))
+        if self.engine.config.deterministic:  # as justfit.generate.prefill: pages seen do not depend on it
+            size = kvexec.chunk_room(self.cache, size)
         piece = self.tokens[done:done + size]
         last = done + len(piece) == len(self.tokens)
         with e.swap.phase("prefill", dense=self.plan.shape.dense_prefill) as phase:
@@ -168,6 +171,9 @@ class Sequence:
         """Keep what was computed (also on cancel or error) as a stored state, unless an
         interrupted step left the cache and the tokens apart; then let the cache go."""
         cache, self.cache = self.cache, None
+        self.stats.kv_disk = pages.disk_stats(cache, self.reader)
+        pages.release(cache, self.reader)
+        self.reader = None
         if self.parked is not None:  # ended while set aside: its snapshot becomes a stored state
             keep_parked(self.engine.states, self.parked)
             self.parked = None

@@ -5,11 +5,13 @@ before any work."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import kvexec
-from justfit.errors import BudgetExceeded, ContextTooLong
+from justfit.errors import BudgetExceeded, ContextTooLong, KVDiskFull
 from justfit.outside import decayed_max, measure_outside
 from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
 
@@ -45,27 +47,54 @@ def prefill_ways(chunk: int, budget: int | None) -> Iterator[tuple[int, bool]]:
         yield chunk, False
 
 
+def _moves(engine: Engine, positions: int) -> list[str | None]:
+    """What the plan may move to disk, in the order it does: weight components (their
+    names) and growing layers' pages (None, one layer each). Either costs one byte read
+    per byte of memory it frees, per token decoded and per prefill chunk, so the larger
+    unit goes first: fewer reads for the same room. Pages move only with a KV folder."""
+    weights = engine.swap.offload_order() if engine.config.stream_weights else []
+    sizes = [(engine.swap.registry.components[n].nbytes, n) for n in weights]
+    kv = engine.config.kv
+    if engine.config.kv_disk is not None and kv is not None and engine.config.kv_disk_layers is None:
+        fp = engine.footprint(positions)
+        layer = (fp.pages + fp.disk) / max(1, fp.shape.full_layers - fp.shape.disk_layers)
+        sizes += [(layer, None)] * fp.shape.full_layers
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i][0], i))  # stable: weights keep their order
+    return [sizes[i][1] for i in order]
+
+
 def plan(engine: Engine, positions: int) -> tuple[tuple[str, ...], Footprint]:
-    """The fewest components to keep on disk, then pages kept in their format rather
-    than stepped down the pressure ladder, then the largest prefill chunk (and dense
-    prefill over resident), so `positions` fit the budget; and the footprint so
-    (`shape.chunk` is the chunk, `shape.dense_prefill` the prefill forms,
-    `page_allowance` what the pages may take). The last tried, when nothing fits."""
-    order = engine.swap.offload_order() if engine.config.stream_weights else []
+    """The fewest moves to disk (weight components, growing layers' pages: `_moves`),
+    then pages kept in their format rather than stepped down the pressure ladder, then
+    the largest prefill chunk (and dense prefill over resident), so `positions` fit the
+    budget; and the footprint so (`shape.chunk` is the chunk, `shape.dense_prefill` the
+    prefill forms, `shape.disk_layers` the layers whose pages are on disk,
+    `page_allowance` what the resident pages may take). With pages allowed on disk,
+    every layer's pages go there before any page steps down the ladder (the ladder loses
+    fidelity, disk only speed). The last tried, when nothing fits."""
     budget = engine.config.budget_bytes
+    moves = _moves(engine, positions) if budget is not None else []
     kv = engine.config.kv
     # (pressed, the most the footprint may take): with the ladder to fall back on, wide
     # pages keep a margin from the budget's edge (as the ladder's own page limit does).
     tries: list[tuple[bool, float | None]] = [(False, budget)]
     if budget is not None and kv is not None and len(kvexec.ladder(kv, engine.kv_shape[2])) > 1:
         tries = [(False, budget * (1 - PAGE_MARGIN)), (True, budget)]
-    for k in range(len(order) + 1):
-        for pressed, edge in tries:
-            for chunk, dense in prefill_ways(engine.config.prefill_chunk, budget):
-                fp = engine.footprint(positions, tuple(order[:k]), chunk=chunk, pressed=pressed, dense_prefill=dense)
-                if edge is None or fp.total <= edge:
-                    return tuple(order[:k]), fp
-    return tuple(order), fp
+    passes = [(tries, range(len(moves) + 1))]
+    if None in moves and len(tries) > 1:  # disk before the ladder: the ladder only once all is moved
+        passes = [(tries[:1], range(len(moves) + 1)), (tries[1:], [len(moves)])]
+    forced = engine.config.kv_disk_layers if engine.config.kv_disk is not None and kv is not None else None
+    for allowed, ks in passes:
+        for k in ks:
+            offloaded = tuple(m for m in moves[:k] if m is not None)
+            disk_layers = k - len(offloaded) if forced is None else forced
+            for pressed, edge in allowed:
+                for chunk, dense in prefill_ways(engine.config.prefill_chunk, budget):
+                    fp = engine.footprint(positions, offloaded, chunk=chunk, pressed=pressed, dense_prefill=dense,
+                                          disk_layers=disk_layers)
+                    if edge is None or fp.total <= edge:
+                        return offloaded, fp
+    return tuple(m for m in moves if m is not None), fp
 
 
 def check_fits(engine: Engine, prompt_tokens: int, max_tokens: int) -> tuple[tuple[str, ...], Footprint]:
@@ -88,4 +117,17 @@ def check_fits(engine: Engine, prompt_tokens: int, max_tokens: int) -> tuple[tup
     if budget is not None and fp.total > budget:
         engine.remeasure_outside()  # a refused request counts too: a spike must not refuse all for good
         raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
+    if fp.disk:
+        room = kv_disk_room(engine.config.kv_disk, engine.config.kv_disk_limit)
+        if fp.disk > room:
+            raise KVDiskFull(fp.disk, room, positions, engine.config.kv_disk)
     return offloaded, fp
+
+
+def kv_disk_room(folder: str, limit: int | None) -> int:
+    """Bytes of pages a request may keep in `folder`: `limit`, never more than the free
+    space there less a tenth of the disk (None: half the free space)."""
+    os.makedirs(folder, exist_ok=True)
+    usage = shutil.disk_usage(folder)
+    free = max(0, usage.free - usage.total // 10)
+    return min(free, limit) if limit is not None else free // 2

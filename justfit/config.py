@@ -81,6 +81,21 @@ class EngineConfig:
     state_dir: str | None = None
     session_disk: int | None = None
     session_keep_s: float = 600.0
+    # KV pages on disk (kvexec.disk_pages): under a budget, the planner may keep some
+    # layers' pages in files in kv_disk (None: never) and read them back just in time, at
+    # most kv_disk_limit bytes a request (None: half the folder's free space, a tenth of
+    # the disk kept free); kv_disk_layers puts that many growing layers' pages there
+    # whatever the budget (None: as the plan needs); kv_disk_cached leaves what was read
+    # in the OS page cache (faster; that memory is outside any budget).
+    kv_disk: str | None = None
+    kv_disk_limit: int | None = None
+    kv_disk_layers: int | None = None
+    kv_disk_cached: bool = False
+    # Prefill chunks cut short of each page flush, so what a position attends to (float16
+    # or page) does not depend on how its prompt was chunked: replies then do not depend
+    # on a shared prefix's length or a batch's schedule. Off by default: it costs prefill
+    # speed (docs/BENCHMARKS.md, "Same request, same reply").
+    deterministic: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

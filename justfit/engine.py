@@ -20,7 +20,8 @@ from justfit.native_layers import install_native_layers
 from justfit.errors import BudgetExceeded, PipelineLost
 from justfit.generate import ProgressFn
 from justfit.loader import install_kv, kv_calibration, load_lazily, offload_dir
-from justfit.memory import hold_memory_to, parse_size, trim_heap
+from justfit.breakdown import LoadMarks, blas_warm_up, outside_anon
+from justfit.memory import drop_buffer_cache, hold_memory_to, parse_size, trim_heap
 from justfit.models import weight_files
 from justfit.pipeline import Pipeline, attach
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
@@ -50,6 +51,7 @@ class Engine:
     def __init__(self, model: str | None = None, budget: int | str | None = None,
                  config: EngineConfig | None = None, group=None):
         runtime.setup()  # idempotent: the shared exec stream for this thread (and OpenBLAS, if still in time)
+        before_load = outside_anon()  # the interpreter and modules: the breakdown's first measured part
         config = config or EngineConfig()
         if budget is not None:
             config = replace(config, budget_bytes=parse_size(budget))
@@ -98,8 +100,12 @@ class Engine:
             install_native_layers(self.model)  # llama attention in fewer operations, MLP gates on vectors
         self.swap = PhaseSwap(self.model, self.policy, offload_dir(loaded, self.policy), weight_limit)
         self.swap.registry.strict = budget is not None  # give freed memory back at once
+        if budget is None:
+            drop_buffer_cache()  # without a budget too: freed buffers go back at once, a lower whole-process peak
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
         trim_heap()  # and what converting the weights freed outside MLX
+        self.load_marks = LoadMarks(before_load, loaded.tokenizer_bytes,
+                                    blas_warm_up(getattr(getattr(self.model, "args", None), "hidden_size", 256)))
         c = self.config
         state_dir = state_root(c.state_dir)  # also remembers the weights' sha256 (model identity)
         total = c.state_disk if c.state_disk is not None else default_state_disk(state_dir)
@@ -165,31 +171,33 @@ class Engine:
 
     def _footprint(self, positions: int, weights: int | None, working: int,
                    kv: KVConfig | None | str = "engine", chunk: int | None = None,
-                   pressed: bool = False, dense_prefill: bool = True) -> Footprint:
+                   pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0) -> Footprint:
         return footprint(self.model, self.model_config, positions, chunk or self.config.prefill_chunk,
                          self.config.kv if kv == "engine" else kv, weights, working,
                          4 if self.policy.fp32 else 2, pressed, dense_prefill,
-                         limited=self.config.budget_bytes is not None)
+                         limited=self.config.budget_bytes is not None, disk_layers=disk_layers)
 
     def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
                   kv: KVConfig | None | str = "engine", chunk: int | None = None,
-                  pressed: bool = False, dense_prefill: bool = True) -> Footprint:
+                  pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0) -> Footprint:
         """Memory for `positions` retained positions with `offloaded` components on disk,
         prefilled `chunk` tokens at a time (default: the configured chunk); `kv`
         another KV configuration (None: mlx-lm's own cache) for comparisons; `pressed`:
         with pages stepped down to the last format of the pressure ladder;
-        `dense_prefill` False: prefill on the resident forms, no dense working copy."""
+        `dense_prefill` False: prefill on the resident forms, no dense working copy;
+        `disk_layers`: growing layers whose pages live on disk."""
         reg = self.swap.registry
         weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in offloaded)
         return self._footprint(positions, weights, self.swap.working_bytes(offloaded, dense_prefill), kv, chunk,
-                               pressed, dense_prefill)
+                               pressed, dense_prefill, disk_layers)
 
     def edge_footprint(self, offloaded: tuple[str, ...] = (), kv: KVConfig | None | str = "engine",
-                       pressed: bool = False) -> Footprint:
+                       pressed: bool = False, disk_layers: int = 0) -> Footprint:
         """`footprint` at one position, prefilled the cheapest way a tight budget's plan
         takes (the smallest chunk, on the resident forms: justfit.budget.prefill_ways):
         what a budget holds is its `max_positions`."""
-        return self.footprint(1, offloaded, kv, MIN_PREFILL_CHUNK, pressed, dense_prefill=False)
+        return self.footprint(1, offloaded, kv, MIN_PREFILL_CHUNK, pressed, dense_prefill=False,
+                              disk_layers=disk_layers)
 
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """Components on disk and the footprint that fit `positions` (justfit.budget.plan)."""

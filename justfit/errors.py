@@ -34,6 +34,19 @@ class BudgetExceeded(JustFitError):
         )
 
 
+class KVDiskFull(BudgetExceeded):
+    """The KV pages a request would keep on disk exceed the room the KV folder allows."""
+
+    def __init__(self, needed: int, room: int, positions: int, folder: str):
+        from justfit.memory import format_size
+
+        self.needed, self.budget, self.fits_positions, self.positions = needed, room, 0, positions
+        JustFitError.__init__(
+            self, f"does not fit the KV disk: {positions} positions need {format_size(needed)} of pages on disk "
+            f"> {format_size(room)} allowed in {folder}; free space there, raise --kv-disk-limit "
+            f"or shorten the prompt")
+
+
 class PipelineLost(JustFitError):
     """A rank of the layer pipeline stopped answering: nothing can run until it is back."""
 

@@ -63,6 +63,11 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
                               "max_positions": engine.edge_footprint(pressed=True).max_positions(budget)}
+    if base is not None and engine.config.kv_disk is not None:  # every growing layer's pages on disk
+        layers = engine.edge_footprint().shape.full_layers
+        edge = engine.edge_footprint(disk_layers=layers)
+        report["kv_disk"] = {"folder": engine.config.kv_disk, "layers": layers,
+                             "max_positions": edge.max_positions(budget)}
     if context is not None:
         saved = engine.config
         engine.config = replace(saved, budget_bytes=budget)  # planned under the budget asked about
@@ -79,6 +84,8 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
             "prefill": _forms(swap.prefill_forms) if fp.shape.dense_prefill else
             "on the resident weights (no dense working copy: the budget is tight)", "prefill_chunk": fp.shape.chunk,
             "decode": f"resident {reg.resident_form}",
+            "kv_layers": {"resident": fp.shape.full_layers - fp.shape.disk_layers, "on_disk": fp.shape.disk_layers,
+                          "bytes_on_disk": fp.disk, "read_per_token": fp.disk},
         }
     return report
 
@@ -186,6 +193,12 @@ def format_fit(r: dict) -> str:
                   f"  prefill: {plan['prefill']}, {plan['prefill_chunk']} tokens per chunk; "
                   f"decode: {plan['decode']}",
                   f"  KV pages: {plan['pages']}; offloaded from disk: {_names(plan['offloaded'])}"]
+        layers = plan.get("kv_layers")
+        if layers and layers["on_disk"]:
+            lines.append(f"  KV pages of {layers['on_disk']} layers on disk ({layers['resident']} resident): "
+                         f"{format_size(layers['bytes_on_disk'])} there, read back every decoded token "
+                         f"({format_size(layers['read_per_token'])} per token: at 2 GB/s, "
+                         f"{layers['read_per_token'] / 2e9 * 1e3:.0f} ms)")
     return "\n".join(lines)
 
 
@@ -208,6 +221,10 @@ def format_rows(r: dict, note: str) -> list[str]:
         p = r["pressure"]
         lines.append(f"with pages stepping down {' > '.join(p['ladder'])} under the budget: "
                      f"{p['max_positions']:,} positions")
+    if r.get("kv_disk"):
+        d = r["kv_disk"]
+        lines.append(f"with every layer's pages on disk in {d['folder']} (read back just in time, exact): "
+                     f"{d['max_positions']:,} positions")
     return lines
 
 

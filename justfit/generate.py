@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import greedy_sampler
 
+import kvexec
 from phaseswap.predict import transformer_body
 
 ProgressFn = Callable[[int, int], None]  # (processed, total)
@@ -33,6 +34,7 @@ def prefill(
     chunk: int = 512,
     progress: ProgressFn | None = None,
     on_processed: Callable[[list[int]], None] | None = None,
+    cut_at_pages: bool = False,
 ) -> mx.array:
     """Feed `tokens` into `cache`; return the logits (fp32, shape [vocab]) after the last.
 
@@ -47,7 +49,9 @@ def prefill(
     if progress:
         progress(0, total)
     while done < len(head):
-        piece = head[done : done + chunk]
+        # `cut_at_pages`: a chunk stops short of a page flush, so a position's reply does not
+        # depend on the chunk size (EngineConfig.deterministic).
+        piece = head[done : done + (kvexec.chunk_room(cache, chunk) if cut_at_pages else chunk)]
         feed(model, piece, cache)
         done += len(piece)
         if on_processed:

@@ -88,18 +88,27 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+def proc_status_bytes(field: str) -> int | None:
+    """A size field of this process's /proc/self/status (e.g. VmHWM, RssAnon) in bytes;
+    None off Linux or where the kernel has no such field."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """This process's whole high-water mark since it started. On Linux the kernel's
     VmHWM: ru_maxrss also counts the peak of the process this one was forked from (the
     copied address space's mark survives exec), so a benchmark worker would report its
     harness's peak wherever that was higher."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -141,13 +150,21 @@ def memory_report(weights: nn.Module | int, cache: list | None = None,
     )
 
 
+def drop_buffer_cache() -> bool:
+    """On MLX's CPU backend, no buffer cache: its buffers are plain process memory that
+    the planner does not count and a whole-process peak does (measured in
+    docs/BENCHMARKS.md, "Whole-process footprint"). False, changing nothing, on Metal."""
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        return False
+    mx.set_cache_limit(0)
+    return True
+
+
 def hold_memory_to(budget: int) -> None:
     """Make freed memory go back to the system at once (glibc), and MLX hold to the
-    budget. On CPU MLX's buffer cache is plain process memory the planner does not count
-    (the peak is lower without it, no slower). On Metal, its own limits."""
+    budget. On CPU, no buffer cache (`drop_buffer_cache`). On Metal, its own limits."""
     return_freed_memory_promptly()
-    if mx.default_device() != mx.gpu or not mx.metal.is_available():
-        mx.set_cache_limit(0)
+    if drop_buffer_cache():
         return
     mx.set_memory_limit(budget)
     mx.set_cache_limit(budget // 8)

@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from justfit.breakdown import measured
 from justfit.config import SamplingParams
 from justfit.gguf.cache import RequantOptions, UnsupportedModel, converted_path
 from justfit.tokenizer import GGUFTokenizer
@@ -79,6 +80,7 @@ class LoadedModel:
     # What requests that do not say are sampled with, and where that came from.
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sampling_source: str = FALLBACK_SOURCE
+    tokenizer_bytes: int = 0  # resident memory its tokenizer's load left (justfit.breakdown.measured)
 
 
 def resolve(spec: str | None, opts: RequantOptions | None = None) -> str | Path:
@@ -116,8 +118,11 @@ def load(spec: str | None = None, opts: RequantOptions | None = None, lazy: bool
     path = Path(target) if Path(str(target)).exists() else None
     light = _light_config(path) if path is not None else None
     if light is not None:
-        model, tokenizer, config = load_converted(path, lazy, light)
-        return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path, *recommended_sampling(path, config))
+        model, config = load_converted(path, lazy, light)
+        eos = config.get("eos_token_id")
+        tokenizer, size = measured(lambda: GGUFTokenizer(path, [eos] if isinstance(eos, int) else eos))
+        return LoadedModel(model, tokenizer, config, spec or DEFAULT_MODEL, path, *recommended_sampling(path, config),
+                           tokenizer_bytes=size)
     from mlx_lm.utils import load as mlx_lm_load
 
     try:
@@ -224,12 +229,12 @@ def _light_config(folder: Path) -> dict | None:
     return config if "justfit" in config and "tool" not in template else None
 
 
-def load_converted(folder: Path, lazy: bool = False,
-                   config: dict | None = None) -> tuple[nn.Module, GGUFTokenizer, dict]:
-    """A converted GGUF folder's model, tokenizer and config, as mlx-lm's loader builds
-    them for the same folder (the module from mlx_lm.models, quantized per the config's
-    `quantization`), with justfit.tokenizer's tokenizer: no transformers imported.
-    `config`: the folder's config.json where the caller has read it already."""
+def load_converted(folder: Path, lazy: bool = False, config: dict | None = None) -> tuple[nn.Module, dict]:
+    """A converted GGUF folder's model and config, as mlx-lm's loader builds them for
+    the same folder (the module from mlx_lm.models, quantized per the config's
+    `quantization`); its tokenizer is justfit.tokenizer's (`load` makes it), so no
+    transformers is imported. `config`: the folder's config.json where the caller has
+    read it already."""
     import mlx.core as mx
 
     if config is None:
@@ -254,5 +259,4 @@ def load_converted(folder: Path, lazy: bool = False,
     model.load_weights(list(weights.items()))
     if not lazy:
         mx.eval(model.parameters())
-    eos = config.get("eos_token_id")
-    return model, GGUFTokenizer(folder, [eos] if isinstance(eos, int) else eos), config
+    return model, config

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from justfit.memory import tree_bytes, weight_bytes
 from kvexec import KVConfig, ladder, page_bytes_per_token, transient_bytes
+from kvexec.disk_pages import PageReader
 from kvexec.segments import allocated_positions
 from phaseswap.policy import default_policy, get_policy
 from phaseswap.predict import predict_resident_bytes, predict_working_bytes
@@ -65,6 +66,10 @@ class _Shape:
     # any page steps down (kvexec.segments.release_unwritten), so pages count whole, not
     # whole segments.
     limited: bool = False
+    # Growing layers whose pages live on disk (kvexec.disk_pages): in memory, each keeps
+    # its segment being filled; two such layers' pages are read back at a time.
+    disk_layers: int = 0
+    page_row_max: float = 0.0  # the largest layer's page_row (what one read buffer holds)
 
     @property
     def bytes_per_position(self) -> float:
@@ -83,6 +88,7 @@ class Footprint:
     transient: int
     shape: _Shape
     pages: int = 0  # page bytes of the layers whose KV grows, once prefill is done (KVExec)
+    disk: int = 0  # page bytes on disk (kvexec.disk_pages): what decode reads per token
 
     @property
     def total(self) -> int:
@@ -121,7 +127,8 @@ class Footprint:
     def as_dict(self) -> dict[str, int]:
         """The figures by name, for JSON."""
         return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
-                "transient": self.transient, "reserve": self.reserve, "total": self.total}
+                "transient": self.transient, "reserve": self.reserve, "total": self.total,
+                "disk_layers": self.shape.disk_layers, "disk": self.disk}
 
 
 def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None, sliding: bool = False) -> tuple[float, float]:
@@ -138,11 +145,33 @@ def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None, sliding: boo
     return full * s.kv_row, paged * s.page_row + tail * (s.top_row - s.page_row)
 
 
+def _disk_split(s: _Shape, held: int, chunk: int) -> tuple[float, float]:
+    """(page bytes a disk layer keeps in memory, page bytes it has on disk) at `held`
+    positions: in memory, the segment being filled, and with chunks longer than a page
+    the one it filled too (spilled once attention has read it)."""
+    paged = max(0, held - s.rest_tokens)
+    if s.block_tokens is None or not paged:
+        return 0.0, 0.0
+    allocated = allocated_positions(paged, s.page_tokens, s.block_tokens)
+    resident = min(allocated, s.block_tokens * (2 if chunk > s.page_tokens else 1))
+    return resident * s.page_row, (allocated - resident) * s.page_row
+
+
 def _estimate(s: _Shape, positions: int) -> Footprint:
     chunk = min(s.chunk, max(positions, 1))
     held = positions if s.retain is None else min(positions, s.retain)
     hot, pages = _layer_kv(s, held)
-    kv = s.full_layers * (hot + pages)
+    resident_layers = s.full_layers - s.disk_layers
+    kv = resident_layers * (hot + pages)
+    disk = 0.0
+    if s.disk_layers:
+        in_memory, disk_per_layer = _disk_split(s, held, chunk)
+        disk = s.disk_layers * disk_per_layer
+        # the layer computing and the one read, each in a slot with room to grow (kvexec.disk_pages)
+        buffer = 2 * PageReader.SLACK * disk_per_layer * s.page_row_max / s.page_row
+        kv += s.disk_layers * (hot + in_memory) + buffer
+    if s.block_tokens is not None:  # the exact trim point's full-precision copies (kvexec.exact): at most a hot window
+        kv += (s.full_layers + len(s.windows)) * min(held, s.rest_tokens + s.page_tokens) * s.kv_row
     # Once prefill ends, the chunk and a page's worth of the hot window are pages too:
     # fewer bytes in all, but more of them in pages (what a page limit must allow).
     rest = _layer_kv(s, held, s.rest_tokens)[1]
@@ -158,7 +187,7 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     logits = s.vocab * 4
     transient = attention + mlp + hidden + logits
     return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s,
-                     int(s.full_layers * rest))
+                     int(resident_layers * rest), int(disk))
 
 
 def _arg_reader(model: nn.Module, config: dict):
@@ -197,14 +226,14 @@ def cache_layout(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
               act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True,
-              limited: bool = False) -> Footprint:
+              limited: bool = False, disk_layers: int = 0) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
     largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
     pages stepped down to the last format of KVExec's pressure ladder; `dense_prefill`
     False: prefill runs on the resident forms (the plan carries it; `working` then
     counts no dense copy); `limited`: a budget holds the pages to a limit (whole pages
-    counted, not whole segments)."""
+    counted, not whole segments); `disk_layers`: growing layers whose pages live on disk."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -215,14 +244,15 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             intermediate=arg("intermediate_size", 4 * hidden), vocab=arg("vocab_size", 32000),
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
-                            window_layers=window_layers, dense_prefill=dense_prefill, limited=limited)
+                            window_layers=window_layers, dense_prefill=dense_prefill, limited=limited,
+                            disk_layers=disk_layers)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
                      kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int, weights: int,
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
                      pressed: bool = False, window_layers: tuple[int, ...] = (),
-                     dense_prefill: bool = True, limited: bool = False) -> Footprint:
+                     dense_prefill: bool = True, limited: bool = False, disk_layers: int = 0) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
@@ -231,7 +261,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
     if kv is None:
         page_row, full_tokens, block, retain, page = kv_row, 0, None, None, 1
         rest_tokens = 0
-        top_row = window_row = page_row
+        top_row = window_row = row_max = page_row
     else:
         full, sliding = None, None  # every layer's formats, unless they split by kind
         if kv.layer_formats and window_layers and len(kv.layer_formats) == full_layers + len(windows):
@@ -240,6 +270,9 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         top_row = page_bytes_per_token(kv, kv_heads, head_dim, full)
         window_row = page_bytes_per_token(kv, kv_heads, head_dim, sliding)
         page_row = _pressed_row(kv, kv_heads, head_dim, full) if pressed else top_row
+        growing = range(len(kv.layer_formats)) if full is None else full
+        row_max = max([page_bytes_per_token(kv, kv_heads, head_dim, (i,)) for i in growing] if kv.layer_formats
+                      else [top_row])
         # The hot window's buffer also holds the last chunk appended until the next one.
         full_tokens = kv.sink_tokens + kv.hot_window + kv.page_size + chunk
         rest_tokens = kv.sink_tokens + kv.hot_window
@@ -252,6 +285,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         observed=kv is not None and kv.max_positions is not None and kv.policy == "score", hidden=hidden,
         intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill, limited=limited,
+        disk_layers=0 if kv is None else min(disk_layers, full_layers), page_row_max=row_max,
     )
     return _estimate(shape, positions)
 

@@ -16,6 +16,7 @@ from justfit.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.stats import Chunk, GenerationStats
 from justfit.stops import ReplyText
 import kvexec
+from justfit import pages
 from justfit.pipeline import resume
 from justfit.state_io import refuse_pipeline_session
 from statetrans import holds
@@ -39,20 +40,20 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
         reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
     budget = engine.config.budget_bytes
-    if engine.config.kv is not None and request.shape.full_layers:
-        kvexec.limit_pages(cache, None if budget is None else
-                           request.page_allowance(budget) // request.shape.full_layers)
+    reader = pages.bind(engine, cache, request, None if budget is None else request.page_allowance(budget),
+                        len(tokens))
     held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
     engine.live_cache = cache
     stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
     rng = new_rng(sp.seed) if sp.seed is not None else (reuse.sampler or new_rng())
     try:
         yield from _run(engine, tokens, cache, held, rng, sp, stats, progress, request.shape.chunk,
-                        request.shape.dense_prefill)
+                        request.shape.dense_prefill, reader)
     finally:
         # Also on cancel or error: what was computed is stored, once evaluated
         # (StateTiers.put), unless an interrupt left the cache and tokens apart.
         engine.live_cache = None
+        pages.release(cache, reader)
         kept = bool(held) and holds(cache, len(held))  # else an interrupt left cache and tokens apart
         if engine.pipeline is not None:
             engine.pipeline_live = (list(held), cache, rng) if kept else None
@@ -67,10 +68,12 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
 
 
 def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
-         stats: GenerationStats, progress: ProgressFn | None, chunk: int, dense_prefill: bool) -> Iterator[Chunk]:
+         stats: GenerationStats, progress: ProgressFn | None, chunk: int, dense_prefill: bool,
+         reader=None) -> Iterator[Chunk]:
     cached = len(held)
-    if engine.config.kv is None or engine.config.kv.pin_prompt:
-        kvexec.pin(cache, len(tokens))  # retention never evicts the prompt
+    # The same prompt again resumes from here (all but the last token): trimmed back
+    # exactly, it computes the reply this request computes.
+    kvexec.keep_exact(cache, len(tokens) - 1)
     record: Callable[[list[int]], None] = held.extend
     if engine.config.budget_bytes is not None:
         record = trimming(record)
@@ -82,7 +85,7 @@ def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: d
     with engine.swap.phase("prefill", dense=dense_prefill) as phase:
         stats.phases.append(phase)
         stats.prefill_chunk = chunk
-        logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record)
+        logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record, engine.config.deterministic)
     stats.prefill_s = phase.seconds
     sampler = keyed_sampler(sp, int(logits.shape[-1]), rng)
     processors = logits_processors(sp, len(tokens))
@@ -90,6 +93,7 @@ def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: d
         stats.phases.append(phase)
         tail = yield from _decode(engine, logits, tokens, cache, sp, stats, sampler, processors, record)
     stats.memory = _memory(engine, stats, cache)  # the last chunk carries complete stats
+    stats.kv_disk = pages.disk_stats(cache, reader)
     yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
 
 

@@ -29,6 +29,7 @@ class GenerationStats:
     prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
     memory: MemoryReport | None = None
     kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
+    kv_disk: dict | None = None  # pages on disk: bytes there, read, read time (justfit.pages.disk_stats)
     phases: list[PhaseStats] = field(default_factory=list)
     # A named session's write-through of this turn (statetrans), awaited before a
     # response's last byte; None for anonymous requests.

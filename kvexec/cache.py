@@ -16,8 +16,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, make_prompt_cache
 
 from kvexec.attention import blockwise_attention
+from kvexec import exact
 from kvexec.formats import get_format
 from kvexec.config import KVConfig
+from kvexec.disk_pages import PageFile, PageReader
 from kvexec.store import PageStore
 
 
@@ -119,9 +121,21 @@ class PagedKVCache(_BaseCache):
         store = self.store
         q_start = store.offset - queries.shape[-2]
         scoring = store.config.max_positions is not None and store.config.policy == "score"
-        return blockwise_attention(queries, store.blocks(queries), q_start, scale, store.window, sinks,
-                                   observe=store.observe if scoring else None,
-                                   block_tokens=store.config.block_tokens, tokens_major=tokens_major)
+        reader, spilled = store.reader, store.spilled()
+        loaded = reader.take(id(store), spilled) if reader is not None and spilled else None
+        if reader is not None:  # the next disk layer is read while this one computes
+            after = reader.after(id(store))
+            if after is not None and after is not store:
+                reader.schedule(id(after), after.spilled())
+        out = blockwise_attention(queries, store.blocks(queries, loaded), q_start, scale, store.window, sinks,
+                                  observe=store.observe if scoring else None,
+                                  block_tokens=store.config.block_tokens, tokens_major=tokens_major)
+        if spilled or store.page_file is not None:
+            mx.eval(out)  # the read pages are free for the next layer's read; full segments can go
+            if loaded is not None:
+                reader.release(id(store))
+            store.spill()
+        return out
 
     @property
     def state(self) -> list[mx.array]:
@@ -210,11 +224,30 @@ def pin(cache: list, positions: int) -> None:
             c.store.pinned = max(c.store.pinned, positions)
 
 
+def keep_exact(cache: list, position: int) -> None:
+    """A later trim back to `position` restores exactly what every layer held there
+    (kvexec.exact): a request resumed from it computes what it did the first time."""
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            c.store.keep_exact(position)
+
+
+def chunk_room(cache: list, chunk: int) -> int:
+    """How many of the next `chunk` positions one prefill pass may take, so that the
+    pages each position attends to do not depend on the chunk size (kvexec.exact)."""
+    room = chunk
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            s, cfg = c.store, c.store.config
+            room = min(room, exact.chunk_room(s.offset, chunk, s.sinks, cfg.hot_window, cfg.page_size))
+    return room
+
+
 def limit_pages(cache: list, per_layer: int | None) -> None:
     """Hold each growing layer's pages to `per_layer` bytes (None: no limit) by stepping
     cold pages down the pressure ladder; sliding-window layers are bounded rings."""
     for c in cache:
-        if isinstance(c, PagedKVCache) and c.store.window is None:
+        if isinstance(c, PagedKVCache) and c.store.window is None and c.store.page_file is None:
             c.store.limit(per_layer)
 
 
@@ -228,6 +261,48 @@ def page_formats(cache: list) -> dict[str, int]:
                 label = get_format(name).label
                 out[label] = out.get(label, 0) + n
     return out
+
+
+def spill_layers(cache: list, page_file: PageFile | None, reader: PageReader | None, layers: int) -> int:
+    """Plan the pages of `layers` of the growing attention layers (spread over them:
+    `_spread_order`) on disk in `page_file`, read back through `reader`; every layer already holding
+    spilled pages reads them through `reader` too. Layers on disk take no page limit (their
+    pages in memory are the segment being filled). The number of layers on disk."""
+    growing = [c.store for c in cache if isinstance(c, PagedKVCache) and c.store.window is None]
+    layers = max(0, min(layers, len(growing)))
+    chosen = set(_spread_order(len(growing))[:layers])
+    order = []
+    for i, store in enumerate(growing):
+        if i in chosen:
+            store.page_file = page_file
+            store.limit(None)
+        if store.page_file is not None or store.spilled():
+            store.reader = reader
+            order.append(store)
+    if reader is not None:
+        reader.order = order
+    return sum(1 for s in growing if s.page_file is not None)
+
+
+def _spread_order(n: int) -> list[int]:
+    """0 .. n-1 in the order layers go to disk: each prefix spread over the model
+    (van der Corput order), so a later plan's layers on disk include an earlier one's and
+    reads interleave with resident layers' compute."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: (int(f"{i:0{bits}b}"[::-1], 2), i))
+
+
+def detach_disk(cache: list) -> None:
+    """Forget the reader (a request ended; its thread is stopped): spilled pages stay
+    where they are and are read directly until a reader is attached again."""
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            c.store.reader = None
+
+
+def disk_bytes(cache: list) -> int:
+    """Bytes of the cache's pages on disk."""
+    return sum(c.store.disk_bytes() for c in cache if isinstance(c, PagedKVCache))
 
 
 def can_trim(cache: list, n: int) -> bool:

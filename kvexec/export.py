@@ -12,13 +12,15 @@ from dataclasses import asdict, fields
 import mlx.core as mx
 
 from kvexec.cache import PagedKVCache, can_trim, trim
+from kvexec.disk_pages import read_now, spilled_parts
+from kvexec.exact import ExactPoint
 from kvexec.formats import get_format
 from kvexec.config import KVConfig
 from kvexec.segments import Segment
 from kvexec.store import PageStore
 
 KIND = "paged"
-__all__ = ["KIND", "can_trim", "check_layer", "export_layer", "import_layer", "trim"]
+__all__ = ["KIND", "can_trim", "check_layer", "copy_layer", "export_layer", "import_layer", "trim"]
 
 Shapes = dict[str, tuple[str, tuple[int, ...]]]  # array name -> (dtype name, shape)
 _LIMIT = 2**31  # positions, sizes and counts are below this
@@ -31,12 +33,13 @@ _OPTIONAL_INTS = ("max_positions", "select_pages")
 _NUMBERS = ("fidelity_floor", "calibration_tolerance")
 
 
-def export_layer(layer) -> tuple[dict[str, mx.array], dict] | None:
+def export_layer(layer, lazy: bool = False) -> tuple[dict[str, mx.array], dict] | None:
     """A paged cache layer's arrays and metadata ({"kind": "paged", ...}); None for a
-    layer KVExec does not own (mlx-lm's caches)."""
+    layer KVExec does not own (mlx-lm's caches). With `lazy`, the parts of pages on disk
+    are `SpilledPart`s, read as they are written (not all at once)."""
     if not isinstance(layer, PagedKVCache):
         return None
-    arrays, meta = export_store(layer.store)
+    arrays, meta = export_store(layer.store, lazy)
     return arrays, {"kind": KIND, **meta}
 
 
@@ -53,7 +56,7 @@ def check_layer(meta: dict, shapes: Shapes) -> None:
     read) describe a page store export_store could have written: a sound KVConfig, known
     formats, positions that add up, and every array exactly as the store allocates it,
     none missing and none extra. Nothing is allocated."""
-    if not isinstance(meta, dict) or not _META <= set(meta) <= _META | {"rng"} or meta["kind"] != KIND:
+    if not isinstance(meta, dict) or not _META <= set(meta) <= _META | {"rng", "exact"} or meta["kind"] != KIND:
         raise ValueError("a paged layer's metadata is malformed")
     config = _config(meta["config"])
     P = config.page_size
@@ -87,6 +90,8 @@ def check_layer(meta: dict, shapes: Shapes) -> None:
     retained = sinks + sum(s["length"] for s in segments) + hot
     if retained + evicted > offset or (window is None and retained + evicted != offset):
         raise ValueError(f"{retained} positions held and {evicted} evicted do not add up to {offset}")
+    if "exact" in meta:
+        _exact(meta["exact"], offset, lead, D, shapes, expected)
     if set(shapes) != expected:
         extra, missing = sorted(set(shapes) - expected), sorted(expected - set(shapes))
         raise ValueError(f"arrays {(extra or missing)[:3]} {'unexpected' if extra else 'missing'}")
@@ -169,6 +174,29 @@ def _full(shapes: Shapes, expected: set[str]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _exact(exact, offset: int, lead: tuple[int, ...], D: int, shapes: Shapes, expected: set[str]) -> None:
+    """An exact trim point (kvexec.exact): its position, and its copies' first position
+    and arrays, [B, kv_heads, positions, head_dim] below the point, or none."""
+    if not isinstance(exact, dict) or set(exact) != {"at", "start"}:
+        raise ValueError("'exact' is malformed")
+    _int(exact["at"], "exact.at")
+    if exact["at"] < offset and exact["start"] is None:
+        pass  # a point trimmed past keeps nothing
+    full = {k: shapes[k] for k in ("exact_k", "exact_v") if k in shapes}
+    if exact["start"] is None:
+        if full:
+            raise ValueError("an exact trim point's copies without their position")
+        return
+    _int(exact["start"], "exact.start")
+    if set(full) != {"exact_k", "exact_v"}:
+        raise ValueError("an exact trim point's copies come as exact_k and exact_v")
+    (dk, sk), (dv, sv) = full["exact_k"], full["exact_v"]
+    if dk not in _FULL or dk != dv or sk != sv or len(sk) != 4 or (sk[0], sk[1], sk[3]) != (*lead, D) \
+            or exact["start"] + sk[2] > exact["at"]:
+        raise ValueError("an exact trim point's copies must be float arrays like the hot window's, below the point")
+    expected.update(full)
+
+
 def _segment(i: int, s, P: int, end: int, lead: tuple[int, ...], D: int, shapes: Shapes,
              expected: set[str]) -> int:
     """Check segment `i` (after positions up to `end`) and its arrays; the position it ends at."""
@@ -205,8 +233,9 @@ def _segment(i: int, s, P: int, end: int, lead: tuple[int, ...], D: int, shapes:
     return s["start"] + s["length"]
 
 
-def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:
-    """A page store's arrays and JSON-able metadata: layout, positions, segments, eviction state."""
+def export_store(store: PageStore, lazy: bool = False) -> tuple[dict[str, mx.array], dict]:
+    """A page store's arrays and JSON-able metadata: layout, positions, segments, eviction
+    state (`lazy`: see export_layer)."""
     arrays: dict[str, mx.array] = {}
     for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
         a = getattr(store, name)
@@ -214,17 +243,24 @@ def export_store(store: PageStore) -> tuple[dict[str, mx.array], dict]:
             arrays[name] = a
     segments = []
     for i, seg in enumerate(store.segments):
-        for side, parts in (("k", seg.keys), ("v", seg.values)):
+        keys, values = (seg.keys, seg.values) if seg.extent is None else \
+            spilled_parts(seg.extent) if lazy else read_now(seg.extent)
+        for side, parts in (("k", keys), ("v", values)):
             for part, a in parts.items():
                 arrays[f"seg{i}.{side}.{part}"] = a
         for bound in ("key_min", "key_max"):
             if getattr(seg, bound) is not None:
                 arrays[f"seg{i}.{bound}"] = getattr(seg, bound)
         segments.append({"start": seg.start, "capacity": seg.capacity, "length": seg.length,
-                         "score": seg.score, "keys": sorted(seg.keys), "values": sorted(seg.values),
+                         "score": seg.score, "keys": sorted(keys), "values": sorted(values),
                          "format": seg.fmt.name})
     meta = {"config": asdict(store.config), "window": store.window, "offset": store.offset,
             "pinned": store.pinned, "evicted": store.evicted, "segments": segments}
+    if store.exact is not None:  # a trim back to it stays exact in every copy of the state
+        keys, values = store.exact.arrays()
+        meta["exact"] = {"at": store.exact.at, "start": store.exact.start}
+        if keys is not None:
+            arrays["exact_k"], arrays["exact_v"] = keys, values
     if store.config.max_positions is not None and store.config.policy == "random":
         version, internal, gauss = store.retention.rng.getstate()  # random eviction continues its sequence
         meta["rng"] = [version, list(internal), gauss]
@@ -242,10 +278,39 @@ def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
                       arrays.get(f"seg{i}.key_min"), arrays.get(f"seg{i}.key_max"))
         store.segments.append(seg)
     store.offset, store.pinned, store.evicted = meta["offset"], meta["pinned"], meta["evicted"]
+    if "exact" in meta:
+        exact = meta["exact"]
+        store.exact = ExactPoint(exact["at"], exact["start"])
+        if exact["start"] is not None:
+            store.exact.keys, store.exact.values = [arrays["exact_k"]], [arrays["exact_v"]]
+            store.exact.held = arrays["exact_k"].shape[-2]
     if "rng" in meta:
         version, internal, gauss = meta["rng"]
         store.retention.rng.setstate((version, tuple(internal), gauss))
     return store
+
+
+def copy_layer(layer) -> PagedKVCache | None:
+    """An independent copy of a paged cache layer (None for a layer KVExec does not own):
+    what it holds in memory copied, evaluated; its pages on disk shared, as extents are
+    written once and never change (a copy that trims one reads it back first)."""
+    if not isinstance(layer, PagedKVCache):
+        return None
+    store = layer.store
+    new = PageStore(store.config, store.window)
+    for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
+        a = getattr(store, name)
+        setattr(new, name, None if a is None else mx.array(a))
+    for seg in store.segments:
+        new.segments.append(Segment(seg.start, seg.capacity, {p: mx.array(a) for p, a in seg.keys.items()},
+                                    {p: mx.array(a) for p, a in seg.values.items()}, seg.fmt, seg.length, seg.score,
+                                    seg.key_min, seg.key_max, seg.extent))
+    new.offset, new.pinned, new.evicted = store.offset, store.pinned, store.evicted
+    new.page_file = store.page_file  # later spills go on beside the shared ones
+    new.retention.rng.setstate(store.retention.rng.getstate())
+    new.exact = None if store.exact is None else store.exact.copy()
+    mx.eval(new.arrays())
+    return paged_cache_from_store(new)
 
 
 def paged_cache_from_store(store: PageStore) -> PagedKVCache:

@@ -46,7 +46,7 @@ def relieve(store: PageStore, steps: list[KVFormat], incoming: int) -> None:
         for seg in store.segments:  # room no page is written in goes first
             release_unwritten(seg)
     while store.page_bytes() + incoming > limit:
-        movable = [s for s in store.segments if s.fmt != steps[-1] and s.fmt in steps]
+        movable = [s for s in store.segments if s.fmt != steps[-1] and s.fmt in steps and s.extent is None]
         if not movable:
             if store.config.past_floor == "retain":
                 while store.page_bytes() + incoming > limit and store.retention.drop_one(store):

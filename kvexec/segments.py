@@ -12,11 +12,15 @@ pages under a limit).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from kvexec.config import KVConfig
 from kvexec.formats import KVFormat
+
+if TYPE_CHECKING:
+    from kvexec.disk_pages import Extent
 
 
 @dataclass
@@ -32,10 +36,13 @@ class Segment:
     score: float = 0.0  # attention mass received (retention's "score" policy)
     key_min: mx.array | None = None  # per-channel key bounds (page selection)
     key_max: mx.array | None = None
+    # Where its storage lies on disk once spilled (kvexec.disk_pages); keys and values are
+    # then empty until read back.
+    extent: Extent | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its storage, allocated capacity included."""
+        """Bytes of its storage in memory, allocated capacity included (0 once spilled)."""
         return sum(a.nbytes for a in (*self.keys.values(), *self.values.values()))
 
 

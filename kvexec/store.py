@@ -18,6 +18,8 @@ import mlx.core as mx
 
 from kvexec.attention import Block
 from kvexec.config import KVConfig
+from kvexec.disk_pages import Extent, PageFile, PageReader, read_now, segment_arrays
+from kvexec.exact import ExactPoint, paged_end
 from kvexec.formats import KVFormat, get_format
 from kvexec.hot import HotWindow
 from kvexec.pressure import ladder, relieve
@@ -53,6 +55,11 @@ class PageStore:
         self.offset = 0  # positions written so far
         self.page_limit: int | None = None  # bytes the segments may take (kvexec.pressure)
         self._ladder: list[KVFormat] | None = None  # known once head_dim is
+        self.exact: ExactPoint | None = None  # a position trim restores bit for bit (kvexec.exact)
+        # Pages on disk (kvexec.disk_pages): where full segments are written when this
+        # layer is planned on disk, and the reader that brings spilled ones back.
+        self.page_file: PageFile | None = None
+        self.reader: PageReader | None = None
 
     # -- writing -------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
@@ -108,6 +115,8 @@ class PageStore:
             if self.page_limit is not None and seg.length == seg.capacity:
                 # small segments made under the limit coalesce
                 merge_with_previous(self.segments, seg, self.segment_capacity, P)
+            if self.exact is not None:
+                self.exact.note_page(self.offset, start, k, v)
             self.hot.drop_oldest(P)
 
     def page_bytes(self) -> int:
@@ -154,13 +163,18 @@ class PageStore:
             return self.segments[0].start
         return self.offset - self._hot_len()
 
-    def blocks(self, queries: mx.array | None = None):
+    def blocks(self, queries: mx.array | None = None, loaded: dict | None = None):
         """Blocks in position order, in their stored form; each at most block_tokens.
-        Given decode `queries` and select_pages, only the selected pages come."""
+        Given decode `queries` and select_pages, only the selected pages come. Spilled
+        segments come from `loaded` (PageReader.take), else are read now."""
         if self.sink_k is not None:
             yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0, self.sink_k.shape[-2])
         for seg in select_pages(self.segments, queries, self.config.select_pages):
-            yield Block(seg.keys, seg.values, seg.fmt, seg.start, seg.length, tag=seg)
+            keys, values = seg.keys, seg.values
+            if seg.extent is not None:
+                buffers = (loaded or {}).get(seg.extent)
+                keys, values = read_now(seg.extent) if buffers is None else segment_arrays(seg.extent, buffers)
+            yield Block(keys, values, seg.fmt, seg.start, seg.length, tag=seg)
         if self._hot_len():
             yield Block({"x": self.hot.keys_room}, {"x": self.hot.values_room}, self.full,
                         self.offset - self._hot_len(), self._hot_len())
@@ -185,6 +199,31 @@ class PageStore:
         """Hold exactly `values` in the hot window (after hot_k)."""
         self.hot.values_room = values
 
+    # -- pages on disk -------------------------------------------------------
+    def spilled(self) -> tuple[Extent, ...]:
+        """The extents of the segments on disk, in position order."""
+        return tuple(s.extent for s in self.segments if s.extent is not None)
+
+    def spill(self) -> None:
+        """Write every full segment still in memory to the page file and drop it from
+        memory (a layer planned on disk; after attention read it)."""
+        if self.page_file is None:
+            return
+        for seg in self.segments:
+            if seg.extent is None and seg.length == seg.capacity:
+                seg.extent = self.page_file.write(seg.keys, seg.values)
+                seg.keys, seg.values = {}, {}
+
+    def unspill(self, seg: Segment) -> None:
+        """Bring a spilled segment back into memory (it is about to change)."""
+        if seg.extent is not None:
+            seg.keys, seg.values = read_now(seg.extent)
+            seg.extent = None
+
+    def disk_bytes(self) -> int:
+        """Bytes of this layer's pages on disk."""
+        return sum(e.nbytes for e in self.spilled())
+
     # -- trimming ------------------------------------------------------------
     def can_trim(self, n: int) -> bool:
         """Whether the last n positions can be removed with everything a later query
@@ -200,11 +239,20 @@ class PageStore:
         if n <= 0 or not self.can_trim(n):
             return 0
         target = self.offset - n
+        if self._trim_exact(target):
+            return n
         hot_start = self.offset - self._hot_len()
         dtype = self.hot_dtype()
         P = self.config.page_size
         while target < hot_start and self.segments:
             seg = self.segments[-1]
+            if seg.extent is not None and target <= seg.start and self.hot_k is not None:
+                # wholly removed, and every position after it goes too: nothing to read back
+                self.hot.set(self.hot_k[..., :0, :], self.hot_v[..., :0, :])
+                hot_start = seg.start
+                self.segments.pop()
+                continue
+            self.unspill(seg)
             keep = max(0, target - seg.start) // P * P  # whole pages stay
             # Back into the hot window as the values attention saw for them (in its precision).
             back = [codec.decode(codec.view(part, keep, seg.length)).astype(dtype)
@@ -225,6 +273,40 @@ class PageStore:
         self.offset = target
         return n
 
+    def keep_exact(self, at: int) -> None:
+        """Keep what a trim back to `at` (at most the positions written) needs to give
+        the layout a store that stopped at `at` has: one such position at a time."""
+        if at < self.offset:
+            raise ValueError(f"an exact trim point at {at} is behind the {self.offset} positions written")
+        if self.exact is None or self.exact.at != at:
+            self.exact = ExactPoint(at)
+
+    def _trim_exact(self, target: int) -> bool:
+        """Trim to `target` with the pages and full-precision hot window a store that
+        stopped at `target` holds, from the exact point's copies; False (nothing done)
+        where there is no page to take back or the copies do not cover it."""
+        cfg = self.config
+        cold = paged_end(target, self.sinks, cfg.hot_window, cfg.page_size)
+        paged = self.offset - self._hot_len()
+        if self.exact is None or target < self.sinks or paged <= cold or \
+                not self.exact.covers(cold, min(target, paged)):
+            return False
+        keys, values = self.exact.take(cold, min(target, paged))
+        if target > paged:
+            keys = mx.concatenate([keys, self.hot_k[..., : target - paged, :]], axis=-2)
+            values = mx.concatenate([values, self.hot_v[..., : target - paged, :]], axis=-2)
+        while self.segments and self.segments[-1].start + self.segments[-1].length > cold:
+            seg = self.segments[-1]
+            if seg.start >= cold:
+                self.segments.pop()
+                continue
+            self.unspill(seg)  # it is written into again
+            seg.length = cold - seg.start  # whole pages: segments start on page boundaries
+        self.hot.set(keys, values)
+        self.exact.keep_below(cold)  # the rest is in the hot window again, and is copied when paged again
+        self.offset = target
+        return True
+
     def formats(self) -> dict[str, int]:
         """Paged positions per format (several once pages stepped down)."""
         out: dict[str, int] = {}
@@ -242,7 +324,8 @@ class PageStore:
     def nbytes(self) -> int:
         """Bytes held, allocated segment capacity included."""
         arrays = [a for a in (self.sink_k, self.sink_v, self.hot.keys_room, self.hot.values_room) if a is not None]
-        return sum(a.nbytes for a in arrays) + sum(s.nbytes for s in self.segments)
+        exact = 0 if self.exact is None else self.exact.nbytes
+        return sum(a.nbytes for a in arrays) + sum(s.nbytes for s in self.segments) + exact
 
     def arrays(self) -> list[mx.array]:
         """Every array the store holds (to evaluate or count)."""
@@ -250,4 +333,6 @@ class PageStore:
         for s in self.segments:
             out.extend(s.keys.values())
             out.extend(s.values.values())
+        if self.exact is not None:
+            out.extend(self.exact.keys + self.exact.values)
         return out

@@ -42,7 +42,7 @@ def park(tiers: StateTiers, tokens: list[int], cache: list, sampler: dict | None
     """Write `cache` (holding exactly `tokens`) to disk; the caller lets the cache go.
     Raises (nothing published) when the write fails: the caller keeps the cache."""
     start = time.perf_counter()
-    arrays, layers = capture(cache)
+    arrays, layers = capture(cache, lazy=True)
     e = Entry(uuid.uuid4().hex[:16], list(tokens), sampler=dict(sampler or {}), scope=scope)
     path, size, owner = tiers.disk.write(e, arrays, layers)
     return Parked(path, list(tokens), size, owner, e.sampler, all(trimmable_meta(m) for m in layers),

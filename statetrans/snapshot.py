@@ -214,13 +214,47 @@ def write_files(folder: Path, arrays: dict[str, mx.array], meta: dict, arrays_na
     """Write the arrays file and the manifest into `folder` and fsync both."""
     manifest = {"format": FORMAT, "version": VERSION, **json.loads(json.dumps(meta))}
     data = folder / arrays_name
-    mx.save_safetensors(str(data), arrays, metadata={"manifest_sha256": _digest(manifest)})
+    if all(isinstance(a, mx.array) for a in arrays.values()):
+        mx.save_safetensors(str(data), arrays, metadata={"manifest_sha256": _digest(manifest)})
+    else:  # KV pages on disk among them: streamed, never all in memory at once
+        _save_streamed(data, arrays, {"manifest_sha256": _digest(manifest)})
     faults.reach("write")
     manifest["files"] = {arrays_name: {"sha256": _sha256(data), "bytes": data.stat().st_size}}
     (folder / manifest_name).write_text(json.dumps(manifest, separators=(",", ":")))
     fsync_path(data)
     fsync_path(folder / manifest_name)
     faults.reach("fsync")
+
+
+_CODES = {name: code for code, (name, _) in DTYPES.items()}
+_PIECE = 8 << 20  # bytes of a page part read and written at a time
+
+
+def _save_streamed(path: Path, arrays: dict, metadata: dict[str, str]) -> None:
+    """A safetensors file of `arrays`, arrays or parts read as they are written (objects
+    with dtype, shape, nbytes and read_into(buffer, offset): kvexec.disk_pages.SpilledPart),
+    through one reused buffer."""
+    header, at = {"__metadata__": metadata}, 0
+    for name, a in arrays.items():
+        header[name] = {"dtype": _CODES[str(a.dtype).rpartition(".")[2]], "shape": list(a.shape),
+                        "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    buffer = memoryview(bytearray(_PIECE))
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for a in arrays.values():
+            if isinstance(a, mx.array):
+                flat = mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                mx.eval(flat)
+                f.write(memoryview(flat).cast("B"))
+                continue
+            done = 0
+            while done < a.nbytes:
+                n = a.read_into(buffer, done)
+                f.write(buffer[:n])
+                done += n
 
 
 def publish_new(dest: Path, arrays: dict[str, mx.array], meta: dict, faults: Faults = NONE) -> int:

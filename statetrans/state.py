@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from kvexec.export import KIND as PAGED, Shapes, check_layer, export_layer, import_layer
+from kvexec.export import KIND as PAGED, Shapes, check_layer, copy_layer, export_layer, import_layer
 
 MLX_LM = "mlx-lm"
 MAX_LAYERS = 4096
@@ -47,13 +47,15 @@ FORMS = {"KVCache": _Form(3, (2,), (0, 1), 2), "RotatingKVCache": _Form(6, (2, 3
          "ArraysCache": _Form(3)}
 
 
-def capture(cache: list) -> tuple[dict[str, mx.array], list[dict]]:
-    """Arrays (keyed "layer{i}.NAME") and per-layer metadata of a cache list."""
+def capture(cache: list, lazy: bool = False) -> tuple[dict[str, mx.array], list[dict]]:
+    """Arrays (keyed "layer{i}.NAME") and per-layer metadata of a cache list; with `lazy`,
+    KV pages on disk as parts read when written (kvexec.disk_pages.SpilledPart: only
+    the snapshot writer takes them)."""
     mx.eval([c.state for c in cache])  # nothing pending may be saved half-done
     arrays: dict[str, mx.array] = {}
     layers = []
     for i, c in enumerate(cache):
-        paged = export_layer(c)
+        paged = export_layer(c, lazy)
         if paged is not None:
             a, meta = paged
             layers.append(meta)
@@ -212,9 +214,15 @@ def copy_arrays(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def copy_cache(cache: list) -> list:
-    """An independent copy of a cache list."""
-    arrays, layers = capture(cache)
-    return rebuild(copy_arrays(arrays), layers)
+    """An independent copy of a cache list (paged layers' pages on disk shared: kvexec.export.copy_layer)."""
+    out = []
+    for c in cache:
+        paged = copy_layer(c)
+        if paged is None:
+            arrays, layers = capture([c])
+            paged = rebuild(copy_arrays(arrays), layers)[0]
+        out.append(paged)
+    return out
 
 
 def holds(cache: list, positions: int) -> bool:

@@ -158,7 +158,7 @@ class StateTiers:
             e.generation = 1 if forked else max(prev.generation if prev is not None else 0, base or 0) + 1
             if prev is not None:
                 self._retire(prev)
-            job = self._job(e, *capture(cache), origin=session)
+            job = self._job(e, *capture(cache, lazy=True), origin=session)
             e.write = job.write
             self.writer.submit(job)
         return e
@@ -288,7 +288,7 @@ class StateTiers:
                 return False
         elif e.path is None:
             try:
-                e.path, e.disk_bytes, e.owner = self.disk.write(e, *capture(e.cache))
+                e.path, e.disk_bytes, e.owner = self.disk.write(e, *capture(e.cache, lazy=True))
             except Exception as err:  # e.g. no space left: keep it in memory
                 self.spill_failures += 1
                 self.failures.append(f"spill of {len(e.tokens)} tokens: {err}")
@@ -305,7 +305,7 @@ class StateTiers:
         cache = e.cache
         if cache is None:
             return False
-        job = self._job(e, *capture(cache))
+        job = self._job(e, *capture(cache, lazy=True))
         e.write = job.write
         self.writer.submit(job)
         self.writer.wait(job.key)
@@ -329,7 +329,7 @@ class StateTiers:
         for e in self.index.session_entries():
             cache = e.cache
             if (e.write is None or e.write.done) and e.path is None and cache is not None:  # path is set before done
-                job = self._job(e, *capture(cache))
+                job = self._job(e, *capture(cache, lazy=True))
                 e.write = job.write
                 self.writer.submit(job)
                 retried.append(job.write)

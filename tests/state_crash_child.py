@@ -41,11 +41,13 @@ def engine_for(spec: dict):
     from kvexec import KVConfig
 
     kv = KVConfig(format="fp16", page_size=16, hot_window=16, block_tokens=64) if spec.get("paged", True) else None
+    # "kv_disk": every layer's full pages on disk in that folder, read back just in time
+    pages = {"kv_disk": spec["kv_disk"], "kv_disk_layers": 1 << 10} if spec.get("kv_disk") else {}
     return Engine(spec["model"], config=EngineConfig(kv=kv, prefill_chunk=16, state_dir=spec["state"],
                                                      state_memory=spec.get("memory"),
                                                      # "disk": what anonymous states may hold; sessions unbounded
                                                      state_disk=spec.get("disk", 1 << 40) + (1 << 40),
-                                                     session_disk=1 << 40))
+                                                     session_disk=1 << 40, **pages))
 
 
 def sampling():

@@ -60,3 +60,16 @@ def test_llama_server_resumes_from_its_prompt_cache_and_a_restored_slot(tmp_path
     _check(row, 200)
     assert row["slot_saved_tokens"] >= 200 and row["slot_restored_tokens"] == row["slot_saved_tokens"]
     assert 0 < row["slot_restore_s"] < row["ttft_restart_s"]
+
+
+def test_rounds_combine_into_medians_with_every_round_kept():
+    from bench.resume_peers import combine
+
+    rounds = [{"system": "justfit", "ttft_cold_s": c, "ttft_warm_s": w, "ttft_restart_s": 0.5, "load_before": 1.0}
+              for c, w in ((10.0, 1.0), (30.0, 0.5), (20.0, 2.0))]
+    row = combine(rounds)
+    assert row["repeats"] == 3 and row["ttft_cold_s"] == 20.0 and row["ttft_warm_s"] == 1.0
+    assert row["ttft_cold_s_rounds"] == [10.0, 30.0, 20.0] and row["warm_speedup"] == 20.0
+    assert combine(rounds[:1]) == rounds[0]
+    failed = combine([*rounds, {"system": "justfit", "error": "RuntimeError: HTTP 500"}])
+    assert failed["error"] == "RuntimeError: HTTP 500" and failed["ttft_cold_s_rounds"] == [10.0, 30.0, 20.0]

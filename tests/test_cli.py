@@ -44,7 +44,7 @@ def loads(engine, monkeypatch) -> list:
     (model, budget) each command asked for."""
     calls: list = []
 
-    def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto", whole_process=False):
+    def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto", whole_process=False, **more):
         calls.append((model, budget, whole_process) if whole_process else (model, budget))
         monkeypatch.setattr(engine, "config", replace(engine.config, budget_bytes=budget))
         return engine

@@ -118,20 +118,21 @@ def test_the_check_catches_a_figure_no_file_holds():
     assert _figures("SmolLM2 q8_0 f16 top-1 Gemma 3 270M `--step 1024`") == []
 
 
-def test_llama_fidelity_row_fills_from_the_newest_result_holding_it(tmp_path):
-    """Without a quality result holding llama.cpp rows the row says it is pending; with
-    one, its figures come from the newest such file, which the row cites."""
-    for stem in summary.FIDELITY.values():
-        (tmp_path / f"{stem}.json").write_text((summary.RESULTS / f"{stem}.json").read_text())
-    pending = summary.fidelity_rows(tmp_path)[-1]
-    assert pending.sources == () and "pending" in pending.baseline
-    rows = [{"system": "llama.cpp-q8_0", "top1": 0.961, "kl": 0.0068, "tokens": 8192},
-            {"system": "llama.cpp-q4_0", "top1": 0.83, "kl": 0.133, "tokens": 8192}]
-    for stem, top1 in (("quality-20990101-000000", 0.5), ("quality-20990102-000000", 0.961)):
-        (tmp_path / f"{stem}.json").write_text(json.dumps({"machine": {}, "systems": [{**rows[0], "top1": top1},
-                                                                                       rows[1]]}))
-    (tmp_path / "quality-20990103-000000.json").write_text(json.dumps({"machine": {}, "systems": [{"system": "x"}]}))
-    filled = summary.fidelity_rows(tmp_path)[-1]
-    assert filled.sources == ("quality-20990102-000000",)
-    assert "llama.cpp-q8_0: top-1 96.1%, KL 6.8e-3 over 8,192 tokens" in filled.baseline
-    assert "llama.cpp-q4_0: top-1 83.0%, KL 1.3e-1" in filled.baseline
+def test_fidelity_rows_read_every_system_from_one_named_run(tmp_path, monkeypatch):
+    """Each model's fidelity row reads JustFit, llama.cpp's lossy caches and mlx-lm's
+    quantized KV from the one run it names (llama.cpp's f16 row, its reference, left
+    out), and says where mlx-lm quantized only some layers."""
+    rows = [{"system": "justfit-calibrated", "top1": 0.9922, "kl": 2.4e-4, "chunks": 4, "context": 2048, "scored": 4092},
+            {"system": "llama.cpp-f16", "format": "f16", "top1": 1.0, "kl": 0.0},
+            {"system": "llama.cpp-q8_0", "format": "q8_0", "top1": 0.9563, "kl": 0.0105},
+            {"system": "mlx-lm-kv8", "format": "q8g64", "error": "not measured"},
+            {"system": "mlx-lm-kv8-float32-dense", "format": "q8g64", "top1": 0.9866, "kl": 1.0e-3,
+             "kv_cache": "QuantizedKVCache in 3 of 18 layers, from the first token"}]
+    (tmp_path / "quality-20990101-000000.json").write_text(json.dumps({"machine": {}, "systems": rows}))
+    monkeypatch.setattr(summary, "PEER_FIDELITY", {"Gemma 3": ("quality-20990101-000000", "cmd")})
+    [row] = summary.fidelity_rows(tmp_path)
+    assert row.sources == ("quality-20990101-000000",) and "4 windows of 2,048 tokens" in row.what
+    assert row.justfit.startswith("default pages: top-1 99.22%, KL 2.4e-4")
+    assert "llama.cpp q8_0 KV: top-1 95.63%, KL 1.1e-2 (each against llama.cpp's f16 KV)" in row.baseline
+    assert "f16 KV:" not in row.baseline and row.baseline.count("mlx-lm") == 1
+    assert "mlx-lm q8g64 KV in 3 of 18 layers (its full-attention ones): top-1 98.66%" in row.baseline

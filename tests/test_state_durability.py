@@ -30,9 +30,9 @@ def zygote():
     z.close()
 
 
-def _spec(model, state, rng: random.Random) -> dict:
+def _spec(model, state, rng: random.Random, extra: dict) -> dict:
     mode = rng.choice(MODES)
-    spec = {"model": str(model), "state": str(state), "sessions": NAMES, "turns": TURNS, "steps": 40,
+    spec = {**extra, "model": str(model), "state": str(state), "sessions": NAMES, "turns": TURNS, "steps": 40,
             "anon_every": rng.choice([0, 2, 3]), "memory": rng.choice([0, None]), "seed": rng.randrange(1 << 30),
             "disk": rng.choice([1 << 40, 1 << 16])}
     if mode in ("prefill", "decode"):
@@ -42,15 +42,17 @@ def _spec(model, state, rng: random.Random) -> dict:
     return spec | {"mode": mode}
 
 
-def inject(zygote: Zygote, model, tmp_path, injections: int, seed: int, max_runs: int) -> dict:
-    """Run workers until `injections` of them were killed; check after each run."""
+def inject(zygote: Zygote, model, tmp_path, injections: int, seed: int, max_runs: int, extra: dict | None = None) -> dict:
+    """Run workers until `injections` of them were killed; check after each run
+    (`extra`: more of the workers' engine spec, tests/state_crash_child.py)."""
     rng = random.Random(seed)
     state = tmp_path / "state"
-    replay = Replay({"model": str(model)}, NAMES, TURNS, tmp_path / "replay")
+    extra = extra or {}
+    replay = Replay({"model": str(model), **extra}, NAMES, TURNS, tmp_path / "replay")
     turns = {n: 0 for n in NAMES}
     outcome = {"kills": 0, "runs": 0, "by_mode": {}, "at_last_turn": 0, "previous_turn": 0, "in_flight_turn": 0}
     while outcome["kills"] < injections and outcome["runs"] < max_runs:
-        spec = _spec(model, state, rng)
+        spec = _spec(model, state, rng, extra)
         log = tmp_path / f"run{outcome['runs']}.log"
         pid = zygote.fork(spec, log)
         if spec["mode"] == "timer":
@@ -87,6 +89,17 @@ def test_sessions_survive_sigkill_at_random_points(zygote, tiny_llama_dir, tmp_p
     outcome = inject(zygote, tiny_llama_dir, tmp_path, 200 if long else 20, seed=17, max_runs=400 if long else 40)
     print("kill injections:", outcome)
     assert outcome["kills"] >= (200 if long else 20)
+
+
+def test_sessions_with_pages_on_disk_survive_sigkill(zygote, tiny_llama_dir, tmp_path, request):
+    # killed while pages are read back or written (prefill, decode) and while a turn is
+    # published: the page file is unlinked, the sessions are snapshots as ever
+    long = request.config.getoption("--long")
+    outcome = inject(zygote, tiny_llama_dir, tmp_path, 40 if long else 8, seed=23, max_runs=80 if long else 16,
+                     extra={"kv_disk": str(tmp_path / "kv")})
+    print("kill injections, pages on disk:", outcome)
+    assert outcome["kills"] >= (40 if long else 8)
+    assert not os.listdir(tmp_path / "kv")  # nothing a killed process wrote is left behind
 
 
 @pytest.mark.skipif("not config.getoption('--long')", reason="long variant: --long")

@@ -238,10 +238,11 @@ def reference_model(ref: dict[str, np.ndarray]):
 
 
 def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quantize_bits: int | None = None,
-                     layers: int | None = None, vocab_size: int | None = None) -> Path:
+                     layers: int | None = None, vocab_size: int | None = None, head_dim: int | None = None) -> Path:
     """A tiny random mlx-lm model folder (llama, gemma3_text or qwen3_next) with a byte-level
     tokenizer and chat template, loadable by mlx-lm and the engine. `vocab_size` may
-    pad the embedding past the tokenizer (as real models do)."""
+    pad the embedding past the tokenizer (as real models do); `head_dim` (llama: 16)
+    of 32 or more lets quantized page formats store its keys (smaller ones keep fp16)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -278,6 +279,8 @@ def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quant
                       max_position_embeddings=512)
     if layers:
         config["num_hidden_layers"] = layers
+    if head_dim:
+        config["head_dim"] = head_dim
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

@@ -22,6 +22,7 @@ from aiohttp import web
 
 import justfit
 from justfit import runtime
+from justfit.breakdown import process_breakdown
 from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerStopping
 from justfit.scheduler import Job, QueueFull, Scheduler
 from justfit.state_io import refuse_pipeline_session
@@ -274,12 +275,12 @@ class Server:
                     "prefill_tps": s.prefill_tps, "decode_tps": s.decode_tps, "finish_reason": s.finish_reason,
                     "queue_s": s.queue_s, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
                     "preemptions": s.preemptions, "preempted_s": s.preempted_s, "swap_s": s.swap_s,
-                    "memory": s.memory.as_dict() if s.memory else None,
+                    "memory": s.memory.as_dict() if s.memory else None, "kv_disk": s.kv_disk,
                     "phases": [p.as_dict() if hasattr(p, "as_dict") else vars(p) for p in s.phases]}
         return web.json_response({
             "model": self.model_id, "path": str(e.path) if e.path else None, "version": justfit.__version__,
             "policy": e.policy.name, "kv_format": e.config.kv.format if e.config.kv else "mlx-lm",
-            "context_limit": e.context_limit, "memory": memory(e),
+            "context_limit": e.context_limit, "memory": {**memory(e), "breakdown": process_breakdown(e)},
             "states": {"stored": len(e.states.entries), "in_memory": e.states.memory_bytes,
                        "on_disk": e.states.disk_bytes, "spilled": e.states.spilled,
                        "restored": e.states.restored},
@@ -291,6 +292,11 @@ class Server:
             "requests": {"completed": self.scheduler.completed, "cancelled": self.scheduler.cancelled,
                          "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
             "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,
+            "kv_disk": {"folder": e.config.kv_disk, "bytes_last": self.metrics.kv_disk_bytes_last,
+                        "read_bytes": self.metrics.kv_disk_read_bytes,
+                        "read_per_token_last": round(self.metrics.kv_disk_read_per_token_last),
+                        "read_mb_s": round(self.metrics.kv_disk_read_bytes / self.metrics.kv_disk_read_seconds / 1e6,
+                                           1) if self.metrics.kv_disk_read_seconds else None},
         }, dumps=_dumps)
 
 

@@ -26,6 +26,10 @@ class Metrics:
     decoded_steps: int = 0
     last_prefill_tps: float = 0.0
     last_decode_tps: float = 0.0
+    kv_disk_read_bytes: int = 0  # KV pages read back from disk (kvexec.disk_pages)
+    kv_disk_read_seconds: float = 0.0
+    kv_disk_bytes_last: int = 0  # the last request's pages on disk
+    kv_disk_read_per_token_last: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=20))  # the last GenerationStats, for the status page
 
     def observe(self, route: str, status: int) -> None:
@@ -44,6 +48,12 @@ class Metrics:
         self.decode_seconds += stats.decode_s
         self.decoded_steps += max(0, stats.generated_tokens - 1)
         self.last_prefill_tps, self.last_decode_tps = stats.prefill_tps, stats.decode_tps
+        disk = stats.kv_disk or {}
+        self.kv_disk_read_bytes += disk.get("bytes_read", 0)
+        self.kv_disk_read_seconds += disk.get("read_s", 0.0)
+        self.kv_disk_bytes_last = disk.get("bytes_on_disk", 0)
+        computed = stats.prompt_tokens - stats.cached_tokens + stats.generated_tokens
+        self.kv_disk_read_per_token_last = disk.get("bytes_read", 0) / computed if computed else 0.0
         self.recent.append(stats)
 
     @property
@@ -87,6 +97,12 @@ def prometheus(m: Metrics, engine, scheduler) -> str:
            [('{window="all"}', m.decoded_steps / m.decode_seconds if m.decode_seconds else 0),
             ('{window="last"}', m.last_decode_tps)])
     metric("memory_bytes", "gauge", "Memory by kind.", [(f'{{kind="{k}"}}', v) for k, v in memory(engine).items()])
+    metric("kv_disk_bytes", "gauge", "KV pages on disk: the last request's.", [("", m.kv_disk_bytes_last)])
+    metric("kv_disk_read_bytes_total", "counter", "KV pages read back from disk.", [("", m.kv_disk_read_bytes)])
+    metric("kv_disk_read_bytes_per_token", "gauge", "KV page bytes read per token computed, last request.",
+           [("", m.kv_disk_read_per_token_last)])
+    metric("kv_disk_read_bytes_per_second", "gauge", "KV page read throughput since start (reader time only).",
+           [("", m.kv_disk_read_bytes / m.kv_disk_read_seconds if m.kv_disk_read_seconds else 0)])
     metric("queue_depth", "gauge", "Requests waiting.", [("", scheduler.waiting)])
     metric("running", "gauge", "Requests computing now.", [("", len(scheduler.active))])
     states = engine.states

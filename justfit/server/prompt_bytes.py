@@ -38,16 +38,20 @@ def longest_token_bytes(tokenizer) -> int | None:
         log.info("prompt size check off: the tokenizer is not a `tokenizers` one")
         return None
     try:
-        spec = json.loads(rust.to_str())
-        shrink = _shrink(spec.get("normalizer"))
-        if shrink is None or not _pre_keeps(spec.get("pre_tokenizer")) or not _model_keeps(spec["model"]):
+        # Each part's own settings, one token at a time: the whole tokenizer as JSON (and
+        # its vocabulary as a dict) would be a transient of several times its size.
+        normalizer, pre = (None if part is None else json.loads(part.__getstate__())
+                           for part in (rust.normalizer, rust.pre_tokenizer))
+        shrink = _shrink(normalizer)
+        if shrink is None or not _pre_keeps(pre) or not _model_keeps(_model_spec(rust.model)):
             log.info("prompt size check off: this tokenizer may drop text, so size says nothing of length")
             return None
-        byte_level = _has(spec.get("pre_tokenizer"), "ByteLevel")
-        added = {t["content"] for t in spec.get("added_tokens", [])}
+        byte_level = _has(pre, "ByteLevel")
+        added = {t.content for t in rust.get_added_tokens_decoder().values()}
         # Byte-level vocabularies spell each byte as one character; others are the text itself.
+        # (Added tokens counted here too are counted again below, in bytes: the larger stands.)
         longest = max((len(t) if byte_level else len(t.encode("utf-8", "surrogatepass"))
-                       for t in rust.get_vocab(with_added_tokens=False)), default=1)
+                       for t in map(rust.id_to_token, range(rust.get_vocab_size())) if t is not None), default=1)
         longest = max([longest, 4, *(len(t.encode("utf-8", "surrogatepass")) for t in added)])  # 4: one character
         return math.ceil(longest * shrink)
     except (ValueError, KeyError, TypeError, AttributeError):  # a layout this code does not know: no check
@@ -64,6 +68,15 @@ def _rust_tokenizer(tokenizer):
             if isinstance(candidate, Tokenizer):
                 return candidate
     return None
+
+
+def _model_spec(model) -> dict:
+    """The fields `_model_keeps` reads: a BPE model's from its attributes (its whole
+    state holds the vocabulary and merges), any other's from its state."""
+    if type(model).__name__ == "BPE":
+        return {"type": "BPE", "byte_fallback": model.byte_fallback, "unk_token": model.unk_token,
+                "fuse_unk": model.fuse_unk}
+    return json.loads(model.__getstate__())
 
 
 def _shrink(spec) -> float | None:

@@ -116,7 +116,9 @@ class LiveStatus:
                         "generated_tokens": st.generated_tokens, "queue_s": round(st.queue_s, 3),
                         "prefill_s": round(st.prefill_s, 3), "decode_s": round(st.decode_s, 3),
                         "prefill_tps": round(st.prefill_tps, 1), "decode_tps": round(st.decode_tps, 1),
-                        "finish_reason": st.finish_reason, "restored_from": st.restored_from})
+                        "finish_reason": st.finish_reason, "restored_from": st.restored_from,
+                        "kv_disk_bytes": (st.kv_disk or {}).get("bytes_on_disk", 0),
+                        "kv_disk_read_mb_s": (st.kv_disk or {}).get("read_mb_s")})
         return out
 
     def _budget(self) -> tuple[int, str]:

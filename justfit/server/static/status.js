@@ -186,7 +186,10 @@ function render(doc) {
   $("recent").innerHTML = doc.recent.map((r) => "<tr>" + cell(r.prompt_tokens, num(r.prompt_tokens)) +
     cell(r.cached_tokens, num(r.cached_tokens)) + cell(r.restored_from || "-") + cell(r.generated_tokens, num(r.generated_tokens)) +
     cell(r.queue_s, secs(r.queue_s)) + cell(r.prefill_s, secs(r.prefill_s)) + cell(r.decode_s, secs(r.decode_s)) +
-    cell(r.prefill_tps, num(r.prefill_tps)) + cell(r.decode_tps, num(r.decode_tps)) + cell(r.finish_reason) + "</tr>").join("");
+    cell(r.prefill_tps, num(r.prefill_tps)) + cell(r.decode_tps, num(r.decode_tps)) +
+    cell(r.kv_disk_bytes, r.kv_disk_bytes ? size(r.kv_disk_bytes) : "-") +
+    cell(r.kv_disk_read_mb_s, r.kv_disk_read_mb_s == null ? "-" : num(r.kv_disk_read_mb_s)) +
+    cell(r.finish_reason) + "</tr>").join("");
   $("states").innerHTML = doc.states.map((s) => "<tr>" + cell(s.name ?? "", s.name ?? "(prefix cache)") + cell(s.where) +
     cell(s.tokens, num(s.tokens)) + cell(s.memory_bytes, size(s.memory_bytes)) + cell(s.disk_bytes, size(s.disk_bytes)) +
     cell(s.age_s, secs(s.age_s)) + "</tr>").join("");

@@ -1,0 +1,39 @@
+"""bench.footprint end to end on a tiny GGUF model: a real `justfit serve` subprocess,
+one request, its whole-process peak and measured breakdown read; a llama-server that
+is not there is an error row, never a dropped one."""
+
+from __future__ import annotations
+
+import json
+
+import bench.common
+from bench.footprint import main, table
+from tests.tiny_models import write_llama_gguf
+
+
+def test_one_request_per_server_with_its_peak_and_breakdown(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path / "results")
+    gguf = tmp_path / "tiny-llama.gguf"
+    write_llama_gguf(gguf)
+    main(["--model", str(gguf), "--contexts", "40", "--tokens", "4", "--systems", "justfit,llama-server",
+          "--llama-cpp", str(tmp_path / "no-llama"), "--timeout", "120"])
+    (saved,) = (tmp_path / "results").glob("footprint-*.json")
+    result = json.loads(saved.read_text())
+    justfit, llama = result["rows"]
+    assert "error" not in justfit, justfit
+    assert justfit["context"] == 40 and justfit["peak_rss"] >= justfit["rss"] > justfit["loaded"]["rss"] > 0
+    parts = justfit["breakdown"]["parts"]
+    assert sum(parts.values()) == justfit["breakdown"]["rss"] and parts["weights"] > 0 and parts["pages"] > 0
+    assert "error" in llama and llama["system"] == "llama-server"
+    assert "| tiny-llama.gguf, 40 tokens | " in result["table"] and "error" in result["table"]
+
+
+def test_table_has_a_column_per_system_and_a_row_per_prompt():
+    rows = [{"system": "justfit", "model": "m", "context": 8000, "peak_rss": 300 * 2**20},
+            {"system": "llama-server-q8_0", "model": "m", "context": 8000, "peak_rss": 250 * 2**20},
+            {"system": "justfit", "model": "m", "context": 16000, "error": "boom"}]
+    lines = table(rows).splitlines()
+    assert lines[0] == "| model, prompt | justfit | llama-server-q8_0 |"
+    assert lines[2] == "| m, 8,000 tokens | 300 MiB | 250 MiB |"
+    assert lines[3].startswith("| m, 16,000 tokens | error: boom | - |")

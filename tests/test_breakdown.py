@@ -1,0 +1,81 @@
+"""The whole-process breakdown (justfit.breakdown): its measured parts add up to the
+process's RSS on a tiny GGUF model, after load and after a request, and `justfit fit`
+and `/v1/justfit/status`'s data carry it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from justfit import Engine, SamplingParams
+from justfit.breakdown import HOW, format_breakdown, measured, process_breakdown
+from tests.tiny_models import write_gemma3_gguf, write_llama_gguf
+
+TOLERANCE = 0.05  # the measured parts, without `unaccounted`, within 5% of RSS
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_gguf(request, tmp_path_factory, monkeypatch_module):
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
+    {"llama": write_llama_gguf, "gemma3": write_gemma3_gguf}[request.param](path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JUSTFIT_CACHE", str(tmp_path_factory.mktemp("cache")))  # converted here, not in the user's cache
+    mp.setenv("JUSTFIT_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    yield mp
+    mp.undo()
+
+
+def _check_sum(b: dict) -> None:
+    parts = b["parts"]
+    assert set(parts) == set(HOW)
+    assert all(v >= 0 for k, v in parts.items() if k != "unaccounted"), parts
+    measured_sum = sum(v for k, v in parts.items() if k != "unaccounted")
+    assert measured_sum + parts["unaccounted"] == b["rss"]
+    assert abs(b["rss"] - measured_sum) <= TOLERANCE * b["rss"], (b["rss"], parts)
+
+
+def test_parts_add_up_to_rss_after_load_and_after_a_request(tiny_gguf):
+    engine = Engine(str(tiny_gguf))
+    loaded = process_breakdown(engine)
+    _check_sum(loaded)
+    assert loaded["parts"]["weights"] == engine.swap.registry.resident_bytes() > 0
+    assert loaded["parts"]["modules"] > 0 and loaded["parts"]["libraries"] > 0
+    assert loaded["parts"]["pages"] == loaded["parts"]["hot_window"] == 0  # nothing computed yet
+
+    ids = engine.tokenizer.encode("the quick brown fox " * 40)[:200]
+    engine.complete(ids, SamplingParams(temperature=0, max_tokens=8))
+    after = process_breakdown(engine)
+    _check_sum(after)
+    held = after["parts"]["pages"] + after["parts"]["hot_window"]
+    assert held == engine.states.memory_bytes > 0  # the stored state's KV, split into pages and hot window
+    assert after["parts"]["token_lists"] > 8 * len(ids)  # at least a pointer per stored token
+    assert after["peaks"]["transient"] is not None and after["peaks"]["process"] >= after["rss"]
+    text = "\n".join(format_breakdown(after))
+    assert "tokenizer" in text and "unaccounted" in text and "RssAnon" in text
+
+
+def test_measured_sees_what_a_step_leaves_resident():
+    keep = []
+    _, size = measured(lambda: keep.append(bytearray(32 << 20)))  # 32 MiB, written: resident
+    assert 30 << 20 <= size <= 40 << 20
+    keep.clear()
+    _, size = measured(lambda: len(bytearray(32 << 20)))  # freed before the second reading
+    assert size < 4 << 20
+
+
+def test_fit_shows_the_breakdown(tiny_gguf):
+    runner = CliRunner()
+    result = runner.invoke(main, ["fit", "--model", str(tiny_gguf), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    _check_sum(report["process"])
+    text = runner.invoke(main, ["fit", "--model", str(tiny_gguf)])
+    assert text.exit_code == 0 and "outside MLX" in text.output and "blas" in text.output

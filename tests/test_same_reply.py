@@ -1,0 +1,255 @@
+"""Same request, same reply: a prompt's greedy (and fixed-seed sampled) reply does not
+depend on how the engine computed it: cold, with the exact prompt stored (a repeat),
+with a shared prefix stored, with other prefill chunks, inside a batch of four, after
+preemption to disk mid-reply, and after a restart (the disk tier).
+
+The tiny model's pages are small (32 tokens, hot window 32) so a reply pages positions
+of its prompt, which is what a repeat used to get back only in their lossy page form
+(kvexec.exact keeps what a trim to the prompt needs). Paths not yet identical are
+strict xfails that say what differs."""
+
+from __future__ import annotations
+
+import inspect
+import difflib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from justfit import Engine, SamplingParams
+from justfit.batch import BatchRunner
+from justfit.batch_sequence import Sequence
+from justfit.config import EngineConfig
+from kvexec import KVConfig
+from kvexec.export import copy_layer, export_store, restore_store
+from kvexec.store import PageStore
+
+KV = KVConfig(format="q4c", page_size=32, hot_window=32)  # a 4-bit format: paging is visibly lossy
+PROMPT = [(13 * j) % 200 + 3 for j in range(50)]  # stays in the hot window until the reply pages it
+LONG = [(7 * j) % 230 + 3 for j in range(150)]  # pages during its own prefill
+NEW = 60
+
+
+def _greedy(n: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _seeded(n: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.tiny_models import write_mlx_folder
+
+    return write_mlx_folder(tmp_path_factory.mktemp("same") / "llama", "llama", head_dim=32)
+
+
+def _engine(path, state_dir, chunk: int = 512) -> Engine:
+    return Engine(str(path), config=EngineConfig(kv=KV, prefill_chunk=chunk, state_dir=str(state_dir),
+                                                 deterministic=True))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    return _engine(model_dir, tmp_path_factory.mktemp("states"))
+
+
+def _reply(engine: Engine, tokens: list[int], sp: SamplingParams) -> list[int]:
+    return [c.token for c in engine.generate(tokens, sp) if c.token is not None]
+
+
+def _cold(engine: Engine, tokens: list[int], sp: SamplingParams) -> list[int]:
+    engine.reset()
+    out = _reply(engine, tokens, sp)
+    assert engine.last_stats.cached_tokens == 0
+    return out
+
+
+# -- the store: a trim back to the exact point is the store that stopped there ------------
+
+def _store_arrays(store: PageStore) -> dict[str, np.ndarray]:
+    arrays, meta = export_store(store)
+    out = {k: np.array(v) for k, v in arrays.items() if not k.startswith("exact_")}
+    return out | {"layout": [(s["start"], s["length"], s["format"]) for s in meta["segments"]] + [meta["offset"]]}
+
+
+def _written(upto: int, at: int | None, chunks: tuple[int, ...]) -> PageStore:
+    mx.random.seed(3)
+    keys, values = mx.random.normal((1, 2, 200, 32)), mx.random.normal((1, 2, 200, 32))
+    store, done = PageStore(KV), 0
+    if at is not None:
+        store.keep_exact(at)
+    for size in chunks + (1,) * (upto - sum(chunks)):
+        store.append(keys[..., done:done + size, :], values[..., done:done + size, :])
+        done += size
+    return store
+
+
+@pytest.mark.parametrize("at, chunks", [(49, (49,)), (49, (20, 29)), (120, (100, 20)), (101, (101,))])
+@pytest.mark.parametrize("copy", ["none", "export", "copy_layer"])
+def test_a_trim_back_to_the_exact_point_is_the_store_that_stopped_there(at, chunks, copy):
+    stopped = _written(at, None, chunks)
+    grown = _written(190, at, chunks)
+    assert grown.pages > stopped.pages  # the reply paged positions the point needs
+    if copy == "export":
+        grown = restore_store(*export_store(grown))
+    elif copy == "copy_layer":
+        grown = copy_layer(_as_layer(grown)).store
+    assert grown.exact.nbytes <= 2 * (KV.hot_window + KV.page_size) * 2 * 32 * 2  # at most a hot window, keys and values
+    assert grown.trim(190 - at) == 190 - at
+    got, want = _store_arrays(grown), _store_arrays(stopped)
+    assert got.keys() == want.keys()
+    assert all(np.array_equal(got[k], want[k]) if k != "layout" else got[k] == want[k] for k in want)
+
+
+def _as_layer(store: PageStore):
+    from kvexec.export import paged_cache_from_store
+
+    return paged_cache_from_store(store)
+
+
+def test_a_trim_the_point_does_not_cover_still_trims_lossily():
+    grown = _written(190, 49, (49,))
+    assert grown.trim(190 - 20) == 170 and grown.offset == 20  # below the point: pages decoded, as before
+
+
+def test_an_exact_point_survives_a_snapshot_check():
+    from kvexec.export import check_layer
+
+    arrays, meta = export_store(_written(190, 49, (49,)))
+    shapes = {k: (str(v.dtype).rpartition(".")[2], tuple(v.shape)) for k, v in arrays.items()}
+    check_layer({"kind": "paged", **meta}, shapes)
+    with pytest.raises(ValueError):
+        check_layer({"kind": "paged", **meta, "exact": {"at": 49, "start": 40}}, shapes)  # copies past the point
+    with pytest.raises(ValueError):
+        check_layer({"kind": "paged", **meta}, {k: v for k, v in shapes.items() if k != "exact_v"})
+
+
+# -- the engine: every path against the cold reply ------------------------------------------
+
+@pytest.mark.parametrize("sp", [_greedy(), _seeded()], ids=["greedy", "seeded"])
+def test_a_repeat_and_a_shared_prefix_give_the_cold_reply(engine, sp):
+    cold = _cold(engine, PROMPT, sp)
+    assert _reply(engine, PROMPT, sp) == cold and engine.last_stats.cached_tokens == len(PROMPT) - 1
+    assert _reply(engine, PROMPT, sp) == cold  # and again, from the repeat's own state
+    engine.reset()
+    _reply(engine, PROMPT[:30] + [5, 6, 7, 8], sp)
+    assert _reply(engine, PROMPT, sp) == cold and engine.last_stats.cached_tokens == 30
+
+
+def test_a_repeat_of_a_prompt_paged_in_its_prefill_gives_the_cold_reply(engine):
+    cold = _cold(engine, LONG, _greedy())
+    assert _reply(engine, LONG, _greedy()) == cold and engine.last_stats.cached_tokens == len(LONG) - 1
+
+
+def test_without_the_exact_point_a_repeat_differs(engine, monkeypatch):
+    """The matrix above tests something: the lossy trim it replaces changes this reply."""
+    import kvexec
+
+    cold = _cold(engine, PROMPT, _greedy())
+    monkeypatch.setattr(kvexec, "keep_exact", lambda cache, position: None)
+    engine.reset()
+    assert _reply(engine, PROMPT, _greedy()) == cold
+    assert _reply(engine, PROMPT, _greedy()) != cold
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 2048])
+def test_other_prefill_chunks_give_the_cold_reply(model_dir, engine, tmp_path, chunk):
+    cold = _cold(engine, PROMPT, _greedy())
+    assert _reply(_engine(model_dir, tmp_path, chunk), PROMPT, _greedy()) == cold
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_other_prefill_chunks_of_a_prompt_paged_in_its_prefill(model_dir, engine, tmp_path, chunk):
+    """Chunks stop short of a page flush (kvexec.chunk_room): each position attends to
+    the pages it would alone, whatever the chunk size."""
+    cold = _cold(engine, LONG, _greedy())
+    assert _reply(_engine(model_dir, tmp_path, chunk), LONG, _greedy()) == cold
+    engine.reset()
+    assert _batched(engine, [LONG, PROMPT], _greedy())[0] == cold
+
+
+def _batched(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
+    runner = BatchRunner(engine, max_batch=len(prompts))
+    seqs = [Sequence(engine, p, sp) for p in prompts]
+    for s in seqs:
+        runner.admit(s)
+    got: dict[int, list[int]] = {id(s): [] for s in seqs}
+    for _ in range(10 * NEW * len(prompts)):
+        if not runner.running:
+            break
+        for seq, chunk in runner.step():
+            if chunk is not None and chunk.token is not None:
+                got[id(seq)].append(chunk.token)
+    return [got[id(s)] for s in seqs]
+
+
+@pytest.mark.parametrize("sp", [_greedy(), _seeded()], ids=["greedy", "seeded"])
+def test_in_a_batch_of_four_each_gets_its_cold_reply(engine, sp):
+    prompts = [PROMPT, PROMPT[:20] + [9] * 30, [(3 * j) % 100 + 3 for j in range(70)], [5] * 10]
+    alone = [_cold(engine, p, sp) for p in prompts]
+    engine.reset()
+    assert _batched(engine, prompts, sp) == alone
+    assert _reply(engine, PROMPT, sp) == alone[0]  # and the batch's stored state repeats it
+
+
+def test_preempted_to_disk_mid_reply_gives_the_cold_reply(engine):
+    cold = _cold(engine, PROMPT, _greedy())
+    engine.reset()
+    runner = BatchRunner(engine)
+    seq = Sequence(engine, PROMPT, _greedy())
+    runner.admit(seq)
+    got = []
+    parked = False
+    for _ in range(10 * NEW):
+        if not runner.running:
+            break
+        if not parked and len(got) == NEW // 2:  # past the point the reply starts paging the prompt
+            seq.park()
+            seq.resume()
+            parked = True
+        got += [c.token for s, c in runner.step() if c is not None and c.token is not None]
+    assert parked and got == cold
+    assert _reply(engine, PROMPT, _greedy()) == cold  # its stored state repeats it too
+
+
+def test_after_a_restart_the_stored_state_gives_the_cold_reply(model_dir, tmp_path):
+    first = _engine(model_dir, tmp_path)
+    cold = _reply(first, PROMPT, _greedy())
+    first.states.fit(0)  # every stored state to disk
+    del first
+    later = _engine(model_dir, tmp_path)
+    assert _reply(later, PROMPT, _greedy()) == cold
+    assert later.last_stats.cached_tokens == len(PROMPT) - 1 and later.last_stats.restored_from == "disk"
+
+
+# -- SmolLM2 end to end ------------------------------------------------------------------------
+
+def _code_prompt(engine: Engine, fn) -> list[int]:
+    text = "Repeat the following Python code exactly:\n" + inspect.getsource(fn)[:1400]
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf, tmp_path_factory):
+    return Engine(str(smollm2_gguf), config=EngineConfig(kv=KVConfig(format="calibrated"),
+                                                          state_dir=str(tmp_path_factory.mktemp("smol"))))
+
+
+@pytest.mark.parametrize("fn", [difflib.get_close_matches], ids=["get_close_matches"])
+def test_smollm2_repeats_and_shared_prefixes_give_the_cold_reply(smollm2, fn):
+    tokens = _code_prompt(smollm2, fn)
+    cold = _cold(smollm2, tokens, _greedy(120))  # 432 + 120 positions: the reply pages the prompt
+    assert _reply(smollm2, tokens, _greedy(120)) == cold and smollm2.last_stats.cached_tokens == len(tokens) - 1
+    smollm2.reset()
+    _reply(smollm2, tokens[: len(tokens) * 2 // 3] + smollm2.encode(" something else"), _greedy(8))
+    assert _reply(smollm2, tokens, _greedy(120)) == cold
+
+
+@pytest.mark.skipif("not config.getoption('--long')", reason="long variant: --long")
+@pytest.mark.parametrize("fn", [difflib.SequenceMatcher.find_longest_match, inspect.getsource],
+                         ids=["find_longest_match", "getsource"])
+def test_smollm2_more_prompts_long(smollm2, fn):
+    test_smollm2_repeats_and_shared_prefixes_give_the_cold_reply(smollm2, fn)
