@@ -121,8 +121,9 @@ class PagedKVCache(_BaseCache):
         store = self.store
         q_start = store.offset - queries.shape[-2]
         scoring = store.config.max_positions is not None and store.config.policy == "score"
-        reader, spilled = store.reader, store.spilled()
-        loaded = reader.take(id(store), spilled) if reader is not None and spilled else None
+        reader = store.reader
+        spilled = store.spilled() if reader is not None else ()  # without a reader they are read in `blocks`
+        loaded = reader.take(id(store), spilled) if spilled else None
         if reader is not None:  # the next disk layer is read while this one computes
             after = reader.after(id(store))
             if after is not None and after is not store:

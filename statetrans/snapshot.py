@@ -33,6 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from statetrans.disk import fsync_path, remove, temp_mine, temp_name, temp_owner
+from statetrans.bounded_json import bounded_loads
 from statetrans.faults import NONE, Faults
 
 FORMAT = "justfit-state"
@@ -73,62 +74,13 @@ class SnapshotError(ValueError):
         self.stamp: tuple[int, int] | None = None
 
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a number a snapshot holds")
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits")
-    return int(text)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("a key appears twice in one object")
-    return out
-
-
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_SQUARE = str.maketrans("{}", "[]")
-
-
-def _depth_within(text: str, limit: int) -> bool:
-    """Whether JSON `text` nests objects and arrays at most about `limit` deep, found
-    without recursion: strings removed, then innermost bracket pairs, one level per
-    pass. Unbalanced text (not JSON) passes if shallow: the parser says what is wrong."""
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).translate(_SQUARE)
-    for _ in range(limit):
-        shorter = brackets.replace("[]", "")
-        if len(shorter) == len(brackets):
-            break
-        brackets = shorter
-    else:
-        if "[]" in brackets:
-            return False
-    return brackets.count("[") <= limit
-
-
 def parse_json(data: bytes, what: str):
     """`data` parsed as JSON of bounded size, depth and numbers; raises SnapshotError
     naming `what` otherwise (never RecursionError, OverflowError or MemoryError)."""
     if len(data) > MAX_JSON:
         raise SnapshotError(f"{what}: {len(data)} bytes, more than the {MAX_JSON >> 20} MiB a snapshot's JSON may take")
     try:
-        text = data.decode("utf-8")
-        if not _depth_within(text, MAX_DEPTH):
-            raise ValueError(f"nested more than {MAX_DEPTH} deep")
-        return json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float,
-                          object_pairs_hook=_unique_keys)
+        return bounded_loads(data.decode("utf-8"), MAX_DEPTH, MAX_DIGITS)
     except (ValueError, RecursionError, MemoryError) as e:  # RecursionError/MemoryError: belt and braces
         raise SnapshotError(f"{what} ({type(e).__name__}: {str(e)[:200]})") from None
 
