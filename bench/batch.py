@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import statistics
 import time
@@ -28,7 +27,7 @@ import time
 def _decode_rows(args) -> list[dict]:
     from bench.common import prompt_tokens
     from justfit import Engine
-    from justfit.batch import batched_decode, decode_step
+    from justfit.batch import decode_step
     from justfit.config import EngineConfig
     from justfit.generate import prefill
 
@@ -52,9 +51,9 @@ def _decode_rows(args) -> list[dict]:
                 tokens, seqs = list(first), [[t] for t in first]
                 start = time.perf_counter()
                 if mode == "batched":  # one step for all, as justfit.batch.BatchRunner runs it
-                    steps = (lambda toks: batched_decode(engine, toks, caches) for _ in range(args.tokens - 1))
-                    phase = contextlib.nullcontext()
-                else:  # each sequence's steps alone, in one decode phase, as justfit.runner runs them
+                    steps = (lambda toks: decode_step(engine.model, toks, caches) for _ in range(args.tokens - 1))
+                    phase = engine.swap.phase("decode")
+                else:  # each sequence's steps alone, in one decode phase
                     steps = (lambda toks: [decode_step(engine.model, [t], [c])[0] for t, c in zip(toks, caches)]
                              for _ in range(args.tokens - 1))
                     phase = engine.swap.phase("decode")

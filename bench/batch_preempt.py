@@ -30,7 +30,7 @@ def _engine(args):
 
 def _batched(engine, prompts: list[list[int]], sampling, preempt: bool) -> dict:
     from justfit.batch import BatchRunner, run_all
-    from justfit.batch_sequence import Sequence
+    from justfit.sequence import Sequence
 
     engine.reset()
     runner = BatchRunner(engine, max_batch=len(prompts), preempt=preempt)

@@ -121,16 +121,18 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
         engine.config = replace(engine.config, kv=KVConfig(format=min(
             usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim), not f.endswith("c")))))
     history: list[int] = []
+    last = None  # the last step's stats, from its reply
 
     def step(tokens: list[int], out: int) -> list[int]:
-        nonlocal history
+        nonlocal history, last
         if not history and start:  # the first step: positions of random KV stored straight into pages
             from bench.synthetic_state import store_random_state
 
             store_random_state(engine, tokens[:start])
             history, tokens = tokens[:start], tokens[start:]
         sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
-        got = [c.token for c in engine.generate(history + tokens, sp) if c.token is not None]
+        reply = engine.reply(history + tokens, sp)
+        got, last = reply.tokens, reply.stats
         history = history + tokens + got
         return got
 
@@ -140,7 +142,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
     def details() -> dict:
         """How the last step ran: prefill chunk, and paged positions per KV format
         (over all layers; several once pages stepped down under the budget)."""
-        stats = engine.last_stats
+        stats = last
         if stats is None:
             return {}
         return {"prefill_chunk": stats.prefill_chunk, "prefill_step": stats.prefill_chunk,

@@ -33,8 +33,8 @@ def _generate(engine, context: int) -> tuple[list[int], object]:
 
     tokens = prompt_tokens(engine.tokenizer, context - DECODE)
     sp = SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True)
-    out = [c.token for c in engine.generate(tokens, sp) if c.token is not None]
-    return out, engine.last_stats
+    reply = engine.reply(tokens, sp)
+    return reply.tokens, reply.stats
 
 
 def peak_worker(model: str, fmt: str, context: int) -> dict:

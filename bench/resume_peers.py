@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds, the systems taking turns; times are medians")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
-    from bench.common import machine_info, save
+    from bench.common import machine_info, publish
 
     systems = args.systems.split(",")
     unknown = set(systems) - {"justfit", "llama-server"}
@@ -260,11 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [combine(rounds[system]) for system in systems]
     settings = {"model": args.model, "context": args.context, "repeats": args.repeats, "cores": os.cpu_count()}
     result = {"machine": machine_info(), "settings": settings, "systems": rows}
-    path = save("resume-peers", result)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"saved {path}", file=sys.stderr)
+    publish("resume-peers", result, args.json)
 
 
 if __name__ == "__main__":

@@ -33,33 +33,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(model: str, extra: tuple[str, ...], tmp: Path) -> tuple[str, subprocess.Popen]:
-    """Start `justfit serve` on a free port, logging to tmp/server.log. Its stored
-    states go to a fresh folder so nothing from earlier runs is warm."""
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "justfit"), "serve", "--port", str(port), "--model", model, *extra]
+@contextlib.asynccontextmanager
+async def launched(command, prefix: str, ready_s: float = 180, stop_s: float = 20):
+    """A server started by `command(port)` on a free port, its stored states in a fresh
+    folder (nothing warm from earlier runs), logging to that folder's server.log; yields
+    (url, process, log) once GET /health answers 200, stops it with SIGINT (the server's
+    own clean shutdown) on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    port, log = free_port(), tmp / "server.log"
     env = {**os.environ, "JUSTFIT_STATE_DIR": str(tmp / "state")}
-    with open(tmp / "server.log", "wb") as f:
-        return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(command(port), stdout=f, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_healthy(url, proc, log, timeout=ready_s)
+        yield url, proc, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=stop_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.asynccontextmanager
 async def served(model: str, *extra: str):
     """A `justfit serve` subprocess, ready (GET /health is 200), stopped on exit."""
-    tmp = Path(tempfile.mkdtemp(prefix="justfit-serve-bench-"))
-    (url, proc), log = spawn(model, extra, tmp), tmp / "server.log"
-    try:
-        await wait_healthy(url, proc, log)
+    def command(port: int) -> list[str]:
+        return [str(Path(sys.executable).parent / "justfit"), "serve", "--port", str(port), "--model", model, *extra]
+
+    async with launched(command, "justfit-serve-bench-") as (url, proc, log):
         yield Served(url, proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the server's own clean shutdown
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:

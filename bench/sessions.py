@@ -72,6 +72,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
     from bench.common import progress_bar, prompt_tokens
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
+    from justfit.stats import collect
 
     if budget is None:
         probe = Engine(model, config=EngineConfig(state_dir=state_dir))
@@ -99,10 +100,11 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
             mx.reset_peak_memory()
             start = time.perf_counter()
             gen = engine.generate(prompt, sp, session=name)
-            out = [next(gen).token]
+            first = next(gen)
             ttft = time.perf_counter() - start
-            out += [c.token for c in gen if c.token is not None]
-            s = engine.last_stats
+            rest = collect(gen)
+            out = [first.token] + rest.tokens
+            s = rest.stats or first.stats
             held[name] = engine.cached_tokens
             replies.append((name, prompt, out))
             turns.append({"session": name, "prompt_tokens": len(prompt), "new_tokens": new,
@@ -200,8 +202,9 @@ def _alone(model: str, budget: int, turns: list[tuple[list[int], list[int]]], sp
     alone = Engine(model, budget=budget, config=EngineConfig(state_dir=os.path.join(state_dir, "alone")))
     generated = decode_s = 0.0
     for prompt, _ in turns:
-        generated += sum(c.token is not None for c in alone.generate(prompt, sp, session="s1"))
-        decode_s += alone.last_stats.decode_s
+        r = alone.reply(prompt, sp, session="s1")
+        generated += len(r.tokens)
+        decode_s += r.stats.decode_s
     alone.flush_sessions()
     rate = generated / decode_s if decode_s else None
     return {"alone_decode_tps": round(rate, 2) if rate else None,

@@ -19,7 +19,7 @@ def run_batched(model: str, budget: int, single: int, text: list[int], turn: int
     """The batched row; `reference`: the round-robin run's (session, prompt, reply) per turn."""
     from justfit import Engine, SamplingParams
     from justfit.batch import BatchRunner, run_all
-    from justfit.batch_sequence import Sequence
+    from justfit.sequence import Sequence
     from justfit.config import EngineConfig
 
     engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))

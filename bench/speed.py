@@ -74,11 +74,11 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
             # one step spills and reads the pages once (warm: into the page cache)
             list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)))
         start = time.perf_counter()
-        first = None
+        first = st = None
         for chunk in engine.generate(tokens, sp):
             if first is None:
                 first = time.perf_counter() - start
-        st = engine.last_stats
+            st = chunk.stats or st  # the last chunk carries the request's stats
         engine.close_pipeline()
         from bench.floor import justfit_read_bytes
 

@@ -62,16 +62,17 @@ def _timed_puts(engine) -> list[float]:
     return spent
 
 
-def _turn(engine, tokens: list[int], max_tokens: int, session: str | None) -> tuple[float, float]:
-    """(TTFT, wall time) of one turn."""
+def _turn(engine, tokens: list[int], max_tokens: int, session: str | None) -> tuple[float, float, object]:
+    """(TTFT, wall time, the request's stats) of one turn."""
     from justfit import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    first = None
-    for _ in engine.generate(tokens, sp, session=session):
+    first = stats = None
+    for chunk in engine.generate(tokens, sp, session=session):
         first = first if first is not None else time.perf_counter() - start
-    return first, time.perf_counter() - start
+        stats = chunk.stats or stats  # the last chunk carries them
+    return first, time.perf_counter() - start, stats
 
 
 def worker(mode: str, model: str, context: int, state: str) -> dict:
@@ -81,10 +82,10 @@ def worker(mode: str, model: str, context: int, state: str) -> dict:
     if mode == "turns":
         history = prompt_tokens(engine.tokenizer, context)
         puts = _timed_puts(engine)
-        _, wall1 = _turn(engine, history, 16, SESSION)
+        _, wall1, _ = _turn(engine, history, 16, SESSION)
         writer = engine.states.writer
         follow = engine.states.entries[engine.states.sessions[SESSION]].tokens + list(engine.tokenizer.encode(FOLLOW))
-        _, wall2 = _turn(engine, follow, 16, SESSION)
+        _, wall2, _ = _turn(engine, follow, 16, SESSION)
         start = time.perf_counter()
         engine.flush_sessions()
         flush = time.perf_counter() - start
@@ -99,15 +100,14 @@ def worker(mode: str, model: str, context: int, state: str) -> dict:
     if mode == "resume":
         e = engine.states.entries[engine.states.sessions[SESSION]]
         tokens = e.tokens + list(engine.tokenizer.encode(" And in one word?"))
-        ttft, _ = _turn(engine, tokens, 1, SESSION)
-        s = engine.last_stats
+        ttft, _, s = _turn(engine, tokens, 1, SESSION)
         return {"ttft_restart_s": ttft, "restart_cached_tokens": s.cached_tokens,
                 "restart_prefilled_tokens": s.prompt_tokens - s.cached_tokens, "restart_source": s.restored_from,
                 "restart_restore_s": s.restore_s, "prompt_tokens": len(tokens)}
     history = prompt_tokens(engine.tokenizer, context)  # cold: the same length of prompt, nothing stored
-    ttft, _ = _turn(engine, history + list(engine.tokenizer.encode(FOLLOW)) + list(engine.tokenizer.encode(" x" * 16)),
-                    1, None)
-    return {"ttft_cold_s": ttft, "cold_cached_tokens": engine.last_stats.cached_tokens}
+    ttft, _, s = _turn(engine, history + list(engine.tokenizer.encode(FOLLOW)) + list(engine.tokenizer.encode(" x" * 16)),
+                       1, None)
+    return {"ttft_cold_s": ttft, "cold_cached_tokens": s.cached_tokens}
 
 
 if __name__ == "__main__":

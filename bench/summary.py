@@ -35,8 +35,9 @@ PEER_FIDELITY = {"SmolLM2": ("quality-20261205-101054", _QUALITY.format("smollm2
                  "Gemma 3": ("quality-20261205-105003", _QUALITY.format("gemma3", 2048))}
 SPEED = "speed-20261204-235541"  # SmolLM2, llama.cpp in the same run
 SPEED_GEMMA = ("speed-20261204-190058", "speed-20261204-190706")  # two runs minutes apart
-BATCH = "batch-20261204-021948"
 RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same run
+SPECULATION = "speculation-20261205-145143"  # SmolLM2: drafts on and off, llama-server with and without its n-gram drafts
+STREAMS = "streams-20261205-145311"  # SmolLM2: 4 concurrent streams, justfit serve and llama-server -np 4, the same run
 JUSTFIT_ROW = "justfit-calibrated+resident"  # the CLI's default pages, every weight resident
 LLAMA_SYSTEM = re.compile(r"^llama\.cpp")
 
@@ -179,20 +180,6 @@ def speed_rows(results: Path = RESULTS) -> list[Row]:
     return out
 
 
-def batching_rows(results: Path = RESULTS) -> list[Row]:
-    """Batched decode's aggregate rate over the same sequences one at a time."""
-    result = load(BATCH, results)
-    rows = [r for r in result["systems"] if r["streams"] > 1]
-    same = all(r["greedy_identical"] for r in rows)
-    s = result["settings"]
-    return [Row(f"batched decode, SmolLM2, {' / '.join(str(r['streams']) for r in rows)} sequences of "
-                f"{s['context']:,} positions", " / ".join(f"{r['ratio_median']:.2f}x" for r in rows)
-                + " the aggregate tok/s" + ("; greedy tokens identical" if same else ""),
-                "the same sequences one at a time", (BATCH,),
-                f"python -m bench.batch decode --streams 1,{','.join(str(r['streams']) for r in rows)} "
-                f"--context {s['context']} --tokens {s['tokens']} --repeats {s['repeats']}")]
-
-
 def resume_rows(results: Path = RESULTS) -> list[Row]:
     """A long conversation's next turn: JustFit's prefix cache and named session against
     llama-server's prompt cache and slot save/restore, the same run."""
@@ -214,10 +201,44 @@ def resume_rows(results: Path = RESULTS) -> list[Row]:
                 + (f" --repeats {repeats}" if repeats > 1 else ""))]
 
 
+def speculation_rows(results: Path = RESULTS) -> list[Row]:
+    """Drafts from the conversation's own text: decode rate on code edits and prose,
+    an agent trajectory's total time; against llama-server with and without its n-gram
+    drafts, the same run."""
+    result = load(SPECULATION, results)
+    on, off = _find(result, "justfit"), _find(result, "justfit-nodraft")
+    ll, lln = _find(result, "llama-server"), _find(result, "llama-server-ngram")
+    w = {name: (on["workloads"][name], off["workloads"][name]) for name in ("code-edit", "prose", "agent")}
+    same = [name for name, (a, _) in w.items() if a.get("identical_to_drafts_off")]
+    rate = " / ".join(f"{w[n][0]['decode_tps']:.1f} vs {w[n][1]['decode_tps']:.1f} tok/s "
+                      f"({_ratio(w[n][0]['decode_tps'], w[n][1]['decode_tps'])})" for n in ("code-edit", "prose"))
+    agent_on, agent_off = w["agent"][0]["total_s"], w["agent"][1]["total_s"]
+    return [Row(f"speculative decoding, SmolLM2, greedy: decode on code edits / prose (drafts on vs off), "
+                f"and a {len(w['agent'][0].get('replies', [])) or 16}-turn agent trajectory's total time",
+                f"{rate}; agent {agent_on:.1f} s vs {agent_off:.1f} s ({_ratio(agent_off, agent_on)} faster); "
+                f"text identical with drafts off: {', '.join(same) or 'none'}",
+                f"llama-server, same run: agent {ll['workloads']['agent']['total_s']:.1f} s, with its n-gram drafts "
+                f"{lln['workloads']['agent']['total_s']:.1f} s; code edits {ll['workloads']['code-edit']['decode_tps']:.1f} / "
+                f"{lln['workloads']['code-edit']['decode_tps']:.1f} tok/s", (SPECULATION,),
+                "python -m bench.speculation --model smollm2 --llama-cpp DIR")]
+
+
+def streams_rows(results: Path = RESULTS) -> list[Row]:
+    """Concurrent streams through `justfit serve` with no flags against llama-server -np 4."""
+    result = load(STREAMS, results)
+    jf, ll = _find(result, "justfit"), _find(result, "llama-server-np4")
+    s = result["settings"]
+    return [Row(f"{s['streams']} concurrent greedy streams over HTTP, SmolLM2, aggregate tok/s (median of {s['rounds']} rounds)",
+                f"`justfit serve`, no flags: {jf['aggregate_tps']:.1f} (one stream alone: {jf['single_tps']:.1f})",
+                f"llama-server -np 4, same run: {ll['aggregate_tps']:.1f} (JustFit {_ratio(jf['aggregate_tps'], ll['aggregate_tps'])})",
+                (STREAMS,), f"python -m bench.streams --model smollm2 --streams {s['streams']} "
+                f"--max-tokens {s['max_tokens']} --rounds {s['rounds']} --llama-cpp DIR")]
+
+
 def rows(results: Path = RESULTS) -> list[Row]:
     """Every row of the table, in the order shown."""
     return [*capacity_rows(results), *fidelity_rows(results), *speed_rows(results), *resume_rows(results),
-            *batching_rows(results)]
+            *streams_rows(results), *speculation_rows(results)]
 
 
 def block(results: Path = RESULTS) -> str:

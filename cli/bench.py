@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from pathlib import Path
 
 import click
+
+from .common import UserError
 
 SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
@@ -31,4 +36,18 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
     """
+    _find_benchmarks()
     importlib.import_module(f"bench.{suite}").main(list(args))
+
+
+def _find_benchmarks() -> None:
+    """The suites are the repository's bench/, beside cli/, and are not installed: make
+    `bench` importable here and in the workers the suites start (`python -m bench.x`)
+    from any directory."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__init__.py").is_file():
+        raise UserError("justfit bench runs from a source checkout: the suites are its bench/ folder, "
+                        "which installing does not copy")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))

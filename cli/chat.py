@@ -9,10 +9,11 @@ import sys
 import click
 from jinja2 import TemplateError
 
-from cli import common
-from cli.chat_session import ChatSession, request_sampling, sampling_text
-from cli.terminal import PrefillBar, loader_notes, tty_reader
 from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
+
+from . import common
+from .chat_session import ChatSession, request_sampling, sampling_text
+from .terminal import PrefillBar, loader_notes, tty_reader
 
 
 @click.command()
@@ -22,11 +23,12 @@ from justfit.chat_template import has_chat_template, read_chat_template, use_cha
 @click.option("--raw", is_flag=True,
               help="No chat template: the conversation is one text the model continues as typed "
                    "(automatic for base models, which have no template).")
-@click.option("--template", "template_file", default=None, metavar="FILE",
+@click.option("--chat-template", "template_file", default=None, metavar="FILE",
               help="A Jinja chat template to use instead of the model's own (or for a base model).")
+@common.deprecated_alias("--template", "template_file", "--chat-template", metavar="FILE")
 @common.engine_options
 def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file, budget, whole_process, gguf_bits,
-         kv_format, policy, kv_disk, kv_disk_limit, deterministic) -> None:
+         kv_format, policy, draft, kv_disk, kv_disk_limit, deterministic) -> None:
     """Chat with a model.
 
     In a terminal: an interactive session (/help lists its commands). With stdin
@@ -35,7 +37,7 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
     the model's recommendation (shown in the banner) unless -t or --top-p says.
     """
     if raw and template_file:
-        raise click.UsageError("--raw and --template exclude each other")
+        raise click.UsageError("--raw and --chat-template exclude each other")
     template = read_chat_template(template_file) if template_file else None
     stdin, stdout, stderr = sys.stdin, sys.stdout, sys.stderr
     interactive = stdin.isatty()
@@ -50,7 +52,8 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
         click.echo(click.style(f"loading {model or 'smollm2'}...", dim=True), file=stderr)
     with loader_notes(stderr) if notes else contextlib.nullcontext():
         engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
-                                    kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic)
+                                    kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic,
+                                    draft=draft)
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {template_file}")
     notice = raw_notice(engine, raw)

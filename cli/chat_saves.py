@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cli.chat_session import ChatSession
+    from .chat_session import ChatSession
 
 
 def session_name(name: str | Path) -> bool:

@@ -14,15 +14,16 @@ from typing import Callable, Iterable, TextIO
 import click
 from jinja2 import TemplateError
 
-from cli import common, raw_text
-from cli.chat_input import read_message
-from cli.chat_saves import load_conversation, save_conversation
-from cli.transcript import parse_transcript
-from cli.terminal import PrefillBar, deferred_sigint, line_reader, Stopped
 from justfit import SamplingParams
 from justfit.errors import JustFitError
 from justfit.memory import format_size
 from justfit.models import describe_sampling
+
+from . import common, raw_text
+from .chat_input import read_message
+from .chat_saves import load_conversation, save_conversation
+from .transcript import parse_transcript
+from .terminal import PrefillBar, deferred_sigint, line_reader, Stopped
 
 
 HELP = """\
@@ -56,9 +57,8 @@ def sampling_text(engine, sp: SamplingParams) -> str:
     return f"{describe_sampling(sp)} ({engine.sampling_source if own else 'given'})"
 
 
-def stats_line(engine) -> str:
-    """After a reply: decode speed, prefill speed and peak memory, on one line."""
-    s = engine.last_stats
+def stats_line(s) -> str:
+    """After a reply: its stats' decode speed, prefill speed and peak memory, on one line."""
     if s is None:
         return ""
     parts = [f"{s.generated_tokens} tokens at {s.decode_tps:.1f} tok/s"]
@@ -107,6 +107,7 @@ class ChatSession:
         self.show_stats = show_stats
         self.catch_interrupt = catch_interrupt
         self._stop = False
+        self.last_stats = None  # the stats of this session's last finished request (from its last chunk)
 
     # -- conversation ----------------------------------------------------------
     def prompt_messages(self) -> list[dict[str, str]]:
@@ -126,6 +127,7 @@ class ChatSession:
     def reset(self) -> None:
         self.messages, self._kept = [], None
         self.session = None  # a saved session stays as it was; this is a new conversation
+        self.last_stats = None
         self.engine.reset()
 
     def request_stop(self) -> None:
@@ -148,6 +150,7 @@ class ChatSession:
         pieces: list[str] = []
         ids: list[int] = []
         interrupted = False
+        before = self.last_stats  # the turn's own stats replace it when its last chunk comes
         guard = deferred_sigint(self.request_stop) if self.catch_interrupt else nullcontext()
         try:
             with guard:
@@ -174,8 +177,8 @@ class ChatSession:
             self.keep_reply(prompt, reply, ids)
         else:
             self.messages.pop()  # nothing came back: forget the question too
-        if self.show_stats:
-            line = stats_line(self.engine)
+        if self.show_stats and self.last_stats is not before:
+            line = stats_line(self.last_stats)
             if line:
                 self.notice(line)
         return reply
@@ -196,6 +199,8 @@ class ChatSession:
         try:
             for chunk in gen:
                 bar.clear()
+                if chunk.stats is not None:  # the last chunk: the request's stats
+                    self.last_stats = chunk.stats
                 if chunk.token is not None:
                     ids.append(chunk.token)
                 if chunk.text:
@@ -279,7 +284,7 @@ class ChatSession:
             f"conversation: {len(self.messages)} messages, {len(e.cached_tokens)} tokens kept "
             f"of {e.context_limit} context",
         ]
-        return "\n".join(lines + request_lines(e.last_stats))
+        return "\n".join(lines + request_lines(self.last_stats))
 
     def transcript(self) -> dict:
         return {"model": self.engine.name, "system": self.system, "messages": self.messages}

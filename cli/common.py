@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Callable
@@ -122,6 +123,31 @@ policy_option = click.option(
          "cpu-exact, dense, quantized (Metal), measured; auto picks by backend.",
 )
 
+draft_option = click.option(
+    "--draft", type=click.Choice(["ngram", "none"]), default="ngram", show_default=True,
+    help="Speculative decoding: ngram drafts tokens from the text's own earlier matches and verifies "
+         "them in one forward (same reply, fewer steps); none decodes one token per step.",
+)
+
+
+def deprecated_alias(flag: str, option: str, new: str, **kwargs) -> Callable:
+    """An option's old spelling `flag`, hidden from --help: it still sets `option`'s
+    value (so scripts keep working) and says, once, to write `new` instead."""
+    name = f"old_spelling_of_{option}"
+
+    def decorator(f: Callable) -> Callable:
+        @functools.wraps(f)  # shares f's click params, so this option joins them
+        def command(*args, **values):
+            value = values.pop(name)
+            if value is not None:
+                click.echo(f"warning: {flag} is deprecated; use {new}", file=sys.stderr)
+                values[option] = value
+            return f(*args, **values)
+
+        return click.option(flag, name, default=None, hidden=True, **kwargs)(command)
+
+    return decorator
+
 
 def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
     """--ranks N > 1, not yet a rank: become the launcher (justfit.launch) of this same
@@ -227,7 +253,7 @@ kv_disk_options = options(
                       "batch's schedule): prefill chunks stop at page flushes; slower prefill."),
 )
 engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option,
-                         kv_disk_options, ranks_option)
+                         draft_option, kv_disk_options, ranks_option)
 
 
 def kv_disk_folder(value: str | None) -> str | None:
@@ -244,7 +270,7 @@ def kv_disk_folder(value: str | None) -> str | None:
 def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bits: int | str = "native",
                 kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False,
                 state_disk: int | None = None, session_keep_s: float = 600.0, kv_disk: str | None = "auto",
-                kv_disk_limit: int | None = None, deterministic: bool = False):
+                kv_disk_limit: int | None = None, deterministic: bool = False, draft: str = "ngram"):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig
@@ -257,7 +283,7 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
                     config=EngineConfig(gguf_bits=gguf_bits, kv=kv, policy=policy, budget_covers_process=whole_process,
                                         state_disk=state_disk, session_keep_s=session_keep_s,
                                         kv_disk=kv_disk_folder(kv_disk) if kv is not None else None,
-                                        kv_disk_limit=kv_disk_limit, deterministic=deterministic))
+                                        kv_disk_limit=kv_disk_limit, deterministic=deterministic, draft=draft))
     if engine.pipeline is not None:
         if engine.pipeline.rank > 0:  # this process computes its layers for rank 0, then leaves
             click.echo(f"rank {engine.pipeline.rank}: layers {list(engine.pipeline.split.layers(engine.pipeline.rank))}"

@@ -7,8 +7,9 @@ import json
 import click
 import psutil
 
-from cli import common
 from justfit.memory import format_size
+
+from . import common
 
 
 @click.command()

@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from cli import common
-from cli.chat_session import request_lines, request_sampling, sampling_text
-from cli.terminal import PrefillBar
+from . import common
+from .chat_session import request_lines, request_sampling, sampling_text
+from .terminal import PrefillBar
 
 
 def prompt_text(prompt: str | None, stdin) -> str:
@@ -31,7 +31,7 @@ def prompt_text(prompt: str | None, stdin) -> str:
 @click.option("--stats", "show_stats", is_flag=True, help="Print the request's phase figures to stderr.")
 @common.engine_options
 def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, budget, whole_process, gguf_bits,
-             kv_format, policy, kv_disk, kv_disk_limit, deterministic) -> None:
+             kv_format, policy, draft, kv_disk, kv_disk_limit, deterministic) -> None:
     """Continue a text, as typed: no chat template, the prompt is not repeated.
 
     Only the continuation goes to stdout (a final newline only on a terminal), so
@@ -40,14 +40,17 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     """
     text = prompt_text(prompt, sys.stdin)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
-                                kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic)
+                                kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic,
+                                draft=draft)
     sampling = request_sampling(engine, max_tokens, seed, temperature, top_p)
     out, err = sys.stdout, sys.stderr
     bar = PrefillBar(err, err.isatty())
     gen = engine.generate(text, sampling, progress=bar)
+    stats = None  # the request's, from the last chunk
     try:
         for chunk in gen:
             bar.clear()
+            stats = chunk.stats or stats
             click.echo(chunk.text, file=out, nl=False)
             out.flush()
     finally:
@@ -56,5 +59,5 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     if out.isatty():
         click.echo("", file=out)
     if show_stats:
-        click.echo("\n".join([f"sampling: {sampling_text(engine, sampling)}", *request_lines(engine.last_stats)]),
+        click.echo("\n".join([f"sampling: {sampling_text(engine, sampling)}", *request_lines(stats)]),
                    file=err)

@@ -9,18 +9,19 @@ import click
 
 import justfit
 from justfit import runtime
-from cli.common import UserError, one_line
 from justfit.errors import JustFitError
 
-# Subcommands, imported on first use: name -> "module:attribute".
-# serve, fit and bench get their entries here when they exist.
+from .common import UserError, one_line
+
+# Subcommands, imported on first use: name -> "module:attribute", the module relative to
+# this package (cli/ in the repository, justfit.cli once installed).
 COMMANDS: dict[str, str] = {
-    "chat": "cli.chat:chat",
-    "generate": "cli.generate:generate",
-    "bench": "cli.bench:bench",
-    "fit": "cli.fit:fit",
-    "serve": "cli.serve:serve",
-    "state": "cli.state:state",
+    "chat": ".chat:chat",
+    "generate": ".generate:generate",
+    "bench": ".bench:bench",
+    "fit": ".fit:fit",
+    "serve": ".serve:serve",
+    "state": ".state:state",
 }
 
 # What the engine raises for problems the user can act on: its own errors, a model
@@ -45,7 +46,7 @@ class JustFitGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in COMMANDS and name not in self.commands:
             module, attr = COMMANDS[name].split(":")
-            self.add_command(getattr(importlib.import_module(module), attr), name)
+            self.add_command(getattr(importlib.import_module(module, __package__), attr), name)
         return super().get_command(ctx, name)
 
     def invoke(self, ctx: click.Context):

@@ -4,10 +4,29 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 
 import click
 
-from cli import common
+from . import common
+
+
+# Requests a server computes at once by default: admission by the planner keeps the
+# batch within the budget; beyond a few rows a CPU gains little (docs/SERVING.md).
+AUTO_MAX_BATCH = 4
+
+
+def _batch(value: str) -> int | None:
+    """--max-batch: a count >= 1, or None for auto."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither a count nor 'auto'") from None
+    if n < 1:
+        raise click.BadParameter("must be at least 1")
+    return n
 
 
 @click.command()
@@ -15,7 +34,8 @@ from cli import common
 @common.budget_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback exposes the model to the network.")
-@click.option("--port", "-p", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@common.deprecated_alias("-p", "port", "--port (-p is --prompt elsewhere)", type=click.IntRange(0, 65535))
 @click.option("--api-key", multiple=True, envvar="JUSTFIT_API_KEY", metavar="KEY",
               help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health; "
                    "repeat for several keys, each with its own sessions and cache (env JUSTFIT_API_KEY, "
@@ -42,9 +62,10 @@ from cli import common
                    "(stalled first, then idle), so slow clients never lock others out.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one computes; past it: 503 with Retry-After.")
-@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--max-batch", default="auto", show_default=True, metavar="N|auto", callback=lambda c, p, v: _batch(v),
               help="Requests computed at once: decode steps shared, a long prompt's prefill chunks "
-                   "interleaved with the others' steps, admitted while they fit the budget together.")
+                   "interleaved with the others' steps, admitted while they fit the budget together; "
+                   f"auto: {AUTO_MAX_BATCH} (1 on a layer pipeline); 1: strictly one at a time.")
 @click.option("--preempt/--no-preempt", default=True, show_default=True,
               help="With --max-batch: count each request at what it holds now and, when the batch outgrows "
                    "the budget, set the newest aside on disk (exact state, resumed later); --no-preempt "
@@ -64,11 +85,13 @@ from cli import common
 @common.gguf_bits_option
 @common.kv_format_option
 @common.policy_option
+@common.draft_option
 @common.kv_disk_options
 @common.ranks_option
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
-          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy, kv_disk, kv_disk_limit, deterministic,
-          api_keys_file, header_timeout, body_timeout, max_connections, drain, state_disk, session_keep) -> None:
+          chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy, draft, kv_disk, kv_disk_limit,
+          deterministic, api_keys_file, header_timeout, body_timeout, max_connections, drain, state_disk,
+          session_keep) -> None:
     """Serve a model over HTTP: /v1 (OpenAI), /api (Ollama) and /v1/messages (Anthropic).
 
     Stored conversation states are reused across requests; a request that cannot
@@ -84,7 +107,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api_keys = _api_keys(api_key, api_keys_file)  # a bad key file fails before loading
     config = ServerConfig(host=host, port=port, api_keys=api_keys, cors_origin=cors_origin, max_queue=max_queue,
-                          max_batch=max_batch, preempt=preempt,
+                          max_batch=max_batch or 1, preempt=preempt,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name, rank_timeout_s=rank_timeout,
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
@@ -94,9 +117,12 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
                                 state_disk=parse_size(state_disk) if state_disk else None,
                                 session_keep_s=session_keep * 60, kv_disk=kv_disk, kv_disk_limit=kv_disk_limit,
-                                deterministic=deterministic)
+                                deterministic=deterministic, draft=draft)
+    if max_batch is None:
+        max_batch = 1 if engine.pipeline is not None else AUTO_MAX_BATCH
     if engine.pipeline is not None and max_batch > 1:
         raise click.UsageError("--max-batch above 1 does not run on a layer pipeline yet")
+    config = replace(config, max_batch=max_batch)
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {chat_template}")
     name = served_name or engine.name

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from cli import common
+from . import common
 
 state_dir_option = click.option("--state-dir", default=None, metavar="DIR",
                                  help="The state directory (default: $JUSTFIT_STATE_DIR or JustFit's own).")

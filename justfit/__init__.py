@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["Engine", "GenerationStats", "SamplingParams"]
+__all__ = ["Engine", "GenerationStats", "Reply", "SamplingParams"]
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it, imported when first asked for.
-_LAZY = {"Engine": "justfit.engine", "GenerationStats": "justfit.stats", "SamplingParams": "justfit.config"}
+_LAZY = {"Engine": "justfit.engine", "GenerationStats": "justfit.stats", "Reply": "justfit.stats",
+         "SamplingParams": "justfit.config"}
 
 
 def __getattr__(name: str):

@@ -1,5 +1,8 @@
-"""Several requests at once on one engine: the batched decode step and the runner that
-interleaves prefill chunks with it.
+"""The step loop every request runs on: sequences (justfit.sequence) admitted while
+their plans fit, prefill chunks interleaved with batched decode steps, drafts verified,
+sequences preempted to disk under the budget, and stored when they finish. A lone
+request is a batch of one (`run_alone`); the server's worker drives the same runner
+(justfit.batch_worker).
 
 Each `BatchRunner.step` feeds every decoding sequence its next token in one forward
 pass (the rows share the weights and nothing else: each row attends over its own
@@ -14,18 +17,19 @@ the sequences' KV, the largest transient (`BatchRunner.fits`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from justfit.batch_sequence import Sequence
+from justfit.context import EngineContext
+from justfit.generate import ProgressFn
+from justfit.memory import peak_rss_bytes, trim_heap
+from justfit.sequence import Sequence
 from justfit.stats import Chunk
 from kvexec.batch_cache import batch_caches
 from kvexec.cache import PagedKVCache
 
-if TYPE_CHECKING:
-    from justfit.engine import Engine
 
 log = logging.getLogger("justfit.batch")
 
@@ -41,11 +45,12 @@ def decode_step(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.a
     return logits
 
 
-def batched_decode(engine: Engine, tokens: list[int], caches: list[list]) -> mx.array:
-    """`decode_step` as one decode phase of `engine` (resident weights): the next
-    logits, fp32 [B, vocab]."""
-    with engine.swap.phase("decode"):
-        return decode_step(engine.model, tokens, caches)
+def verify_step(model: nn.Module, tokens: list[int], cache: list) -> mx.array:
+    """Feed `tokens` (the pending token and its draft) to one sequence; the logits
+    after each, fp32 [len(tokens), vocab], evaluated with the new keys and values."""
+    logits = model(mx.array(tokens)[None], cache=cache)[0].astype(mx.float32)
+    mx.eval(logits, [c.state for c in cache])
+    return logits
 
 
 def batchable(cache: list) -> bool:
@@ -64,7 +69,7 @@ class BatchRunner:
     anything new joins, once it fits again: nothing is recomputed. Without it, each
     sequence is counted at its plan's end and nothing is ever parked."""
 
-    def __init__(self, engine: Engine, max_batch: int = 4, step_tokens: int = 128, preempt: bool = True):
+    def __init__(self, engine: EngineContext, max_batch: int = 4, step_tokens: int = 128, preempt: bool = True):
         if max_batch < 1 or step_tokens < 1:
             raise ValueError("max_batch and step_tokens must be >= 1")
         # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
@@ -75,6 +80,10 @@ class BatchRunner:
         self.steps = 0  # decode steps taken, for stats
         self.preemptions, self.swap_s = 0, 0.0
         self._admitted = 0
+        # Under a budget the C heap's free pages go back to the system after each prefill
+        # chunk and every 16 decode steps: MLX's many small buffers fragment the heap, and
+        # what fragments hold counts against a budget but not in MLX's accounting.
+        self._trim = engine.config.budget_bytes is not None
 
     def _counted(self, seq: Sequence) -> int:
         """Positions `seq` is counted at (see the class doc)."""
@@ -106,7 +115,10 @@ class BatchRunner:
         if not self.running:
             self.engine.swap.offload(seq.offloaded)
         budget = self.engine.config.budget_bytes
-        seq.start(None if budget is None else max(0, budget - self._need(self.running + [seq])))
+        # Stored states in memory keep out of what the batch needs now and of what this
+        # sequence needs at its plan's end (alone, nothing is set aside to make room).
+        need = max(self._need(self.running + [seq]), seq.plan.total)
+        seq.start(None if budget is None else max(0, budget - need))
         self._admitted += 1
         seq.admitted = self._admitted
         self.running.append(seq)
@@ -137,25 +149,43 @@ class BatchRunner:
             self.preemptions += 1
 
     def step(self) -> list[tuple[Sequence, Chunk | None]]:
-        """One decode step for every decoding sequence, then one prefill chunk; what each
-        produced (None: a prefill chunk that is not the prompt's last). Finished
-        sequences leave the batch, their state stored."""
+        """One decode step for every decoding sequence (one forward for all; a lone one
+        feeds its draft too, justfit.sequence.Sequence.draft), then one prefill chunk; what each
+        produced, in order (None: a prefill chunk that is not the prompt's last).
+        Finished sequences leave the batch, their state stored."""
         out: list[tuple[Sequence, Chunk | None]] = []
         if self.preempt:
             self._resume()
             self._make_room()
         decoding = [s for s in self.running if s.pending is not None]
-        if decoding:
-            for group in self._groups(decoding):
-                logits = batched_decode(self.engine, [s.pending for s in group], [s.cache for s in group])
+        # Drafts fill a step's rows when one sequence decodes; several already fill them
+        # in one batched forward (each weight read once), which drafts verified apart would split.
+        drafts = {id(s): s.draft() if len(decoding) == 1 else [] for s in decoding}
+        plain = [s for s in decoding if not drafts[id(s)]]
+        for group in self._groups(plain):
+            with self.engine.swap.phase("decode") as phase:
+                logits = decode_step(self.engine.model, [s.pending for s in group], [s.cache for s in group])
+            self.steps += 1
+            if len(group) == 1:  # what a draft must beat (justfit.speculate.draft_length)
+                self.engine.step_costs.note(1, phase.seconds)
+            for i, s in enumerate(group):
+                s.note_phase(phase)
+                s.fed()
+                out.append((s, s.accept(logits[i])))
+        for s in decoding:
+            if drafts[id(s)]:
+                with self.engine.swap.phase("decode") as phase:
+                    logits = verify_step(self.engine.model, [s.pending] + drafts[id(s)], s.cache)
                 self.steps += 1
-                for i, s in enumerate(group):
-                    s.fed()
-                    out.append((s, s.accept(logits[i])))
+                self.engine.step_costs.note(1 + len(drafts[id(s)]), phase.seconds)
+                s.note_phase(phase)
+                out.extend((s, chunk) for chunk in s.verify(drafts[id(s)], logits))
         waiting = [s for s in self.running if s.remaining > 0]
         if waiting:
             seq = min(waiting, key=lambda s: s.remaining)  # shortest remaining prefill first
             out.append((seq, seq.prefill(self.step_tokens if decoding else None)))
+        if self._trim and (waiting or self.steps % 16 == 0):
+            trim_heap()
         for s in [s for s in self.running if s.finished]:
             self.leave(s)
         return out
@@ -177,6 +207,28 @@ class BatchRunner:
         """The decoding sequences as batched steps: all paged ones together, any other alone."""
         paged = [s for s in seqs if batchable(s.cache)]
         return ([paged] if paged else []) + [[s] for s in seqs if s not in paged]
+
+
+def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None = None) -> Iterator[Chunk]:
+    """Run `seq` as a batch of one on `engine`, streaming its chunks; `progress(done,
+    total)` after each prefill chunk. Closing the iterator early stops it between
+    steps, the state computed so far stored."""
+    runner = BatchRunner(engine, max_batch=1)
+    high_water = peak_rss_bytes()
+    runner.admit(seq)
+    try:
+        if progress:
+            progress(len(seq.held), len(seq.tokens))
+        while not seq.finished:
+            prefilling = seq.remaining > 0
+            chunks = [c for _, c in runner.step() if c is not None]
+            if progress and prefilling:
+                progress(len(seq.tokens) - seq.remaining, len(seq.tokens))
+            yield from chunks
+    finally:
+        if seq in runner.running or seq in runner.parked:  # cancelled or failed: stored as computed
+            runner.leave(seq)
+        engine.remeasure_outside(high_water, seq.stats.memory.mlx_peak if seq.stats.memory else 0)
 
 
 def run_all(runner: BatchRunner, seqs: list[Sequence]) -> Iterator[tuple[Sequence, Chunk | None]]:

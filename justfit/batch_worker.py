@@ -1,145 +1,160 @@
-"""The scheduler's worker loop with batching on (`Scheduler(max_batch=N)`, `justfit
-serve --max-batch N`): jobs leave the queue in arrival order and join the batch while
-their plans fit beside the running ones (the head of the queue waits, so order is
-kept); each step serves every running job (justfit.batch.BatchRunner.step); a job
-whose client went away leaves the batch before the next step, its state stored."""
+"""The scheduler's worker: every request runs as a sequence of one batch
+(justfit.batch.BatchRunner), at most `max_batch` at once (1: strictly one at a time).
+Jobs leave the queue in arrival order and join the batch while their plans fit beside
+the running ones (the head of the queue waits for room, so order is kept); each step
+serves every running job; a job whose client went away leaves the batch before the
+next step, its state stored. The scheduler (justfit.scheduler) owns the queue and the
+counters; this module only calls its methods."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from typing import TYPE_CHECKING
 
 from justfit import runtime
 from justfit.batch import BatchRunner
-from justfit.batch_sequence import Sequence
 from justfit.errors import JustFitError
-
-if TYPE_CHECKING:
-    from justfit.scheduler import Job, Scheduler
+from justfit.sequence import Sequence
 
 log = logging.getLogger("justfit.scheduler")
 
 
-def work_batched(sched: Scheduler) -> None:
-    """Run jobs from `sched`'s queue in batches until it is closed and drained."""
+def work_batched(sched) -> None:
+    """Run the jobs of `sched` (a justfit.scheduler.Scheduler) until it closes and its
+    queue and batch are drained."""
     runtime.setup()  # this thread computes on the shared execution stream
-    runner = sched.batch = BatchRunner(sched.engine, sched.max_batch, preempt=sched.preempt)
-    seqs: dict[int, Job] = {}  # id(Sequence) -> its job
-    taken: list[Job] = []  # out of the queue, not yet admitted, in arrival order
-    closing, was_busy = False, False
-    while True:
-        busy = bool(runner.running or runner.parked)
-        if was_busy and not busy:
-            # The batch drained: what the process holds besides MLX is measured again,
-            # as after a lone request (a whole-process budget's outside share).
-            runner.engine.remeasure_outside()
-        was_busy = busy
-        closing = _take_arrivals(sched, taken, block=not busy and not taken) or closing
-        if closing and not busy and not taken:
-            return
-        _admit(sched, runner, taken, seqs)
-        for seq in runner.running + runner.parked:
-            job = seqs[id(seq)]
-            if job.cancel.is_set():
-                runner.leave(seq)
-                _finish(sched, seqs.pop(id(seq)), seq, "cancelled")
-        if not runner.running and not runner.parked:
-            continue
+    _Worker(sched).run()
+
+
+class _Worker:
+    def __init__(self, sched):
+        self.sched = sched
+        self.runner = sched.batch = BatchRunner(sched.engine, sched.max_batch, preempt=sched.preempt)
+        self.jobs: dict[int, object] = {}  # id(Sequence) -> its job
+        self.planned: tuple[object, Sequence] | None = None  # the queue's head, planned, waiting for room
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.runner.running or self.runner.parked)
+
+    def run(self) -> None:
+        was_busy = False
+        while True:
+            busy = self.busy
+            if was_busy and not busy:
+                # The batch drained: what the process holds besides MLX is measured again
+                # (a whole-process budget's outside share).
+                self.runner.engine.remeasure_outside()
+            was_busy = busy
+            closing = self._admit(block=not busy)
+            if closing and not self.busy:
+                return
+            self._drop_cancelled()
+            if self.busy:
+                self._step()
+
+    def _admit(self, block: bool) -> bool:
+        """Start jobs from the head of the queue while the batch has a free row and
+        they fit; True once the scheduler is closing."""
+        r, sched = self.runner, self.sched
+        while len(r.running) < r.max_batch and not r.parked:
+            job, closing = sched.next_job(block)
+            block = False
+            if job is None:
+                return closing
+            if job.cancel.is_set():  # its client left while it waited
+                sched.finished(job, "cancelled")
+                job.ended_by_stop()
+                job.emit("done", None)
+                continue
+            job.started = time.monotonic()
+            job.last_event = job.started  # its wait in the queue is no stall
+            sched.active = self._active() + [job]
+            seq = self.planned[1] if self.planned and self.planned[0] is job else self._plan(job)
+            self.planned = None
+            if seq is None:
+                continue
+            if not r.fits(seq):  # it waits at the head, planned, for room beside the batch
+                self.planned, job.started = (job, seq), None
+                sched.active = self._active()
+                sched.put_back(job)
+                return False
+            try:
+                r.admit(seq)
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            self.jobs[id(seq)] = job
+            sched.active = self._active()
+            self._progress(job, len(seq.held), len(seq.tokens))  # what a stored state already holds
+        return False
+
+    def _progress(self, job, processed: int, total: int) -> None:
+        job.processed = processed
+        job.emit("progress", (processed, total, time.monotonic() - job.started))
+
+    def _plan(self, job) -> Sequence | None:
+        """The job's sequence (the planner refuses what cannot fit alone), or None
+        when it was refused or failed (its client told)."""
         try:
-            results = runner.step()
+            return Sequence(self.runner.engine, job.tokens, job.sampling, job.session, job.scope)
+        except Exception as e:
+            self._fail(job, e)
+            return None
+
+    def _fail(self, job, error: Exception) -> None:
+        if not isinstance(error, JustFitError):
+            log.exception("request failed")
+        self.sched.active = self._active()
+        self.sched.finished(job, "failed")
+        job.emit("error", error)
+        job.emit("done", None)
+
+    def _drop_cancelled(self) -> None:
+        r = self.runner
+        for seq in r.running + r.parked:
+            if self.jobs[id(seq)].cancel.is_set():
+                r.leave(seq)
+                self._finish(seq, "cancelled")
+
+    def _step(self) -> None:
+        r = self.runner
+        try:
+            results = r.step()
         except Exception as e:  # a failed step leaves every sequence's cache unknown: end them all
             log.exception("batched step failed")
-            for seq in runner.running + runner.parked:
-                runner.leave(seq)
-                job = seqs.pop(id(seq))
-                job.emit("error", e)
-                _finish(sched, job, seq, "failed")
-            continue
+            for seq in r.running + r.parked:
+                r.leave(seq)
+                self.jobs[id(seq)].emit("error", e)
+                self._finish(seq, "failed")
+            return
         for seq, chunk in results:
-            job = seqs[id(seq)]
-            job.processed = len(seq.held)
+            job = self.jobs.get(id(seq))
+            if job is None:  # finished earlier in this step's results
+                continue
+            if chunk is None or job.processed < len(seq.tokens):  # a prefill chunk, or the prompt's last
+                self._progress(job, len(seq.tokens) if chunk is not None else len(seq.held), len(seq.tokens))
             if chunk is None:
-                job.emit("progress", (len(seq.held), len(seq.tokens), time.monotonic() - job.started))
                 continue
             job.generated += chunk.token is not None
             job.emit("chunk", chunk)
-            if seq.finished:
-                _finish(sched, seqs.pop(id(seq)), seq, "completed")
-        sched.active = _active(runner, seqs)
+            if seq.finished and chunk.finish_reason is not None:
+                self._finish(seq, "completed")
+        self.sched.active = self._active()
 
+    def _active(self) -> list:
+        """The jobs in the batch, running or set aside, oldest first, each with its phase."""
+        r = self.runner
+        for s in r.running + r.parked:
+            self.jobs[id(s)].phase = "preempted" if s.parked is not None else "decode" if s.remaining == 0 else "prefill"
+        return [self.jobs[id(s)] for s in sorted(r.running + r.parked, key=lambda s: s.admitted)]
 
-def _active(runner: BatchRunner, seqs: dict) -> list:
-    """The jobs in the batch, running or set aside, oldest first, each with its phase;
-    the running sequences' caches as the engine's live state (the status page's KV)."""
-    for s in runner.running + runner.parked:
-        seqs[id(s)].phase = "preempted" if s.parked is not None else "decode" if s.remaining == 0 else "prefill"
-    runner.engine.live_cache = [layer for s in runner.running if s.cache for layer in s.cache] or None
-    return [seqs[id(s)] for s in sorted(runner.running + runner.parked, key=lambda s: s.admitted)]
-
-
-def _take_arrivals(sched: Scheduler, taken: list, block: bool) -> bool:
-    """Move what waits in the queue to `taken` (waiting for one if `block`); True once
-    the scheduler is closing."""
-    try:
-        while True:
-            job = sched._queue.get() if block else sched._queue.get_nowait()
-            block = False
-            if job is None:
-                return True
-            taken.append(job)
-    except queue.Empty:
-        return False
-
-
-def _admit(sched: Scheduler, runner: BatchRunner, taken: list, seqs: dict) -> None:
-    """Start jobs from the head of `taken` while they fit beside the batch."""
-    while taken:
-        job = taken[0]
-        if job.cancel.is_set():  # its client left while it waited
-            taken.pop(0)
-            sched.cancelled += 1
+    def _finish(self, seq: Sequence, outcome: str) -> None:
+        """Count the job, hand its stats on and tell its client it is done."""
+        job = self.jobs.pop(id(seq))
+        stats = seq.stats if outcome != "failed" else None
+        self.sched.finished(job, outcome, stats)
+        self.sched.active = [j for j in self.sched.active if j is not job]
+        if outcome == "cancelled":
             job.ended_by_stop()
-            job.emit("done", None)
-            continue
-        try:
-            seq = Sequence(sched.engine, job.tokens, job.sampling, job.session, job.scope)  # refuses what cannot fit alone
-        except Exception as e:
-            taken.pop(0)
-            if not isinstance(e, JustFitError):
-                log.exception("request failed")
-            sched.failed += 1
-            job.emit("error", e)
-            job.emit("done", None)
-            continue
-        if not runner.fits(seq):
-            return  # the head waits for room; those behind it wait behind it
-        taken.pop(0)
-        job.started = time.monotonic()
-        try:
-            runner.admit(seq)
-        except Exception as e:
-            log.exception("request failed")
-            sched.failed += 1
-            job.emit("error", e)
-            job.emit("done", None)
-            continue
-        seqs[id(seq)] = job
-        sched.active = _active(runner, seqs)
-
-
-def _finish(sched: Scheduler, job: Job, seq: Sequence, outcome: str) -> None:
-    """Count the job, hand its stats on and tell its client it is done."""
-    setattr(sched, outcome, getattr(sched, outcome) + 1)
-    stats = seq.stats if outcome != "failed" else None
-    if stats is not None:
-        stats.queue_s = job.started - job.submitted
-        sched.engine.last_stats = stats
-        if sched.on_done:
-            sched.on_done(stats)
-    sched._seconds = 0.7 * sched._seconds + 0.3 * (time.monotonic() - job.started)
-    sched.active = [j for j in sched.active if j is not job]
-    if outcome == "cancelled":
-        job.ended_by_stop()
-    job.emit("done", stats)
+        job.emit("done", stats)

@@ -106,12 +106,12 @@ def _py_bytes(root: object) -> int:
     return total
 
 
-def _state_kv(engine) -> tuple[int, int]:
-    """(pages, hot windows) in bytes of the states held in memory and the running request's."""
+def _state_kv(engine, live: list) -> tuple[int, int]:
+    """(pages, hot windows) in bytes of the states held in memory and of `live` (the
+    running requests' layers)."""
     caches = [e.cache for e in list(engine.states.entries.values()) if e.cache is not None]
-    live = getattr(engine, "live_cache", None)
-    if live is not None and all(live is not c for c in caches):
-        caches.append(live)
+    stored = {id(layer) for cache in caches for layer in cache}
+    caches.append([layer for layer in live if id(layer) not in stored])
     total = hot = 0
     for cache in caches:
         total += sum(getattr(layer, "nbytes", 0) for layer in cache)
@@ -122,13 +122,14 @@ def _state_kv(engine) -> tuple[int, int]:
     return total - hot, hot
 
 
-def process_breakdown(engine) -> dict:
+def process_breakdown(engine, live: list | None = None, last=None) -> dict:
     """The engine's process now, part by part (bytes, keys as in `HOW`), adding up to
-    `rss`; with the process's and MLX's peaks beside (not part of the sum)."""
+    `rss`; with the process's and MLX's peaks beside (not part of the sum). `live`: the
+    running requests' cache layers; `last`: the last request's GenerationStats."""
     trim_heap()
     marks: LoadMarks = getattr(engine, "load_marks", None) or LoadMarks()
     weights = engine.swap.registry.resident_bytes()
-    pages, hot = _state_kv(engine)
+    pages, hot = _state_kv(engine, live or [])
     active = mx.get_active_memory()
     parts = {
         "libraries": file_bytes(), "modules": marks.modules, "tokenizer": marks.tokenizer, "blas": marks.blas,
@@ -138,7 +139,7 @@ def process_breakdown(engine) -> dict:
     }
     rss = rss_bytes()
     parts["unaccounted"] = rss - sum(parts.values())
-    memory = getattr(getattr(engine, "last_stats", None), "memory", None)
+    memory = getattr(last, "memory", None)
     peaks = {"process": peak_rss_bytes(), "mlx": mx.get_peak_memory(),  # high-water marks since start
              "transient": memory.transient_peak if memory is not None else None}  # the last request's
     return {"parts": parts, "rss": rss, "outside_mlx": rss - active - parts["mlx_cache"], "peaks": peaks,

@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import kvexec
+from justfit.context import EngineContext
 from justfit.errors import BudgetExceeded, ContextTooLong, KVDiskFull
 from justfit.outside import decayed_max, measure_outside
 from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
 
-if TYPE_CHECKING:
-    from justfit.engine import Engine
 
 
 @dataclass
@@ -47,7 +46,7 @@ def prefill_ways(chunk: int, budget: int | None) -> Iterator[tuple[int, bool]]:
         yield chunk, False
 
 
-def _moves(engine: Engine, positions: int) -> list[str | None]:
+def _moves(engine: EngineContext, positions: int) -> list[str | None]:
     """What the plan may move to disk, in the order it does: weight components (their
     names) and growing layers' pages (None, one layer each). Either costs one byte read
     per byte of memory it frees, per token decoded and per prefill chunk, so the larger
@@ -63,12 +62,13 @@ def _moves(engine: Engine, positions: int) -> list[str | None]:
     return [sizes[i][1] for i in order]
 
 
-def plan(engine: Engine, positions: int) -> tuple[tuple[str, ...], Footprint]:
+def plan(engine: EngineContext, positions: int) -> tuple[tuple[str, ...], Footprint]:
     """The fewest moves to disk (weight components, growing layers' pages: `_moves`),
     then pages kept in their format rather than stepped down the pressure ladder, then
-    the largest prefill chunk (and dense prefill over resident), so `positions` fit the
-    budget; and the footprint so (`shape.chunk` is the chunk, `shape.dense_prefill` the
-    prefill forms, `shape.disk_layers` the layers whose pages are on disk,
+    the largest prefill chunk (and dense prefill over resident), then drafted tokens
+    verified in a decode step, so `positions` fit the budget; and the footprint so
+    (`shape.chunk` is the chunk, `shape.dense_prefill` the prefill forms,
+    `shape.verify_rows` 1 when drafts do not fit, `shape.disk_layers` the layers whose pages are on disk,
     `page_allowance` what the resident pages may take). With pages allowed on disk,
     every layer's pages go there before any page steps down the ladder (the ladder loses
     fidelity, disk only speed). The last tried, when nothing fits."""
@@ -90,14 +90,16 @@ def plan(engine: Engine, positions: int) -> tuple[tuple[str, ...], Footprint]:
             disk_layers = k - len(offloaded) if forced is None else forced
             for pressed, edge in allowed:
                 for chunk, dense in prefill_ways(engine.config.prefill_chunk, budget):
-                    fp = engine.footprint(positions, offloaded, chunk=chunk, pressed=pressed, dense_prefill=dense,
-                                          disk_layers=disk_layers)
-                    if edge is None or fp.total <= edge:
-                        return offloaded, fp
+                    # Drafts go first: a verify step's rows are a small transient, worth less than any other way.
+                    for rows in sorted({engine.verify_rows, 1}, reverse=True):
+                        fp = engine.footprint(positions, offloaded, chunk=chunk, pressed=pressed, dense_prefill=dense,
+                                              disk_layers=disk_layers, verify_rows=rows)
+                        if edge is None or fp.total <= edge:
+                            return offloaded, fp
     return tuple(m for m in moves if m is not None), fp
 
 
-def check_fits(engine: Engine, prompt_tokens: int, max_tokens: int) -> tuple[tuple[str, ...], Footprint]:
+def check_fits(engine: EngineContext, prompt_tokens: int, max_tokens: int) -> tuple[tuple[str, ...], Footprint]:
     """Refuse, before any work, what the context or the budget cannot hold; return the
     plan it fits with (see `plan`)."""
     if prompt_tokens + max_tokens > engine.context_limit:

@@ -30,6 +30,7 @@ class SamplingParams:
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    speculate: bool = True  # draft tokens from the sequence's own text when the engine drafts (EngineConfig.draft)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -96,10 +97,16 @@ class EngineConfig:
     # on a shared prefix's length or a batch's schedule. Off by default: it costs prefill
     # speed (docs/BENCHMARKS.md, "Same request, same reply").
     deterministic: bool = False
+    # Speculative decoding without a draft model: "ngram" drafts tokens from the longest
+    # earlier match of the sequence's own suffix (prompt and reply) and verifies them in
+    # one forward; "none" decodes one token per step. Replies are the same either way.
+    draft: str = "ngram"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra", dict(self.extra))  # a copy: the caller's dict is never shared
         get_policy(self.policy)  # raises on an unknown name
+        if self.draft not in ("ngram", "none"):
+            raise ValueError(f"draft must be 'ngram' or 'none', not {self.draft!r}")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")

@@ -1,11 +1,13 @@
 """The engine: the public facade over one loaded model, a memory budget, and the
 conversations whose computed state is kept between requests so a growing chat only
 prefills what is new. Loading is in justfit.loader, budget accounting and plan search
-in justfit.budget, running a request in justfit.runner, stored states in
+in justfit.budget, running requests in justfit.batch (a pipeline's in
+justfit.pipeline_runner), stored states in
 justfit.state_io and statetrans."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Iterator
 
@@ -16,23 +18,25 @@ from justfit import blas, runtime
 from justfit.budget import ProcessShare, check_fits, plan
 from justfit.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
-from justfit.native_layers import install_native_layers
+from justfit import adapter
 from justfit.errors import BudgetExceeded, PipelineLost
 from justfit.generate import ProgressFn
-from justfit.loader import install_kv, kv_calibration, load_lazily, offload_dir
+from justfit.loader import kv_calibration, kv_for_model, load_lazily, offload_dir
 from justfit.breakdown import LoadMarks, blas_warm_up, outside_anon
-from justfit.memory import drop_buffer_cache, hold_memory_to, parse_size, trim_heap
+from justfit.memory import parse_size, trim_heap
 from justfit.models import weight_files
 from justfit.pipeline import Pipeline, attach
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
-from justfit.runner import run_request
+from justfit.batch import run_alone
+from justfit.draft import MAX_DRAFT
+from justfit.speculate import StepCosts
+from justfit.pipeline_runner import run_pipeline_request
+from justfit.sequence import Sequence
 from justfit.state_io import (StateIO, export_state, import_state, model_identity, resume_session, save_session,
                                state_identity, state_root)
-from justfit.stats import Chunk, GenerationStats
+from justfit.stats import Chunk, Reply, collect
 import kvexec
 from kvexec import KVConfig
-from phaseswap import PhaseSwap
-from phaseswap.native import install_ops
 from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
@@ -67,7 +71,9 @@ class Engine:
             self._share = ProcessShare(config.budget_bytes)
             config = replace(config, budget_bytes=self._share.remeasure(), budget_covers_process=False)
         calibration = kv_calibration(model, config, lambda: model_identity(self, state_root(config.state_dir)))
-        self.config = replace(config, kv=install_kv(self.model, self.model_config, config.kv, calibration))
+        self.config = replace(config, kv=kv_for_model(self.model, self.model_config, config.kv, calibration))
+        if self.config.kv is not None:  # refused now, whole: a pipeline's split model's probe would cross ranks
+            adapter.check(self.model)
         self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline)
         self.pipeline_lost = ""  # why the pipeline stopped, once a rank is gone
         self.pipeline_live = None  # rank 0: (tokens, cache, sampler) every rank still holds (pipeline.resume)
@@ -85,23 +91,26 @@ class Engine:
         budget = self.config.budget_bytes
         weight_limit = None
         if budget is not None:
-            hold_memory_to(budget)
+            runtime.hold_memory(budget)
             # What the smallest request needs besides weights; the rest may hold weights.
-            need = self._footprint(1, 0, 0)
+            need = self._footprint(1, 0, 0, verify_rows=1)
             weight_limit = budget - need.total
             if not self.config.stream_weights:  # every weight resident, or nothing can run
                 dtype = mx.float32 if self.policy.fp32 else None
                 need = self._footprint(1, predict_resident_bytes(self.model, self.policy.resident, dtype),
-                                       predict_prefill_bytes(self.model), chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
+                                       predict_prefill_bytes(self.model), chunk=MIN_PREFILL_CHUNK, dense_prefill=False,
+                                       verify_rows=1)
             if weight_limit <= 0 or need.total > budget:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
-        if self.policy.resident in NATIVE_FORMS:
-            install_ops(self.model)  # native RoPE and RMS norm too: MLX's CPU ones are many operations each
-            install_native_layers(self.model)  # llama attention in fewer operations, MLP gates on vectors
-        self.swap = PhaseSwap(self.model, self.policy, offload_dir(loaded, self.policy), weight_limit)
+        # everything that changes how mlx-lm's modules run, in its order (justfit/adapter.py)
+        self.adapted = adapter.install(self.model, paged=self.config.kv is not None,
+                                       native=self.policy.resident in NATIVE_FORMS, policy=self.policy,
+                                       offload_to=offload_dir(loaded, self.policy), weight_limit=weight_limit,
+                                       probe=False)  # checked above, whole
+        self.swap = self.adapted.swap
         self.swap.registry.strict = budget is not None  # give freed memory back at once
         if budget is None:
-            drop_buffer_cache()  # without a budget too: freed buffers go back at once, a lower whole-process peak
+            runtime.hold_memory(None)  # without a budget too: freed buffers go back at once, a lower whole-process peak
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
         trim_heap()  # and what converting the weights freed outside MLX
         self.load_marks = LoadMarks(before_load, loaded.tokenizer_bytes,
@@ -116,8 +125,11 @@ class Engine:
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
                                  anonymous_disk, session_disk_limit=sessions_disk, session_keep_s=c.session_keep_s,
                                  vocab=getattr(getattr(self.model, "args", None), "vocab_size", None))  # the logits' width
-        self.last_stats: GenerationStats | None = None
-        self.live_cache: list | None = None  # the running request's state, for the status page
+        # Queued session writes finish before the interpreter exits (the writer's thread is
+        # a daemon); the engine is not kept alive for it.
+        self.step_costs = StepCosts()  # decode steps' seconds by rows, measured as they run (justfit.speculate)
+        states = weakref.ref(self.states)
+        runtime.at_exit(lambda: (t := states()) is not None and t.flush())
         self.rank_limits: list[int] = []  # on a pipeline: the positions each rank's own plan holds (-1: no budget)
         if self.pipeline is not None:
             from justfit.pipeline import gather
@@ -155,7 +167,7 @@ class Engine:
         self.config = replace(self.config, budget_bytes=parse_size(budget))
         self._share = None
         self.swap.registry.strict = True
-        hold_memory_to(self.config.budget_bytes)
+        runtime.hold_memory(self.config.budget_bytes)
 
     @property
     def process_budget(self) -> int | None:
@@ -171,33 +183,42 @@ class Engine:
 
     def _footprint(self, positions: int, weights: int | None, working: int,
                    kv: KVConfig | None | str = "engine", chunk: int | None = None,
-                   pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0) -> Footprint:
+                   pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0,
+                   verify_rows: int | None = None) -> Footprint:
         return footprint(self.model, self.model_config, positions, chunk or self.config.prefill_chunk,
                          self.config.kv if kv == "engine" else kv, weights, working,
                          4 if self.policy.fp32 else 2, pressed, dense_prefill,
-                         limited=self.config.budget_bytes is not None, disk_layers=disk_layers)
+                         limited=self.config.budget_bytes is not None, disk_layers=disk_layers,
+                         verify_rows=self.verify_rows if verify_rows is None else verify_rows)
+
+    @property
+    def verify_rows(self) -> int:
+        """The most positions a decode step feeds: 1, and a draft's tokens when drafting."""
+        return 1 + MAX_DRAFT if self.config.draft == "ngram" else 1
 
     def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
                   kv: KVConfig | None | str = "engine", chunk: int | None = None,
-                  pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0) -> Footprint:
+                  pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0,
+                  verify_rows: int | None = None) -> Footprint:
         """Memory for `positions` retained positions with `offloaded` components on disk,
         prefilled `chunk` tokens at a time (default: the configured chunk); `kv`
         another KV configuration (None: mlx-lm's own cache) for comparisons; `pressed`:
         with pages stepped down to the last format of the pressure ladder;
         `dense_prefill` False: prefill on the resident forms, no dense working copy;
-        `disk_layers`: growing layers whose pages live on disk."""
+        `disk_layers`: growing layers whose pages live on disk; `verify_rows`: the most
+        positions a decode step feeds (None: `verify_rows`)."""
         reg = self.swap.registry
         weights = reg.total_bytes() - sum(reg.components[n].nbytes for n in offloaded)
         return self._footprint(positions, weights, self.swap.working_bytes(offloaded, dense_prefill), kv, chunk,
-                               pressed, dense_prefill, disk_layers)
+                               pressed, dense_prefill, disk_layers, verify_rows)
 
     def edge_footprint(self, offloaded: tuple[str, ...] = (), kv: KVConfig | None | str = "engine",
                        pressed: bool = False, disk_layers: int = 0) -> Footprint:
         """`footprint` at one position, prefilled the cheapest way a tight budget's plan
-        takes (the smallest chunk, on the resident forms: justfit.budget.prefill_ways):
+        takes (the smallest chunk, on the resident forms, no drafts: justfit.budget.plan):
         what a budget holds is its `max_positions`."""
         return self.footprint(1, offloaded, kv, MIN_PREFILL_CHUNK, pressed, dense_prefill=False,
-                              disk_layers=disk_layers)
+                              disk_layers=disk_layers, verify_rows=1)
 
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """Components on disk and the footprint that fit `positions` (justfit.budget.plan)."""
@@ -224,7 +245,6 @@ class Engine:
     def reset(self) -> None:
         """Forget the stored states of past requests (named sessions stay)."""
         self.states.clear()
-        self.last_stats = None
 
     @property
     def cached_tokens(self) -> list[int]:
@@ -289,7 +309,12 @@ class Engine:
         if self.pipeline_lost:
             raise PipelineLost(self.pipeline_lost)
         try:
-            yield from run_request(self, tokens, sampling or self.default_sampling, progress, session, scope)
+            sp = sampling or self.default_sampling
+            if self.pipeline is not None:
+                yield from run_pipeline_request(self, tokens, sp, progress, session, scope)
+            else:
+                seq = Sequence(self, tokens, sp, session, scope)
+                yield from run_alone(self, seq, progress)
         except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
             if self.pipeline is None or not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
                 raise
@@ -319,4 +344,9 @@ class Engine:
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
         """The whole reply as one string."""
-        return "".join(c.text for c in self.generate(prompt, sampling))
+        return self.reply(prompt, sampling).text
+
+    def reply(self, prompt: Prompt, sampling: SamplingParams | None = None, session: str | None = None,
+              scope: str = "") -> Reply:
+        """The whole reply: text, tokens and the request's stats (see `generate`)."""
+        return collect(self.generate(prompt, sampling, session=session, scope=scope))

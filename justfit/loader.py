@@ -1,5 +1,5 @@
 """Loading a model for the engine: weights read lazily (PhaseSwap takes them one
-component at a time), KVExec installed with a page format for the model's head_dim,
+component at a time), KVExec's page format for the model's head_dim,
 and where a model's offloaded components are kept on disk."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import kvexec
+from justfit import adapter
 from justfit.config import EngineConfig
 from justfit.gguf.cache import RequantOptions, cache_root
 from justfit.memory import trim_heap
@@ -23,7 +24,6 @@ from kvexec import KVConfig
 from kvexec.calibrate import (CANDIDATES, TOLERANCE, Calibration, cached_calibration, cached_measurement,
                               calibrated_config)
 from kvexec.config import CALIBRATED, needs_model
-from phaseswap import PhaseSwap
 from phaseswap.native import available as native_available
 from phaseswap.policy import ResidencyPolicy
 
@@ -37,14 +37,13 @@ def load_lazily(model: str | None, config: EngineConfig) -> LoadedModel:
     return loaded
 
 
-def install_kv(model: nn.Module, model_config: dict, kv: KVConfig | None,
-               calibration: Calibration | None = None) -> KVConfig | None:
-    """Route `model`'s attention through KVExec (unless `kv` is None: mlx-lm's own
-    cache) and return `kv` with its calibrated per-layer formats, if any, adapted to
-    the model's head_dim."""
+def kv_for_model(model: nn.Module, model_config: dict, kv: KVConfig | None,
+                 calibration: Calibration | None = None) -> KVConfig | None:
+    """`kv` (None: mlx-lm's own cache) with its calibrated per-layer formats, if any,
+    adapted to the model's head_dim. The seam that routes attention to KVExec is
+    justfit.adapter's to install."""
     if kv is None:
         return None
-    kvexec.install(model)
     if calibration is not None:
         kv = calibrated_config(kv, calibration)
     return kvexec.for_head_dim(kv, attention_shape(model, model_config)[2])
@@ -67,14 +66,13 @@ def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[
     # a one-time wait worth naming (seconds to a minute on a CPU)
     log.info("measuring which KV page formats this model's layers take (once per model, then cached)")
     probe = load_lazily(model, config)
-    kvexec.install(probe.model)
     # On the CPU each layer runs its chunks dense, just in time, as the engine's prefill
     # does, and a tied head every position's logits through the native kernel where it
     # is built: MLX's CPU product on 4- or 5-bit weights made calibration several times slower.
-    if mx.default_device() == mx.cpu:
-        phase = PhaseSwap(probe.model, "cpu-native" if native_available() else "cpu-compact").phase("prefill")
-    else:
-        phase = contextlib.nullcontext()
+    cpu = mx.default_device() == mx.cpu
+    adapted = adapter.install(probe.model, paged=True, native=False,
+                              policy=("cpu-native" if native_available() else "cpu-compact") if cpu else None)
+    phase = adapted.swap.phase("prefill") if adapted.swap is not None else contextlib.nullcontext()
     try:
         with phase:
             context = probe.config.get("text_config", probe.config).get("max_position_embeddings")
@@ -89,4 +87,7 @@ def offload_dir(loaded: LoadedModel, policy: ResidencyPolicy) -> Path:
     source = f"{loaded.path or loaded.name}"
     source += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in weight_files(loaded.path))
     key = hashlib.sha256(f"{source}|{policy.resident}|{policy.fp32}".encode()).hexdigest()[:16]
-    return cache_root() / "stream" / key  # "stream": the directory name existing caches use
+    # "offloaded", the glossary's word for weights on disk. Earlier versions used "stream";
+    # nothing is read back from it across runs (each run writes its files on first
+    # offload), so it is left alone: a running older server still uses it.
+    return cache_root() / "offloaded" / key

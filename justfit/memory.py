@@ -52,8 +52,8 @@ def cache_bytes(cache: list | None) -> int:
 
 
 @functools.cache  # trim_heap runs per prefill chunk: load the library once
-def _glibc():
-    """The C library when it is glibc (Linux), else None: the two calls below are its own."""
+def glibc():
+    """The C library when it is glibc (Linux), else None: malloc_trim and mallopt are its own."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -64,21 +64,11 @@ def _glibc():
         return None
 
 
-def return_freed_memory_promptly() -> None:
-    """Under a budget, let glibc hand blocks of 256 KiB and more back to the system on
-    free: by default it keeps growing its mmap threshold and recycles freed blocks in
-    its heap, so RSS stays at the high-water mark of past transients and KV segments
-    fragment it (a lower whole-process peak for slightly slower steps). No-op off glibc."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(-3, 1 << 18)  # M_MMAP_THRESHOLD
-
-
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the system. Loading leaves many behind:
     transformers' fast tokenizer for Gemma 3's 262K vocabulary frees hundreds of MiB
     of temporaries that glibc would otherwise keep. No-op off glibc."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 
@@ -148,27 +138,6 @@ def memory_report(weights: nn.Module | int, cache: list | None = None,
         transient_peak=max(0, peak - weights - kv - states), rss=rss_bytes(), rss_peak=peak_rss_bytes(),
         states=states,
     )
-
-
-def drop_buffer_cache() -> bool:
-    """On MLX's CPU backend, no buffer cache: its buffers are plain process memory that
-    the planner does not count and a whole-process peak does (measured in
-    docs/BENCHMARKS.md, "Whole-process footprint"). False, changing nothing, on Metal."""
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
-        return False
-    mx.set_cache_limit(0)
-    return True
-
-
-def hold_memory_to(budget: int) -> None:
-    """Make freed memory go back to the system at once (glibc), and MLX hold to the
-    budget. On CPU, no buffer cache (`drop_buffer_cache`). On Metal, its own limits."""
-    return_freed_memory_promptly()
-    if drop_buffer_cache():
-        return
-    mx.set_memory_limit(budget)
-    mx.set_cache_limit(budget // 8)
-    mx.set_wired_limit(min(budget, mx.metal.device_info().get("max_recommended_working_set_size", budget)))
 
 
 def trimming(record: Callable[[list[int]], None]) -> Callable[[list[int]], None]:

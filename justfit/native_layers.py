@@ -25,6 +25,7 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.activations import swiglu
 
 from kvexec import PagedKVCache
+from kvexec.batch_cache import BatchLayerCache
 from phaseswap.native import NativeRoPE, fused_group, kernels, native_rms_norm, products_args, stored_arrays
 
 
@@ -223,17 +224,27 @@ def _native_block(block: llama.TransformerBlock | gemma3_text.TransformerBlock, 
     layer's own native operations do one by one, bit for bit, without the other eight
     operations' dispatch and graph building."""
     attn = block["self_attn"]
-    if _heads_settings(attn, x, cache, None) is None:
+    # A batched decode step (kvexec.batch_cache): the B sequences' tokens go through the
+    # products as the rows of one, each weight read once; heads, pages and attention
+    # stay each sequence's own.
+    members = cache.members if isinstance(cache, BatchLayerCache) and x.shape[1] == 1 else None
+    if _heads_settings(attn, x, cache if members is None else members[0], None) is None:
         return None
     steps = _steps_for(block, gemma)
     if steps is None:
         return None
     w = [n["weight"] for n in steps.norms]
-    q, k, v = steps.qkv(x, norm=w[0])
-    attended = _attend(attn, q, k, v, cache, steps.heads())
-    (h,) = steps.o(attended, residual=x, **({"post_norm": w[1]} if gemma else {}))
+    rows = x if members is None else x.reshape(1, x.shape[0], x.shape[-1])
+    q, k, v = steps.qkv(rows, norm=w[0])
+    if members is None:
+        attended = _attend(attn, q, k, v, cache, steps.heads())
+    else:
+        attended = mx.concatenate([_attend(attn, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], m, steps.heads())
+                                   for i, m in enumerate(members)], axis=1)
+    (h,) = steps.o(attended, residual=rows, **({"post_norm": w[1]} if gemma else {}))
     (gated,) = steps.gate_up(h, norm=w[2] if gemma else w[1])
-    return steps.down(gated, residual=h, **({"post_norm": w[3]} if gemma else {}))[0]
+    out = steps.down(gated, residual=h, **({"post_norm": w[3]} if gemma else {}))[0]
+    return out if members is None else out.reshape(x.shape)
 
 
 class NativeLlamaBlock(llama.TransformerBlock):
@@ -257,13 +268,14 @@ _NATIVE_LAYERS = {llama.TransformerBlock: NativeLlamaBlock, gemma3_text.Transfor
                   gemma3_text.Attention: NativeGemmaAttention, gemma3_text.RMSNorm: NativeGemmaRMSNorm}
 
 
-def install_native_layers(model: nn.Module) -> int:
+def install_native_layers(model: nn.Module) -> list[tuple[nn.Module, type]]:
     """Give `model`'s llama and Gemma 3 attention layers, MLPs and Gemma's norms (exactly
-    mlx-lm's classes) their native paths; how many were."""
-    count = 0
+    mlx-lm's classes) their native paths; each module changed, with its mlx-lm class
+    (what justfit.adapter, which installs them, gives back when it removes them)."""
+    changed = []
     for _, mod in model.named_modules():
         native = _NATIVE_LAYERS.get(type(mod))
         if native is not None:
+            changed.append((mod, type(mod)))
             mod.__class__ = native
-            count += 1
-    return count
+    return changed

@@ -8,21 +8,17 @@ The lone request's runner and a batch's sequences bind the same way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import kvexec
 from kvexec.cache import PagedKVCache
 from kvexec.disk_pages import PageFile, PageReader
+from justfit.config import EngineConfig
 from justfit.planner import Footprint
 
-if TYPE_CHECKING:
-    from justfit.engine import Engine
 
-
-def bind(engine: Engine, cache: list, plan: Footprint, room: int | None, prompt_tokens: int) -> PageReader | None:
+def bind(config: EngineConfig, cache: list, plan: Footprint, room: int | None, prompt_tokens: int) -> PageReader | None:
     """Hold `cache`'s resident pages to `room` bytes (None: no limit), put the plan's
-    layers on disk, pin the prompt; the reader of the pages on disk (None: none are)."""
-    config = engine.config
+    layers (under `config`'s KV folder) on disk, pin the prompt; the reader of the
+    pages on disk (None: none are)."""
     reader = None
     if config.kv is not None:
         layers = plan.shape.disk_layers

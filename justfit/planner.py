@@ -70,6 +70,7 @@ class _Shape:
     # its segment being filled; two such layers' pages are read back at a time.
     disk_layers: int = 0
     page_row_max: float = 0.0  # the largest layer's page_row (what one read buffer holds)
+    verify_rows: int = 1  # the most positions one decode step feeds (speculative decoding's verify)
 
     @property
     def bytes_per_position(self) -> float:
@@ -181,10 +182,13 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
         attention = chunk * s.heads * positions * 4 * 2
     else:  # KVExec: its prefill chunk's or a decode step's, whichever holds more
         attention = max(transient_bytes(rows, positions, s.heads, s.kv_heads, s.head_dim, s.block_tokens,
-                                        s.observed) for rows in (chunk, 1))
-    mlp = chunk * s.intermediate * 3 * s.act_bytes
-    hidden = chunk * s.hidden * 4 * s.act_bytes
-    logits = s.vocab * 4
+                                        s.observed) for rows in (chunk, s.verify_rows))
+    rows = max(chunk, s.verify_rows)
+    mlp = rows * s.intermediate * 3 * s.act_bytes
+    hidden = rows * s.hidden * 4 * s.act_bytes
+    # The last prompt position's logits, or a verify step's: every row's, in float32 and
+    # the activations' width.
+    logits = s.vocab * (4 if s.verify_rows == 1 else s.verify_rows * (4 + s.act_bytes))
     transient = attention + mlp + hidden + logits
     return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s,
                      int(resident_layers * rest), int(disk))
@@ -226,14 +230,16 @@ def cache_layout(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
               act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True,
-              limited: bool = False, disk_layers: int = 0) -> Footprint:
+              limited: bool = False, disk_layers: int = 0, verify_rows: int = 1) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
     largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
     pages stepped down to the last format of KVExec's pressure ladder; `dense_prefill`
     False: prefill runs on the resident forms (the plan carries it; `working` then
     counts no dense copy); `limited`: a budget holds the pages to a limit (whole pages
-    counted, not whole segments); `disk_layers`: growing layers whose pages live on disk."""
+    counted, not whole segments); `disk_layers`: growing layers whose pages live on disk;
+    `verify_rows`: the most positions a decode step feeds (1 + a draft's tokens,
+    justfit.draft), each with its logits."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -245,14 +251,15 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
                             window_layers=window_layers, dense_prefill=dense_prefill, limited=limited,
-                            disk_layers=disk_layers)
+                            disk_layers=disk_layers, verify_rows=verify_rows)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
                      kv_heads: int, head_dim: int, hidden: int, intermediate: int, vocab: int, weights: int,
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
                      pressed: bool = False, window_layers: tuple[int, ...] = (),
-                     dense_prefill: bool = True, limited: bool = False, disk_layers: int = 0) -> Footprint:
+                     dense_prefill: bool = True, limited: bool = False, disk_layers: int = 0,
+                     verify_rows: int = 1) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
@@ -286,6 +293,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill, limited=limited,
         disk_layers=0 if kv is None else min(disk_layers, full_layers), page_row_max=row_max,
+        verify_rows=max(1, verify_rows),
     )
     return _estimate(shape, positions)
 

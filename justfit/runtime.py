@@ -26,11 +26,20 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
   alone, and the first name asked of the package itself (`mlx_lm.load`,
   `from mlx_lm import generate`, `__version__`) runs the `__init__` then, so code
   that uses mlx-lm whole still gets it whole. Once `mlx_lm` is loaded this is skipped.
+
+Besides `setup()`, the process-wide settings a running engine asks for go through here
+too, and nowhere else: `hold_memory` (MLX's buffer cache and limits, glibc's mmap
+threshold) and `at_exit` (work to finish before the interpreter exits). The native
+CPU kernels' switch, JUSTFIT_NATIVE, is read by their own package (`justfit_native`),
+which kvexec and phaseswap ask; `native_kernels()` says once whether they run and why.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -38,6 +47,9 @@ from types import ModuleType
 from dataclasses import dataclass
 
 import justfit.blas as blas
+
+log = logging.getLogger("justfit.runtime")
+NATIVE_ENV = "JUSTFIT_NATIVE"  # "0": run without JustFit's native kernels (read by justfit_native)
 
 
 @dataclass(frozen=True)
@@ -111,3 +123,61 @@ def current() -> Runtime | None:
     """What `setup()` did, or None when it has not run in this process."""
     return _runtime
 
+
+
+def hold_memory(budget: int | None) -> None:
+    """Make freed memory go back to the system at once: glibc's mmap threshold (under a
+    budget) and, on the CPU, no MLX buffer cache (its buffers are plain process memory
+    the planner does not count and a whole-process peak does). On Metal, under a
+    budget, MLX's own limits held to it. Process-wide, so only here."""
+    import mlx.core as mx
+
+    from justfit.memory import glibc
+
+    libc = glibc()
+    if budget is not None and libc is not None:
+        # By default glibc keeps raising its mmap threshold and recycles freed blocks in
+        # its heap, so RSS stays at past transients' high-water mark; 256 KiB and up go
+        # back on free instead (a lower peak for slightly slower steps).
+        libc.mallopt(-3, 1 << 18)  # M_MMAP_THRESHOLD
+    if not (mx.default_device() == mx.gpu and mx.metal.is_available()):
+        mx.set_cache_limit(0)
+        return
+    if budget is not None:
+        mx.set_memory_limit(budget)
+        mx.set_cache_limit(budget // 8)
+        mx.set_wired_limit(min(budget, mx.metal.device_info().get("max_recommended_working_set_size", budget)))
+
+
+def at_exit(callback) -> None:
+    """Run `callback` when the interpreter exits (e.g. wait for queued state writes)."""
+    atexit.register(callback)
+
+
+@functools.cache  # says why once
+def native_kernels():
+    """JustFit's native CPU kernels (the `justfit_native` extension, built from native/),
+    or None: turned off (JUSTFIT_NATIVE=0, read by justfit_native.requested), not built,
+    or built for another ABI than this MLX's. Says which once, through logging: without
+    them the residency policy and the numerics differ (MLX's kernels run instead)."""
+    instead = "MLX's own CPU kernels run instead (slower decode, another residency policy)"
+    # ./dev builds native/ on Linux only: elsewhere their absence is expected, not a fault
+    level = logging.WARNING if sys.platform.startswith("linux") else logging.INFO
+    try:
+        import justfit_native
+    except ImportError as e:
+        log.log(level, "native kernels not built (%s); %s. `./dev setup` builds native/", e, instead)
+        return None
+    if not justfit_native.requested():
+        log.info("native kernels off by request (%s=0): MLX's own kernels run", NATIVE_ENV)
+        return None
+    try:
+        from justfit_native import _ext  # noqa: F401
+    except ImportError as e:
+        log.log(level, "native kernels not built (%s); %s. `./dev setup` builds native/", e, instead)
+        return None
+    ext = justfit_native.kernels()
+    if ext is None:
+        log.log(level, "native kernels (justfit_native) cannot take this MLX's arrays (built against another "
+                "MLX or nanobind ABI); %s. Rebuild them: `./dev setup`", instead)
+    return ext

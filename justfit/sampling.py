@@ -37,14 +37,7 @@ def keyed_sampler(sp: SamplingParams, vocab: int, rng: dict) -> Sampler:
     request's own keys; advances `rng["step"]` once per token drawn."""
     if sp.temperature == 0:
         return greedy_sampler
-    top_k = sp.top_k if sp.top_k < vocab else 0  # keeping every token is no filter
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0 < sp.top_p < 1.0:
-        filters.append(lambda x: top_p_filter(x, sp.top_p))
-    if sp.min_p != 0.0:
-        filters.append(lambda x: min_p_filter(x, sp.min_p))
-    if top_k > 0:
-        filters.append(lambda x: top_k_filter(x, top_k))
+    filters = sampling_filters(sp, vocab)
 
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:
@@ -54,6 +47,30 @@ def keyed_sampler(sp: SamplingParams, vocab: int, rng: dict) -> Sampler:
         return mx.random.categorical(logprobs * (1.0 / sp.temperature), key=key)
 
     return sample
+
+
+def sampling_filters(sp: SamplingParams, vocab: int) -> list[Callable[[mx.array], mx.array]]:
+    """The filters `keyed_sampler` applies, in its order: top-p, min-p, top-k."""
+    top_k = sp.top_k if sp.top_k < vocab else 0  # keeping every token is no filter
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < sp.top_p < 1.0:
+        filters.append(lambda x: top_p_filter(x, sp.top_p))
+    if sp.min_p != 0.0:
+        filters.append(lambda x: min_p_filter(x, sp.min_p))
+    if top_k > 0:
+        filters.append(lambda x: top_k_filter(x, top_k))
+    return filters
+
+
+def sampling_logprobs(sp: SamplingParams, logprobs: mx.array) -> mx.array:
+    """The normalized log-probabilities `keyed_sampler` draws from, row by row: its
+    filters, then the temperature (speculative sampling's target, justfit.speculate)."""
+    if sp.temperature == 0:
+        raise ValueError("greedy decoding draws from no distribution: use justfit.speculate.greedy_accept")
+    for f in sampling_filters(sp, int(logprobs.shape[-1])):
+        logprobs = f(logprobs)
+    scaled = logprobs.astype(mx.float32) * (1.0 / sp.temperature)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 
 # mlx-lm's filters do the same, but compiled with MLX's global RNG state as an input and

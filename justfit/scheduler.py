@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from justfit import runtime
+from justfit.batch_worker import work_batched
 from justfit.config import SamplingParams
 from justfit.errors import JustFitError, ServerStopping
 from justfit.tickets import Tickets
@@ -104,13 +105,17 @@ class Scheduler:
             raise ValueError("max_batch must be >= 1")
         self.engine, self.max_queue, self.on_done, self.max_batch = engine, max_queue, on_done, max_batch
         self.preempt = preempt  # batching: park sequences on disk rather than count each at its plan's end
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: deque[Job | None] = deque()  # None: the worker's signal to stop
+        self._arrived = threading.Condition()  # guards _queue; notified on every put
         self.active: list[Job] = []  # the jobs computing now, oldest first
         self.completed = self.cancelled = self.failed = self.rejected = 0
         self._seconds = 1.0  # recent request duration, for Retry-After
-        self.batch = None  # the BatchRunner, with max_batch > 1 (justfit.batch_worker)
+        self.batch = None  # the BatchRunner its worker steps (justfit.batch_worker)
+        self.last_stats = None  # the stats of the request that finished last
         self.tickets = Tickets()  # places kept for clients turned away (touched on the server's loop only)
-        work = self._work if max_batch == 1 else self._work_batched
+        # Every request runs as a sequence in the worker's batch (one at a time with
+        # max_batch 1); a layer pipeline runs one request at a time on rank 0's engine.
+        work = self._work_pipeline if engine.pipeline is not None else self._work_batched
         self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
         self._thread.start()
         self.watch = None  # a layer pipeline's bounded wait (justfit.stall), with `stall_s`
@@ -129,12 +134,24 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Jobs waiting in the queue (the running one excluded)."""
-        return self._queue.qsize()
+        with self._arrived:
+            return sum(j is not None for j in self._queue)
 
     def queued(self) -> list[Job]:
         """The jobs waiting, in order (a snapshot)."""
-        with self._queue.mutex:
-            return [j for j in self._queue.queue if j is not None]
+        with self._arrived:
+            return [j for j in self._queue if j is not None]
+
+    def _put(self, job: Job | None, at: int | None = None) -> None:
+        with self._arrived:
+            self._queue.insert(len(self._queue) if at is None else at, job)
+            self._arrived.notify()
+
+    def live_layers(self) -> list:
+        """Every layer of the running sequences' caches (the status page's KV), a snapshot."""
+        b = self.batch
+        running = list(b.running) if b is not None else []
+        return [layer for s in running if s.cache is not None for layer in s.cache]
 
     def batch_stats(self) -> dict:
         """With batching: sequences set aside now, preemptions so far, seconds swapping."""
@@ -159,18 +176,15 @@ class Scheduler:
             held = self.tickets.hold(ticket, now, now + max(TICKET_FLOOR_S, TICKET_PERIODS * retry))
             raise QueueFull(self.waiting, retry, held)
         ahead = self.waiting + len(self.active)
-        self._queue.put(job)
+        self._put(job)
         return ahead
 
     def _queue_in_order(self, job: Job) -> int:
         """Put `job` in the queue before the jobs submitted after it; how many are ahead."""
-        q = self._queue
-        with q.mutex:  # queue.Queue's own lock and deque: an insert, then the wake-up put() would do
-            later = [i for i, j in enumerate(q.queue) if j is None or j.submitted > job.submitted]
-            at = later[0] if later else len(q.queue)
-            q.queue.insert(at, job)
-            q.unfinished_tasks += 1
-            q.not_empty.notify()
+        with self._arrived:
+            later = [i for i, j in enumerate(self._queue) if j is None or j.submitted > job.submitted]
+            at = later[0] if later else len(self._queue)
+            self._put(job, at)
         return at + len(self.active)
 
     def idle(self) -> bool:
@@ -195,12 +209,46 @@ class Scheduler:
             self.watch.stopped.set()
         for job in list(self.active):
             job.cancel.set()
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout=30)
 
-    def _work(self) -> None:
+    def next_job(self, block: bool) -> tuple[Job | None, bool]:
+        """Take the first job waiting out of the queue (waiting for one if `block`);
+        None when there is none or the scheduler is closing (the second value)."""
+        with self._arrived:
+            while block and not self._queue:
+                self._arrived.wait()
+            if not self._queue or self._queue[0] is None:
+                return None, bool(self._queue)
+            return self._queue.popleft(), False
+
+    def put_back(self, job: Job) -> None:
+        """Return a job taken by `next_job` to the head of the queue (it waits for room)."""
+        self._put(job, 0)
+
+    def finished(self, job: Job, outcome: str, stats=None) -> None:
+        """Count `job` as "completed", "cancelled" or "failed" and hand its stats on
+        (its wait in the queue set); the request durations behind Retry-After."""
+        if outcome not in ("completed", "cancelled", "failed"):
+            raise ValueError(f"unknown outcome {outcome!r}")
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        if job.started is not None:
+            self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - job.started)
+        if stats is not None:
+            stats.queue_s = job.started - job.submitted
+            self.last_stats = stats
+            if self.on_done:
+                self.on_done(stats)
+
+    def _work_pipeline(self) -> None:
         runtime.setup()  # this thread computes on the shared execution stream
-        while (job := self._queue.get()) is not None:
+        while True:
+            with self._arrived:
+                while not self._queue:
+                    self._arrived.wait()
+                job = self._queue.popleft()
+            if job is None:
+                return
             if job.cancel.is_set():  # its client left while it waited
                 self.cancelled += 1
                 job.ended_by_stop()
@@ -212,11 +260,8 @@ class Scheduler:
                 self._run(job)
             finally:
                 self.active = []
-                self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - job.started)
 
     def _work_batched(self) -> None:
-        from justfit.batch_worker import work_batched
-
         work_batched(self)
 
     def _run(self, job: Job) -> None:
@@ -226,12 +271,12 @@ class Scheduler:
             job.processed = done
             job.emit("progress", (done, total, time.monotonic() - job.started))
 
-        before = self.engine.last_stats
         gen = self.engine.generate(job.tokens, job.sampling, progress, session=job.session, scope=job.scope)
-        failed = False
+        failed, stats = False, None
         try:
             for chunk in gen:
                 job.generated += chunk.token is not None
+                stats = chunk.stats or stats
                 job.emit("chunk", chunk)
                 if job.cancel.is_set():
                     break
@@ -244,17 +289,8 @@ class Scheduler:
             job.emit("error", e)
         finally:
             gen.close()  # stores the state computed so far
-            if failed:
-                self.failed += 1
-            elif job.cancel.is_set():
-                self.cancelled += 1
-            else:
-                self.completed += 1
-            stats = self.engine.last_stats if self.engine.last_stats is not before else None
-            if stats is not None:
-                stats.queue_s = job.started - job.submitted
-            if self.on_done and stats is not None:
-                self.on_done(stats)
+            outcome = "failed" if failed else "cancelled" if job.cancel.is_set() else "completed"
+            self.finished(job, outcome, stats)
             if not failed:
                 job.ended_by_stop()
             job.emit("done", stats)

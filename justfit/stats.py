@@ -27,6 +27,8 @@ class GenerationStats:
     swap_s: float = 0.0  # writing its state out and reading it back, of that time
     planned_bytes: int = 0  # the planner's footprint for this request (what was checked against the budget)
     prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
+    drafted_tokens: int = 0  # tokens drafted from the sequence's own text and verified (justfit.draft)
+    accepted_tokens: int = 0  # of those, the ones the model agreed with (each saved a decode step)
     memory: MemoryReport | None = None
     kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
     kv_disk: dict | None = None  # pages on disk: bytes there, read, read time (justfit.pages.disk_stats)
@@ -66,3 +68,23 @@ class Chunk:
     stats: GenerationStats | None = None
     logprob: float | None = None  # the token's, when SamplingParams.logprobs asked
     top_logprobs: list[tuple[int, float]] | None = None  # the most likely tokens there, best first
+
+
+@dataclass
+class Reply:
+    """A whole reply: its text, its tokens and the stats of the request that made it."""
+
+    text: str
+    tokens: list[int]
+    stats: GenerationStats | None
+
+
+def collect(chunks) -> Reply:
+    """Gather streamed chunks into one Reply (stats from the last chunk that has them)."""
+    text, tokens, stats = [], [], None
+    for c in chunks:
+        text.append(c.text)
+        if c.token is not None:
+            tokens.append(c.token)
+        stats = c.stats or stats
+    return Reply("".join(text), tokens, stats)

@@ -42,8 +42,8 @@ class StopMatcher:
 class ReplyText:
     """One reply's tokens turned into text: end-of-sequence, detokenizing, stop strings
     and the token limit, with the counts and finish kept in `stats` (GenerationStats).
-    The lone path (justfit.runner) and a batch's sequences (justfit.batch_sequence)
-    both emit through it."""
+    Every request's sequence (justfit.sequence) and a pipeline's requests
+    (justfit.pipeline_runner) emit through it."""
 
     def __init__(self, tokenizer, sp, stats):
         self.detok = tokenizer.detokenizer  # mlx-lm hands each caller its own copy

@@ -1,6 +1,6 @@
 """JustFit's native kernels as KVExec uses them on the CPU: where the extension is built
 (`native/`), the page product, decode attention and the pages' dequantization run
-there; elsewhere (not built, Metal) each caller keeps its MLX path."""
+there; elsewhere (not built, JUSTFIT_NATIVE=0, Metal) each caller keeps its MLX path."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ROWS_KERNEL_MAX = 32  # query rows (decode, short chunks) the native page produc
 
 @functools.cache
 def _page_kernels():
-    """The built extension module when it has the page product, else None (looked up once)."""
+    """The built extension module when it has the page product, else None: not built,
+    or off (JUSTFIT_NATIVE=0; justfit.runtime.native_kernels says which once)."""
     try:
         from justfit_native import kernels
     except ImportError:

@@ -11,6 +11,7 @@ probe forward at install finds them and refuses them (`check`).
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,17 +40,36 @@ def _wrap(original):
 
 def install(model: nn.Module) -> None:
     """Route this model's attention through KVExec when its cache is paged; raise
-    SeamBypassed for a model whose attention would not reach the executor."""
-    modules = {type(m).__module__ for _, m in model.named_modules()}
-    patched = 0
-    for name in modules:
+    SeamBypassed for a model whose attention would not reach the executor. JustFit
+    installs it through justfit.adapter, with its other changes to the model."""
+    wrap(model)
+    check(model)
+
+
+def wrap(model: nn.Module) -> list[tuple[ModuleType, bool]]:
+    """Wrap the attention function of each module `model`'s layers come from (once: a
+    wrapped one stays as it is); those modules, each with whether this call wrapped it.
+    Raise SeamBypassed where there is none."""
+    modules = []
+    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         mod = sys.modules.get(name)
         if mod is not None and callable(getattr(mod, _ATTR, None)):
+            modules.append((mod, not wrapped(mod)))
             setattr(mod, _ATTR, _wrap(getattr(mod, _ATTR)))
-            patched += 1
-    if not patched:
+    if not modules:
         raise _refusal(model_type(model), "does not call mlx-lm's scaled_dot_product_attention")
-    check(model)
+    return modules
+
+
+def wrapped(module: ModuleType) -> bool:
+    """Whether `module`'s attention function is the seam's."""
+    return getattr(getattr(module, _ATTR, None), "_kvexec", False)
+
+
+def unwrap(module: ModuleType) -> None:
+    """Give `module` back mlx-lm's own attention function (nothing where it is not wrapped)."""
+    if wrapped(module):
+        setattr(module, _ATTR, getattr(module, _ATTR)._original)
 
 
 def model_type(model: nn.Module) -> str:

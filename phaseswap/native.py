@@ -20,8 +20,9 @@ import mlx.nn as nn
 
 @functools.cache
 def kernels():
-    """The built extension module, or None when it is not installed (looked up once: a
-    decode step asks a few hundred times)."""
+    """The built extension module, or None: not built, or off (JUSTFIT_NATIVE=0; see
+    justfit.runtime.native_kernels, which says which once). Looked up once: a decode step
+    asks a few hundred times."""
     try:
         from justfit_native import kernels as native_kernels
     except ImportError:
@@ -262,17 +263,23 @@ def install_ops(model: nn.Module) -> int:
     """Give `model`'s plain rotary embeddings and RMS norms (nn.RoPE and nn.RMSNorm
     exactly: variants, such as Gemma's 1 + weight norm, keep MLX's) the native kernels;
     how many were. Nothing where the kernels are not built."""
+    return len(replace_ops(model))
+
+
+def replace_ops(model: nn.Module) -> list[tuple]:
+    """`install_ops`, each replacement as (container, key, original, native): what
+    justfit.adapter puts back when it removes them."""
     if kernels() is None:
-        return 0
-    count = 0
+        return []
+    done = []
     for _, mod in model.named_modules():
         for name, value in list(mod.items()):  # a Module is a dict of its members
             if isinstance(value, list):  # e.g. nn.Sequential's layers
                 for i, c in enumerate(value):
                     if type(c) in _NATIVE_OPS:
                         value[i] = _recast(c, _NATIVE_OPS[type(c)])
-                        count += 1
+                        done.append((value, i, c, value[i]))
             elif type(value) in _NATIVE_OPS:
                 mod[name] = _recast(value, _NATIVE_OPS[type(value)])
-                count += 1
-    return count
+                done.append((mod, name, value, mod[name]))
+    return done

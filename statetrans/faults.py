@@ -1,14 +1,14 @@
-"""Crash points for the kill-injection tests: with JUSTFIT_STATE_FAULT="POINT:N" set,
-the process SIGKILLs itself the N-th time it reaches POINT (write, fsync, publish,
-published, cleanup, spill). Unset, reaching a point does nothing."""
+"""Crash points for the kill-injection tests: a test process that calls
+`install(Faults.parse("POINT:N"))` SIGKILLs itself the N-th time a StateTiers made
+afterwards reaches POINT (write, fsync, publish, published, cleanup, spill). Only the
+test harness installs one (tests/state_crash_child.py): production code reads no
+fault switch, and without one reaching a point does nothing."""
 
 from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
-
-ENV = "JUSTFIT_STATE_FAULT"
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -19,9 +19,9 @@ class Faults:
     countdown: int = 0
 
     @classmethod
-    def from_env(cls) -> "Faults":
-        """The crash point the environment asks for, if any."""
-        point, _, n = os.environ.get(ENV, "").partition(":")
+    def parse(cls, spec: str) -> "Faults":
+        """The crash point "POINT:N" names (N defaults to 1; "" names none)."""
+        point, _, n = spec.partition(":")
         return cls(point or None, int(n or 1))
 
     def reach(self, name: str) -> None:
@@ -34,3 +34,16 @@ class Faults:
 
 
 NONE = Faults()
+
+_installed = NONE  # the test harness's crash point for this process, if any
+
+
+def install(faults: Faults) -> None:
+    """Make StateTiers made from now on in this process die at `faults`' point (tests only)."""
+    global _installed
+    _installed = faults
+
+
+def installed() -> Faults:
+    """A fresh countdown of the installed crash point (each StateTiers counts its own visits)."""
+    return replace(_installed)

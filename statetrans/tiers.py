@@ -15,14 +15,12 @@ a scope, and listings show other scopes only as counts.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import json
 import logging
 import threading
 import time
 import uuid
-import weakref
 from collections import deque
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import mlx.core as mx
 from kvexec.export import can_trim
 from statetrans.disk import locked, sweep_temporaries
 from statetrans.disk_tier import DiskTier
-from statetrans.faults import Faults
+from statetrans.faults import Faults, installed as installed_faults
 from statetrans.identity import identity_key, read_checked
 from statetrans.memory_tier import Entry, Index, Reuse, cache_nbytes
 from statetrans.quarantine import quarantine
@@ -56,7 +54,7 @@ class StateTiers:
         self.identity, self.layers, self.vocab = identity, layers, vocab  # vocab: token ids are below it
         self.dir = Path(directory).expanduser() / identity_key(identity)
         self.memory_limit, self.disk_limit = memory_limit, disk_limit  # disk_limit: anonymous states'
-        self.faults = faults if faults is not None else Faults.from_env()
+        self.faults = faults if faults is not None else installed_faults()
         self.index = Index()
         self.disk = DiskTier(self.dir, identity, self.faults, Expect(layers, vocab))
         self.store = SessionStore(self.dir, identity, self.faults, Expect(layers, vocab))
@@ -69,7 +67,6 @@ class StateTiers:
         self._spill_error = ""  # why the latest spill failed, until one succeeds
         self._settling = threading.Lock()
         self._scan()
-        _flush_at_exit(self)
 
     @property
     def session_disk_limit(self) -> int | None:
@@ -451,10 +448,3 @@ class StateTiers:
         for e in [e for e in list(self.index.entries.values()) if e.session is None]:
             self._forget(e)
         self.last = None
-
-
-def _flush_at_exit(tiers: StateTiers) -> None:
-    """At interpreter exit, wait for queued session writes (without keeping `tiers`
-    alive meanwhile)."""
-    ref = weakref.ref(tiers)
-    atexit.register(lambda: (t := ref()) is not None and t.flush())

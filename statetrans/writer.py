@@ -11,13 +11,11 @@ kept, the latest few with their reasons, all of them as counts."""
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -102,7 +100,6 @@ class WriteThrough:
         self._pending: dict[tuple[str, str], int] = {}  # (scope, session) -> jobs queued or running
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._at_exit = False  # the exit hook is registered
         self.failures: deque[str] = deque(maxlen=KEPT_FAILURES)  # the latest that could not be written
         self.written = self.write_failures = 0
         self.last_error = ""  # why the latest write failed, until one succeeds again
@@ -130,9 +127,6 @@ class WriteThrough:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="statetrans-writer", daemon=True)
                 self._thread.start()
-                if not self._at_exit:
-                    self._at_exit = True
-                    _wait_at_exit(self)
         self._queue.put(job)  # blocks while the queue is full: memory for copies is bounded
 
     def wait(self, key: tuple[str, str] | None = None, timeout: float | None = None) -> bool:
@@ -202,10 +196,3 @@ def reason_of(err: Exception) -> str:
     if isinstance(err, OSError) and err.errno is not None:
         return f"{errno.errorcode.get(err.errno, err.errno)}: {err.strerror or ''}".strip(": ")
     return type(err).__name__
-
-
-def _wait_at_exit(writer: WriteThrough) -> None:
-    """At interpreter exit, let queued writes finish (the thread is a daemon: without
-    this, exit would cut a write short)."""
-    ref = weakref.ref(writer)
-    atexit.register(lambda: (w := ref()) is not None and w.wait())

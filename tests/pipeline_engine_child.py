@@ -39,14 +39,13 @@ if die_after:
     print(json.dumps({"errors": errors, "lost": engine.pipeline_lost}))
     os._exit(0)
 prompt = "The capital of France is Paris. The capital of Italy is"
-tokens = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
+tokens = engine.reply(prompt, sp).tokens
 # a next turn: what every rank still holds is extended, not computed again
 turn = engine.tokenizer.encode(prompt) + tokens + engine.tokenizer.encode(" Madrid is in")
-next_turn = [c.token for c in engine.generate(turn, sp) if c.token is not None]
-cached = engine.last_stats.cached_tokens
-again = [c.token for c in engine.generate(prompt + " Rome.", sp) if c.token is not None]  # starts afresh
-out = {"tokens": tokens, "next_turn": next_turn, "cached": cached, "again": again,
-       "again_cached": engine.last_stats.cached_tokens, "ranks": [facts]}
+next_turn = engine.reply(turn, sp)
+again = engine.reply(prompt + " Rome.", sp)  # starts afresh
+out = {"tokens": tokens, "next_turn": next_turn.tokens, "cached": next_turn.stats.cached_tokens,
+       "again": again.tokens, "again_cached": again.stats.cached_tokens, "ranks": [facts]}
 if group is not None:
     engine.close_pipeline()
     other = mx.distributed.recv_like(mx.zeros((3,), dtype=mx.int64), 1, group=group).tolist()

@@ -23,7 +23,7 @@ sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def reply(tokens) -> list[int]:
-    return [c.token for c in engine.generate(tokens, sp) if c.token is not None]
+    return engine.reply(tokens, sp).tokens
 
 
 prompt = engine.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
@@ -32,9 +32,10 @@ saved = engine.save_state(str(folder / "conversation"))
 reply(engine.tokenizer.encode("Once upon a time"))  # every rank moves on to something else
 loaded = engine.load_state(str(folder / "conversation"))
 turn = prompt + first + engine.tokenizer.encode(" Madrid is in")
-second = reply(turn)
+answer = engine.reply(turn, sp)
+second = answer.tokens
 engine.save_state(str(folder / "conversation"))  # a new generation replaces the first, on every rank
-out = {"first": first, "second": second, "cached": engine.last_stats.cached_tokens,
+out = {"first": first, "second": second, "cached": answer.stats.cached_tokens,
        "saved_tokens": saved.tokens, "loaded_tokens": loaded.tokens,
        "parts": sorted(p.name.split("-")[0] for p in (folder / "conversation").iterdir() if p.is_dir())}
 out["parts_files"] = sorted(p.name for p in (folder / "conversation").rglob("*") if p.is_file())
@@ -48,8 +49,8 @@ try:
     out["damaged"] = "loaded"
 except SnapshotError as e:
     out["damaged"] = str(e)
-out["third"] = reply(turn + second + engine.tokenizer.encode(" and"))
-out["third_cached"] = engine.last_stats.cached_tokens
+third = engine.reply(turn + second + engine.tokenizer.encode(" and"), sp)
+out["third"], out["third_cached"] = third.tokens, third.stats.cached_tokens
 if group is not None:
     engine.close_pipeline()
 print(json.dumps(out))

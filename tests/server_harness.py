@@ -57,15 +57,36 @@ def request(live, method, path, body=None, raw=None, headers=None):
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}
 
 
-class Gate:
-    """The engine, with generation held until the test opens the gate."""
+class Starting:
+    """The engine, calling `hook()` on the engine thread as each request starts (when
+    its sequence takes its stored state), before any work."""
 
-    def __init__(self, engine):
-        self._engine, self.open = engine, threading.Event()
+    def __init__(self, engine, hook):
+        self._engine, self._hook = engine, hook
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, *args, **kwargs):
-        self.open.wait(30)
-        yield from self._engine.generate(*args, **kwargs)
+    @property
+    def states(self):
+        return _HookedStates(self._engine.states, self._hook)
+
+
+class _HookedStates:
+    def __init__(self, states, hook):
+        self._states, self._hook = states, hook
+
+    def __getattr__(self, name):
+        return getattr(self._states, name)
+
+    def take(self, *args, **kwargs):
+        self._hook()
+        return self._states.take(*args, **kwargs)
+
+
+class Gate(Starting):
+    """The engine, each request held as it starts until the test opens the gate."""
+
+    def __init__(self, engine):
+        self.open = threading.Event()
+        super().__init__(engine, lambda: self.open.wait(30))

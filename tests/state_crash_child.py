@@ -81,8 +81,10 @@ def work(spec: dict, log) -> None:
         log.write(" ".join(str(w) for w in words) + "\n")
         log.flush()
 
-    if spec.get("fault"):
-        os.environ["JUSTFIT_STATE_FAULT"] = spec["fault"]
+    if spec.get("fault"):  # a StateTrans crash point, installed in this worker only
+        from statetrans import faults
+
+        faults.install(faults.Faults.parse(spec["fault"]))
     engine = engine_for(spec)
     say("ready", os.getpid())
     rng = random.Random(spec.get("seed", 0))

@@ -15,7 +15,7 @@ from kvexec import KVConfig, PageStore, blockwise_attention, transient_bytes
 from phaseswap import native
 
 pytestmark = pytest.mark.skipif(not native.available() or not hasattr(native.kernels(), "attention_fold"),
-                                reason="native/ is not built here (./dev setup builds it)")
+                                reason="native kernels not built here, or off (JUSTFIT_NATIVE=0); ./dev setup builds them")
 
 
 def _reference(q, k, v, m, l, acc, L, q_start, k_start, window):

@@ -86,10 +86,10 @@ def test_raw_chat_continues_the_text_and_reuses_state_across_turns(base_engine):
     out, err = io.StringIO(), io.StringIO()
     s = ChatSession(base_engine, ["the cat", "sat on"], out, err, sampling=GREEDY, raw=True)
     s.handle(s.read_input())
-    first = base_engine.last_stats
+    first = s.last_stats
     assert first.prompt_tokens == len(base_engine.encode("the cat"))  # the text as typed, nothing around it
     s.handle(s.read_input())
-    second = base_engine.last_stats
+    second = s.last_stats
     # Turn 2 starts with exactly what turn 1 computed: only the new line is prefilled.
     new_line = base_engine.tokenizer.encode("\nsat on", add_special_tokens=False)
     assert second.prompt_tokens == first.prompt_tokens + first.generated_tokens + len(new_line)
@@ -111,7 +111,7 @@ def test_raw_transcript_loads_back_as_one_text(base_engine, tmp_path):
     resumed.handle(resumed.read_input())
     text = text_of(base_engine)
     assert text.startswith("A story.\n\nthe cat") and "\nsat on" in text
-    assert base_engine.last_stats.cached_tokens >= len(base_engine.encode("A story.\n\nthe cat"))
+    assert resumed.last_stats.cached_tokens >= len(base_engine.encode("A story.\n\nthe cat"))
 
 
 def test_piped_chat_on_a_base_model_says_so_once_and_prints_the_continuation(base_engine, uses):
@@ -129,7 +129,7 @@ def test_raw_flag_skips_a_models_template(tiny_llama_dir, uses):
     assert result.exit_code == 0, result.output
     assert text_of(engine).startswith("the cat") and "<|im_start|>" not in text_of(engine)
     assert result.stderr == ""  # asked for: nothing to say when piped
-    both = CliRunner().invoke(main, ["chat", "--raw", "--template", "x.jinja"], input="hi\n")
+    both = CliRunner().invoke(main, ["chat", "--raw", "--chat-template", "x.jinja"], input="hi\n")
     assert both.exit_code == 2 and "exclude each other" in both.output
 
 
@@ -137,18 +137,25 @@ def test_template_option_applies_the_given_template(base_dir, uses, tmp_path):
     engine = uses(Engine(str(base_dir)))  # its own: the template is installed on its tokenizer
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
-    result = CliRunner().invoke(main, ["chat", "--template", str(path), "-t", "0", "--max-tokens", "3"],
+    result = CliRunner().invoke(main, ["chat", "--chat-template", str(path), "-t", "0", "--max-tokens", "3"],
                                 input="the cat\n")
     assert result.exit_code == 0, result.output
     assert text_of(engine).startswith("<<user>>the cat\n<<assistant>>") and NOTICE not in result.stderr
+    engine.reset()  # the old spelling still works, and says once what to write instead
+    result = CliRunner().invoke(main, ["chat", "--template", str(path), "-t", "0", "--max-tokens", "3"],
+                                input="the cat\n")
+    assert result.exit_code == 0, result.output
+    assert text_of(engine).startswith("<<user>>the cat\n<<assistant>>")
+    assert result.stderr == "warning: --template is deprecated; use --chat-template\n"
     strict = tmp_path / "strict.jinja"  # renders one question, refuses a system prompt
     strict.write_text("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
                       + TEMPLATE)
-    result = CliRunner().invoke(main, ["chat", "--template", str(strict), "--system", "Be brief."], input="hi\n")
+    result = CliRunner().invoke(main, ["chat", "--chat-template", str(strict), "--system", "Be brief."],
+                                input="hi\n")
     assert result.exit_code == 1 and "rejected the conversation: no system role" in result.stderr
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% if %}")
-    result = CliRunner().invoke(main, ["chat", "--template", str(bad)], input="hi\n")
+    result = CliRunner().invoke(main, ["chat", "--chat-template", str(bad)], input="hi\n")
     assert result.exit_code == 1 and result.stderr.startswith(f"error: chat template {bad} is not a usable")
     result = CliRunner().invoke(main, ["serve", "--chat-template", str(tmp_path / "none.jinja")])
     assert result.exit_code == 1 and "cannot read chat template" in result.stderr

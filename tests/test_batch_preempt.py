@@ -12,7 +12,7 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.batch import BatchRunner
-from justfit.batch_sequence import Sequence
+from justfit.sequence import Sequence
 from justfit.config import EngineConfig
 from statetrans import SnapshotError, StateTiers, capture, park, unpark
 

@@ -51,8 +51,8 @@ def test_parts_add_up_to_rss_after_load_and_after_a_request(tiny_gguf):
     assert loaded["parts"]["pages"] == loaded["parts"]["hot_window"] == 0  # nothing computed yet
 
     ids = engine.tokenizer.encode("the quick brown fox " * 40)[:200]
-    engine.complete(ids, SamplingParams(temperature=0, max_tokens=8))
-    after = process_breakdown(engine)
+    reply = engine.reply(ids, SamplingParams(temperature=0, max_tokens=8))
+    after = process_breakdown(engine, last=reply.stats)
     _check_sum(after)
     held = after["parts"]["pages"] + after["parts"]["hot_window"]
     assert held == engine.states.memory_bytes > 0  # the stored state's KV, split into pages and hot window

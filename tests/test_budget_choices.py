@@ -60,9 +60,10 @@ def test_tight_budget_shrinks_the_prefill_chunk_before_offloading(q4_dir):
     engine = Engine(str(q4_dir), budget=small, config=EngineConfig(policy="cpu"))
     offloaded, fp = engine.plan(positions)
     assert offloaded == () and MIN_PREFILL_CHUNK <= fp.shape.chunk < 512 and fp.total <= small
-    got = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
-    assert engine.last_stats.prefill_chunk == fp.shape.chunk
-    assert engine.last_stats.phases[0].peak_bytes <= small + mx.get_active_memory()  # MLX holds other tests' arrays too
+    reply = engine.reply(prompt, sp)
+    got = reply.tokens
+    assert reply.stats.prefill_chunk == fp.shape.chunk
+    assert reply.stats.phases[0].peak_bytes <= small + mx.get_active_memory()  # MLX holds other tests' arrays too
     # the same chunk without a budget computes the same tokens: only the schedule changed
     same = Engine(str(q4_dir), config=EngineConfig(policy="cpu", prefill_chunk=fp.shape.chunk))
     assert [c.token for c in same.generate(prompt, sp) if c.token is not None] == got

@@ -59,7 +59,7 @@ def test_second_turn_reuses_the_kept_state(engine):
     s, out, err = session(engine, [QUESTION, "And of Germany?"])
     s.run()
     assert "Paris" in s.messages[1]["content"]
-    stats = engine.last_stats
+    stats = s.last_stats  # the last turn's, from its last chunk
     assert stats.cached_tokens > 0
     assert stats.prompt_tokens - stats.cached_tokens < 30  # only the new turn was prefilled
     assert "Paris" in out.getvalue()
@@ -74,7 +74,7 @@ def test_reset_forgets_the_conversation(engine):
     assert s.messages == [] and engine.cached_tokens == []
     assert "conversation cleared" in err.getvalue()
     s.handle(s.read_input())
-    assert engine.last_stats.cached_tokens == 0
+    assert s.last_stats.cached_tokens == 0
     assert [m["content"] for m in s.messages if m["role"] == "user"] == ["And of Germany?"]
 
 
@@ -87,17 +87,16 @@ def test_system_command_sets_prompt_and_starts_over(engine):
     text = engine.tokenizer.decode(engine.cached_tokens)
     assert "You are a pirate named Zorblax." in text and QUESTION not in text
     assert "system prompt: 'You are a pirate named Zorblax.'" in err.getvalue()
-    assert engine.last_stats.cached_tokens == 0  # the new system prompt was prefilled
+    assert s.last_stats.cached_tokens == 0  # the new system prompt was prefilled
 
 
 def test_stats_command(engine):
-    s, out, err = session(engine, ["/stats", QUESTION, "/stats"])
-    engine.last_stats = None  # as in a fresh process
+    s, out, err = session(engine, ["/stats", QUESTION, "/stats"])  # a new session: no request yet
     s.run()
     report = err.getvalue()
     assert "last request: none yet" in report
     assert f"BLAS {engine.blas}" in report and f"policy {engine.policy.name}" in report
-    assert f"last request: {engine.last_stats.summary()}" in report
+    assert f"last request: {s.last_stats.summary()}" in report
     assert "memory: weights" in report and "MLX peak" in report
     assert "phase prefill: " in report and "phase decode: " in report and "components resident" in report
     assert f"of {engine.context_limit} context" in report
@@ -117,7 +116,7 @@ def test_save_and_load_round_trip(engine, tmp_path):
     assert f"loaded 2 messages from {path}" in err2.getvalue()
     t.handle(t.read_input())
     # The next turn prefilled the loaded conversation (the engine had been reset).
-    assert engine.last_stats.cached_tokens == 0
+    assert t.last_stats.cached_tokens == 0
     text = engine.tokenizer.decode(engine.cached_tokens)
     assert "Be brief." in text and QUESTION in text and "And of Germany?" in text
     assert len(t.messages) == 4
@@ -137,7 +136,7 @@ def test_save_and_load_state_resumes_without_recomputing(engine, tmp_path):
     assert engine.cached_tokens == kept and f"resumed 2 messages ({len(kept)} tokens of state)" in err2.getvalue()
     t.handle(t.read_input())
     # Only the new turn was prefilled: everything before it came from the state.
-    assert engine.last_stats.cached_tokens >= len(kept) - 1
+    assert t.last_stats.cached_tokens >= len(kept) - 1
     assert len(t.messages) == 4
 
 
@@ -193,7 +192,7 @@ def test_ctrl_c_stops_the_reply_but_keeps_the_session(engine):
     first = s.messages[1]["content"]
     assert s.messages[1]["role"] == "assistant" and 0 < len(first) < 100
     # The kept state held the partial reply, so the next turn only prefilled the new part.
-    assert engine.last_stats.cached_tokens > 0
+    assert s.last_stats.cached_tokens > 0
     assert "Paris" in s.messages[3]["content"]
 
 
@@ -218,9 +217,10 @@ def test_prefill_bar_only_for_long_new_prompts():
 
 def test_stats_line_after_a_reply(engine):
     engine.reset()
-    assert "Paris" in engine.complete([{"role": "user", "content": QUESTION}], GREEDY)
-    line = stats_line(engine)
-    s = engine.last_stats
+    reply = engine.reply([{"role": "user", "content": QUESTION}], GREEDY)
+    assert "Paris" in reply.text
+    s = reply.stats
+    line = stats_line(s)
     assert f"{s.generated_tokens} tokens at" in line and "tok/s" in line and "peak" in line
 
 

@@ -73,7 +73,7 @@ def test_help_lists_chat(runner):
     result = runner.invoke(main, ["chat", "--help"])
     assert result.exit_code == 0
     for option in ("--model", "--max-tokens", "--temperature", "--top-p", "--seed",
-                   "--system", "--raw", "--template", "--budget"):
+                   "--system", "--raw", "--chat-template", "--budget", "--draft"):
         assert option in result.output
     result = runner.invoke(main, ["generate", "--help"])  # chat's sampling and engine options
     for option in ("--prompt", "--stats", "--max-tokens", "--temperature", "--top-p", "--seed",
@@ -121,7 +121,7 @@ def test_piped_chat_answers_paris(runner, loads):
     assert loads == [(None, None)]
 
 
-def test_the_first_question_with_the_default_sampling(runner, loads, engine):
+def test_the_first_question_with_the_default_sampling(runner, loads, engine, monkeypatch):
     """The README's one question as a newcomer asks it, with the model's own sampling
     (SmolLM2's card: temperature 0.2, top-p 0.9) and five seeds: most answers name Paris
     and end there (the model stops; at 0.7 and top-p 1.0 it mostly rambles on). A guard
@@ -129,12 +129,23 @@ def test_the_first_question_with_the_default_sampling(runner, loads, engine):
     token is a near tie ("The" logprob -1.88, "L" -1.97), so some seeds answer in French
     (26 of 40 seeds named Paris in the first 40 tokens)."""
     assert (engine.default_sampling.temperature, engine.default_sampling.top_p) == (0.2, 0.9)
+    finishes = []  # each request's finish reason, from the stats on its last chunk
+    generate = engine.generate
+
+    def recording(*args, **kw):
+        for chunk in generate(*args, **kw):
+            if chunk.stats is not None:
+                finishes.append(chunk.stats.finish_reason)
+            yield chunk
+
+    monkeypatch.setattr(engine, "generate", recording)
     answers = []
     for seed in range(1, 6):
         engine.reset()  # each a first question, as from a fresh start
         result = runner.invoke(main, ["chat", "--seed", str(seed), "--max-tokens", "24"], input=QUESTION + "\n")
         assert result.exit_code == 0, result.output
-        answers.append((result.stdout.strip(), engine.last_stats.finish_reason))
+        assert len(finishes) == seed  # the one request ran to its last chunk
+        answers.append((result.stdout.strip(), finishes[-1]))
     assert sum("Paris" in text and finish == "stop" for text, finish in answers) >= 3, answers
 
 

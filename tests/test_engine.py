@@ -48,17 +48,17 @@ def test_conversation_state_is_reused_and_exact(llama, tiny_llama_dir):
     turn1 = [{"role": "user", "content": "hello there"}]
     reply = llama.complete(turn1, GREEDY)
     turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
-    got = _tokens(llama, turn2)
-    assert llama.last_stats.cached_tokens > len(llama.encode(turn1)) // 2
-    assert got == _fresh_tokens(tiny_llama_dir, turn2)
+    got = llama.reply(turn2, GREEDY)
+    assert got.stats.cached_tokens > len(llama.encode(turn1)) // 2
+    assert got.tokens == _fresh_tokens(tiny_llama_dir, turn2)
 
 
 def test_diverging_prompt_trims_state(llama, tiny_llama_dir):
     llama.reset()
     _tokens(llama, "one two three four five six")
-    got = _tokens(llama, "one two three seven")
-    assert 0 < llama.last_stats.cached_tokens < len(llama.encode("one two three seven"))
-    assert got == _fresh_tokens(tiny_llama_dir, "one two three seven")
+    got = llama.reply("one two three seven", GREEDY)
+    assert 0 < got.stats.cached_tokens < len(llama.encode("one two three seven"))
+    assert got.tokens == _fresh_tokens(tiny_llama_dir, "one two three seven")
 
 
 def test_sliding_window_model_reuse_matches_fresh(gemma, tiny_gemma3_dir):
@@ -82,7 +82,6 @@ def test_cancel_keeps_state_consistent(llama, tiny_llama_dir):
     # The state holds the prompt and exactly the tokens that were fed back in.
     assert held[: len(prompt_ids)] == prompt_ids
     assert held[len(prompt_ids):] == seen[:2]  # the 3rd was sampled, not yet fed back
-    assert llama.last_stats is not None
     again = "count with me, then stop"
     assert _tokens(llama, again) == _fresh_tokens(tiny_llama_dir, again)
 
@@ -93,9 +92,9 @@ def test_stop_string_truncates_output(llama):
     if len(full) < 4:
         pytest.skip("tiny model produced too little text to cut")
     stop = full[2:4]
-    cut = llama.complete("abc", SamplingParams(temperature=0, max_tokens=20, stop=(stop,)))
-    assert cut == full[: full.index(stop)]
-    assert llama.last_stats.finish_reason == "stop"
+    cut = llama.reply("abc", SamplingParams(temperature=0, max_tokens=20, stop=(stop,)))
+    assert cut.text == full[: full.index(stop)]
+    assert cut.stats.finish_reason == "stop"
 
 
 def test_seeded_sampling_is_reproducible(llama):
@@ -135,7 +134,9 @@ def test_planner_max_positions_is_tight(llama):
 
     plan = llama.footprint(1)
     held = replace(plan, shape=replace(plan.shape, limited=True))  # pages held to the budget's limit
-    budget = plan.weights + 8 * 2**20
+    # room past a page segment under every auto policy (the MLX-only path's `cpu` too, whose
+    # dense prefill transient takes most of a smaller budget)
+    budget = plan.weights + 32 * 2**20
     n = plan.max_positions(budget)
     assert n > 0
     assert held.at(n).total <= budget < held.at(n + 1).total
@@ -197,8 +198,8 @@ def test_retention_generates_past_its_budget_but_refuses_longer_prompts(tiny_gem
 
     kv = KVConfig(format="q4", page_size=32, hot_window=32, sink_tokens=4, max_positions=128)
     engine = Engine(str(tiny_gemma3_dir), config=EngineConfig(kv=kv))
-    list(engine.generate("a short prompt", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)))
-    assert engine.last_stats.generated_tokens == 300
+    reply = engine.reply("a short prompt", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    assert reply.stats.generated_tokens == 300
     stores = [c.store for c in engine.states.last.cache]
     assert all(s.retained() <= 128 for s in stores)
     assert any(s.evicted > 0 for s in stores if s.window is None)  # global layers evicted

@@ -151,10 +151,9 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
     assert len(list((tmp_path / "calibration").glob("kv-calibration-*.json"))) == 1
     # ignore_eos: a random model's greedy tokens hinge on rounding (the prefill forms are
     # chosen by timing), and an early EOS is not what this checks
-    chunks = list(engine.generate(list(range(3, 300)), SamplingParams(temperature=0, max_tokens=4,
-                                                                      ignore_eos=True)))
-    assert sum(c.token is not None for c in chunks) == 4
-    assert set(engine.last_stats.kv_formats) == {"k5a128v4r"}  # pages written as calibrated
+    reply = engine.reply(list(range(3, 300)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(reply.tokens) == 4
+    assert set(reply.stats.kv_formats) == {"k5a128v4r"}  # pages written as calibrated
 
     def measured_again(*args, **kwargs):
         raise AssertionError("a cached calibration was measured again")

@@ -133,12 +133,13 @@ def test_a_budget_that_needs_disk_gives_the_resident_tokens(q4_dir, tmp_path):
     engine = Engine(str(q4_dir), budget=tight, config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
     offloaded, plan = engine.plan(positions)
     assert plan.shape.disk_layers == full_layers and offloaded == () and plan.total <= tight
-    assert _tokens(engine) == want
-    stats = engine.last_stats.kv_disk
+    reply = engine.reply(PROMPT, GREEDY)
+    assert reply.tokens == want
+    stats = reply.stats.kv_disk
     assert stats["bytes_on_disk"] > 0 and stats["bytes_read"] >= stats["bytes_on_disk"]
     # the stored state (on disk: the budget leaves the memory tier no room) resumes exactly
-    again = _tokens(engine)
-    assert again == want and engine.last_stats.cached_tokens == len(PROMPT) - 1
+    again = engine.reply(PROMPT, GREEDY)
+    assert again.tokens == want and again.stats.cached_tokens == len(PROMPT) - 1
 
 
 def test_gemma3_with_its_full_layers_on_disk_gives_the_resident_tokens(gemma_dir, tmp_path):
@@ -146,7 +147,8 @@ def test_gemma3_with_its_full_layers_on_disk_gives_the_resident_tokens(gemma_dir
     want = _tokens(Engine(str(gemma_dir), config=_config(tmp_path, kv=kv)))
     engine = Engine(str(gemma_dir), config=_config(tmp_path, kv=kv, kv_disk=str(tmp_path / "kv"),
                                                    kv_disk_layers=99))
-    assert _tokens(engine) == want and engine.last_stats.kv_disk["bytes_on_disk"] > 0
+    reply = engine.reply(PROMPT, GREEDY)
+    assert reply.tokens == want and reply.stats.kv_disk["bytes_on_disk"] > 0
 
 
 def test_the_planner_moves_pages_to_disk_only_as_the_budget_needs(q4_dir, tmp_path):
@@ -171,9 +173,10 @@ def test_the_planner_moves_pages_to_disk_only_as_the_budget_needs(q4_dir, tmp_pa
 def test_pages_past_the_folders_room_are_refused_before_any_work(q4_dir, tmp_path):
     engine = Engine(str(q4_dir), config=_config(tmp_path, kv_disk=str(tmp_path / "kv"), kv_disk_layers=6,
                                                  kv_disk_limit=4096))
+    streamed = []
     with pytest.raises(KVDiskFull, match=r"positions need .* of pages on disk > 4(\.0+)? KiB allowed"):
-        _tokens(engine)
-    assert engine.last_stats is None
+        streamed.extend(engine.generate(PROMPT, GREEDY))
+    assert streamed == [] and engine.states.last is None  # nothing streamed, nothing computed or stored
 
 
 def test_smollm2_with_its_pages_on_disk_replies_as_with_them_in_memory(smollm2_gguf, tmp_path):
@@ -185,8 +188,8 @@ def test_smollm2_with_its_pages_on_disk_replies_as_with_them_in_memory(smollm2_g
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = _tokens(resident, prompt, sp)
     on_disk = Engine(str(smollm2_gguf), config=replace(base, kv_disk=str(tmp_path / "kv"), kv_disk_layers=30))
-    assert _tokens(on_disk, prompt, sp) == want
-    assert on_disk.last_stats.kv_disk["bytes_on_disk"] > 0
+    reply = on_disk.reply(prompt, sp)
+    assert reply.tokens == want and reply.stats.kv_disk["bytes_on_disk"] > 0
 
 
 def test_fit_shows_the_layers_on_disk_and_what_a_token_reads(q4_dir, tmp_path):

@@ -20,7 +20,7 @@ from kvexec.rotated import rotation, rotation_pair
 from phaseswap import native
 
 pytestmark = pytest.mark.skipif(not hasattr(native.kernels(), "decode_attention") if native.available() else True,
-                                reason="native/ is not built here (./dev setup builds it)")
+                                reason="native kernels not built here, or off (JUSTFIT_NATIVE=0); ./dev setup builds them")
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 

@@ -160,16 +160,15 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     wide = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False).total
     narrow = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK, pressed=True, dense_prefill=False).total
     assert narrow < wide
-    list(probe.generate(prompt, sp))
-    assert set(probe.last_stats.kv_formats) == {"q8c"}  # no budget: pages keep their format
+    assert set(probe.reply(prompt, sp).stats.kv_formats) == {"q8c"}  # no budget: pages keep their format
 
     budget = (narrow + wide) // 2
     engine = Engine(str(tiny_gemma3_dir), budget=budget, config=EngineConfig(**config))
     offloaded, fp = engine.plan(positions)
     assert offloaded == () and fp.total <= budget and fp.shape.page_row < fp.shape.top_row
-    got = [c.token for c in engine.generate(prompt, sp) if c.token is not None]
-    assert len(got) == sp.max_tokens
-    formats = engine.last_stats.kv_formats
+    reply = engine.reply(prompt, sp)
+    assert len(reply.tokens) == sp.max_tokens
+    formats = reply.stats.kv_formats
     assert len(formats) >= 2 and formats.get("q8c", 0) < sum(formats.values())
     paged = engine.states.last.cache
     grown = [c.store for c in paged if isinstance(c, kvexec.PagedKVCache) and c.store.window is None]

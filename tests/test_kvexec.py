@@ -278,12 +278,12 @@ def test_smollm2_fp16_pages_greedy_identical_to_stock(smollm2_gguf):
     policy = "cpu-native"
     paged = Engine(str(smollm2_gguf), config=EngineConfig(kv=KVConfig(format="fp16"), policy=policy))
     tokens = prompt_tokens(paged.tokenizer, 700)  # > sinks + hot window: real pages
-    got = [c.token for c in paged.generate(tokens, sp) if c.token is not None]
+    got = paged.reply(tokens, sp)
     assert sum(c.store.pages for c in paged.states.last.cache) > 0
     stock = Engine(str(smollm2_gguf), config=EngineConfig(kv=None, policy=policy))
-    want = [c.token for c in stock.generate(tokens, sp) if c.token is not None]
-    assert len(got) == 64 and got == want
-    assert paged.last_stats.memory.kv < stock.last_stats.memory.kv
+    want = stock.reply(tokens, sp)
+    assert len(got.tokens) == 64 and got.tokens == want.tokens
+    assert got.stats.memory.kv < want.stats.memory.kv
 
 
 # -- retention and page selection ---------------------------------------------------

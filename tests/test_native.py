@@ -24,7 +24,7 @@ def _graph(y: mx.array) -> str:
     return out.getvalue()
 
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason="native/ is not built here (./dev setup builds it)")
+needs_kernel = pytest.mark.skipif(not native.available(), reason="native kernels not built here, or off (JUSTFIT_NATIVE=0); ./dev setup builds them")
 
 
 @needs_kernel

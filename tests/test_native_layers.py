@@ -22,7 +22,7 @@ from phaseswap import native
 from tests.tiny_models import write_mlx_folder
 
 pytestmark = pytest.mark.skipif(not native.available() or not hasattr(native.kernels(), "gated_activation"),
-                                reason="native/ is not built here (./dev setup builds it)")
+                                reason="native kernels not built here, or off (JUSTFIT_NATIVE=0); ./dev setup builds them")
 
 
 @pytest.mark.parametrize("n", [7, 8, 3000, 70000])

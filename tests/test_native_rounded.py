@@ -12,7 +12,7 @@ from justfit.config import EngineConfig
 from phaseswap import native
 from tests.tiny_models import write_mlx_folder
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason="native/ is not built here (./dev setup builds it)")
+needs_kernel = pytest.mark.skipif(not native.available(), reason="native kernels not built here, or off (JUSTFIT_NATIVE=0); ./dev setup builds them")
 
 
 @pytest.fixture(scope="module")

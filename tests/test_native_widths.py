@@ -20,7 +20,7 @@ from phaseswap.forms import dense_weight
 from tests.tiny_models import write_mlx_folder
 
 pytestmark = pytest.mark.skipif(not native.available() or not hasattr(native.kernels(), "dequantize"),
-                                reason="native/ is not built here (./dev setup builds it)")
+                                reason="native kernels not built here, or off (JUSTFIT_NATIVE=0); ./dev setup builds them")
 
 
 def _ops(y: mx.array) -> list[str]:

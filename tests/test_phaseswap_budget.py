@@ -17,8 +17,8 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
     weights = free.swap.registry.total_bytes()
     prompt = "x " * 200
     positions = len(free.encode(prompt)) + 50
-    # just short, every weight resident and prefill on them (no dense working copy)
-    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False).total - 1024
+    # just short, every weight resident and prefill on them (no dense working copy, no drafts)
+    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False, verify_rows=1).total - 1024
     del free
     resident = EngineConfig(policy="cpu", stream_weights=False)
     with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
@@ -39,8 +39,9 @@ def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, 
     monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
     prompt, sp = "x " * 200, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
-    want = [c.token for c in free.generate(prompt, sp) if c.token is not None]
-    assert any(p.materialized_bytes for p in free.last_stats.phases)  # dense working copies, unconstrained
+    reply = free.reply(prompt, sp)
+    want = reply.tokens
+    assert any(p.materialized_bytes for p in reply.stats.phases)  # dense working copies, unconstrained
     positions = len(free.encode(prompt)) + 20
     dense = free.footprint(positions, chunk=MIN_PREFILL_CHUNK)
     resident = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
@@ -49,9 +50,9 @@ def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, 
     eng = Engine(str(q8_dir), budget=(dense.total + resident.total) // 2, config=EngineConfig(policy="cpu"))
     offloaded, fp = eng.plan(positions)
     assert offloaded == () and not fp.shape.dense_prefill and fp.shape.chunk == MIN_PREFILL_CHUNK
-    got = [c.token for c in eng.generate(prompt, sp) if c.token is not None]
-    assert got == want and eng.last_stats.prefill_chunk == MIN_PREFILL_CHUNK
-    assert not any(p.materialized_bytes or p.disk_loads for p in eng.last_stats.phases)  # nothing made or read
+    reply = eng.reply(prompt, sp)
+    assert reply.tokens == want and reply.stats.prefill_chunk == MIN_PREFILL_CHUNK
+    assert not any(p.materialized_bytes or p.disk_loads for p in reply.stats.phases)  # nothing made or read
 
 
 def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir):

@@ -19,7 +19,7 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.batch import BatchRunner
-from justfit.batch_sequence import Sequence
+from justfit.sequence import Sequence
 from justfit.config import EngineConfig
 from kvexec import KVConfig
 from kvexec.export import copy_layer, export_store, restore_store
@@ -62,9 +62,9 @@ def _reply(engine: Engine, tokens: list[int], sp: SamplingParams) -> list[int]:
 
 def _cold(engine: Engine, tokens: list[int], sp: SamplingParams) -> list[int]:
     engine.reset()
-    out = _reply(engine, tokens, sp)
-    assert engine.last_stats.cached_tokens == 0
-    return out
+    reply = engine.reply(tokens, sp)
+    assert reply.stats.cached_tokens == 0
+    return reply.tokens
 
 
 # -- the store: a trim back to the exact point is the store that stopped there ------------
@@ -132,16 +132,19 @@ def test_an_exact_point_survives_a_snapshot_check():
 @pytest.mark.parametrize("sp", [_greedy(), _seeded()], ids=["greedy", "seeded"])
 def test_a_repeat_and_a_shared_prefix_give_the_cold_reply(engine, sp):
     cold = _cold(engine, PROMPT, sp)
-    assert _reply(engine, PROMPT, sp) == cold and engine.last_stats.cached_tokens == len(PROMPT) - 1
+    again = engine.reply(PROMPT, sp)
+    assert again.tokens == cold and again.stats.cached_tokens == len(PROMPT) - 1
     assert _reply(engine, PROMPT, sp) == cold  # and again, from the repeat's own state
     engine.reset()
     _reply(engine, PROMPT[:30] + [5, 6, 7, 8], sp)
-    assert _reply(engine, PROMPT, sp) == cold and engine.last_stats.cached_tokens == 30
+    shared = engine.reply(PROMPT, sp)
+    assert shared.tokens == cold and shared.stats.cached_tokens == 30
 
 
 def test_a_repeat_of_a_prompt_paged_in_its_prefill_gives_the_cold_reply(engine):
     cold = _cold(engine, LONG, _greedy())
-    assert _reply(engine, LONG, _greedy()) == cold and engine.last_stats.cached_tokens == len(LONG) - 1
+    again = engine.reply(LONG, _greedy())
+    assert again.tokens == cold and again.stats.cached_tokens == len(LONG) - 1
 
 
 def test_without_the_exact_point_a_repeat_differs(engine, monkeypatch):
@@ -221,8 +224,9 @@ def test_after_a_restart_the_stored_state_gives_the_cold_reply(model_dir, tmp_pa
     first.states.fit(0)  # every stored state to disk
     del first
     later = _engine(model_dir, tmp_path)
-    assert _reply(later, PROMPT, _greedy()) == cold
-    assert later.last_stats.cached_tokens == len(PROMPT) - 1 and later.last_stats.restored_from == "disk"
+    again = later.reply(PROMPT, _greedy())
+    assert again.tokens == cold
+    assert again.stats.cached_tokens == len(PROMPT) - 1 and again.stats.restored_from == "disk"
 
 
 # -- SmolLM2 end to end ------------------------------------------------------------------------
@@ -242,7 +246,8 @@ def smollm2(smollm2_gguf, tmp_path_factory):
 def test_smollm2_repeats_and_shared_prefixes_give_the_cold_reply(smollm2, fn):
     tokens = _code_prompt(smollm2, fn)
     cold = _cold(smollm2, tokens, _greedy(120))  # 432 + 120 positions: the reply pages the prompt
-    assert _reply(smollm2, tokens, _greedy(120)) == cold and smollm2.last_stats.cached_tokens == len(tokens) - 1
+    again = smollm2.reply(tokens, _greedy(120))
+    assert again.tokens == cold and again.stats.cached_tokens == len(tokens) - 1
     smollm2.reset()
     _reply(smollm2, tokens[: len(tokens) * 2 // 3] + smollm2.encode(" something else"), _greedy(8))
     assert _reply(smollm2, tokens, _greedy(120)) == cold

@@ -20,7 +20,7 @@ from aiohttp import ClientSession, ClientTimeout
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from tests.server_harness import CHAT, Gate, LiveServer, request
+from tests.server_harness import CHAT, Gate, LiveServer, Starting, request
 
 ROOT = Path(__file__).resolve().parents[1]
 SLACK_S = 0.6  # a timer's close, seen by the client: loop and scheduling delays on a shared machine
@@ -423,18 +423,15 @@ def test_cors_headers_on_every_response(engine):
 SECRET = "/private/var/secret-path: a library's own words"
 
 
-class Failing:
-    """An engine whose generation fails with a message no client may read."""
+class Failing(Starting):
+    """An engine whose every request fails, as it starts, with a message no client may read."""
 
     def __init__(self, engine):
-        self._engine = engine
+        super().__init__(engine, _fail)
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
-    def generate(self, *args, **kwargs):
-        raise RuntimeError(SECRET)
-        yield  # a generator, as the engine's is
+def _fail() -> None:
+    raise RuntimeError(SECRET)
 
 
 def test_failures_answer_a_stable_message_never_the_exception(engine):

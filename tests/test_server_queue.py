@@ -17,7 +17,7 @@ from justfit import Engine
 from justfit.config import EngineConfig, SamplingParams
 from justfit.scheduler import Job, QueueFull, Scheduler
 from justfit.tickets import TICKET_HEADER, Tickets
-from tests.server_harness import CHAT, Gate, LiveServer, request
+from tests.server_harness import CHAT, Gate, LiveServer, Starting, request
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +53,15 @@ def test_queue_full_is_503_with_retry_after(tiny_engine):
         live.close()
 
 
-class Turnstile:
-    """The engine, each generation held until the test lets one through."""
+class Turnstile(Starting):
+    """The engine, each request held as it starts until the test lets one through."""
 
     def __init__(self, engine):
-        self._engine, self.turns = engine, threading.Semaphore(0)
+        self.turns = threading.Semaphore(0)
+        super().__init__(engine, lambda: self._turn())
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, *args, **kwargs):
+    def _turn(self) -> None:
         assert self.turns.acquire(timeout=30)
-        yield from self._engine.generate(*args, **kwargs)
 
 
 def test_a_retry_with_its_ticket_goes_ahead_of_later_arrivals(tiny_engine):

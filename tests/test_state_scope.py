@@ -98,9 +98,7 @@ def test_engine_requests_of_other_scopes_reuse_nothing(engine):
     prompt = words(40, 8)
     list(engine.generate(prompt, GREEDY, session="chat", scope="k1"))
     follow = engine.cached_tokens + words(6, 9)
-    list(engine.generate(follow, GREEDY, session="chat", scope="k2"))
-    assert engine.last_stats.cached_tokens == 0
-    list(engine.generate(follow, GREEDY, session="chat", scope="k1"))
-    assert engine.last_stats.cached_tokens > len(prompt)
+    assert engine.reply(follow, GREEDY, session="chat", scope="k2").stats.cached_tokens == 0
+    assert engine.reply(follow, GREEDY, session="chat", scope="k1").stats.cached_tokens > len(prompt)
     assert engine.states.session_entry("chat", "k1").tokens[:len(follow)] == follow
     assert engine.states.session_entry("chat", "k2").tokens[:len(follow)] == follow

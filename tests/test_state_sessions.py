@@ -46,8 +46,9 @@ def test_a_session_is_on_disk_after_every_turn_and_survives_its_next_turn_starti
     again = _engine(tiny_llama_dir, tmp_path)
     assert again.sessions() == {"s": len(turn2)}
     follow = turn2 + _words(6, 3)
-    assert _run(again, follow, session="s") == _run(_engine(tiny_llama_dir, tmp_path / "cold"), follow)
-    assert again.last_stats.cached_tokens == len(turn2) and again.last_stats.restored_from == "disk"
+    got = again.reply(follow, GREEDY, session="s")
+    assert got.tokens == _run(_engine(tiny_llama_dir, tmp_path / "cold"), follow)
+    assert got.stats.cached_tokens == len(turn2) and got.stats.restored_from == "disk"
 
 
 def test_a_stale_turn_never_comes_back(tiny_llama_dir, tmp_path):
@@ -86,8 +87,9 @@ def test_a_damaged_newest_generation_gives_way_to_the_previous_one(tiny_llama_di
     (g2 / "arrays.safetensors").write_bytes(bytes(data))
     again = _engine(tiny_llama_dir, tmp_path)
     follow = turn1 + _words(8, 22)
-    assert _run(again, follow, session="s") == _run(_engine(tiny_llama_dir, tmp_path / "cold"), follow)
-    assert again.last_stats.cached_tokens == 0  # the damaged generation was refused ...
+    got = again.reply(follow, GREEDY, session="s")
+    assert got.tokens == _run(_engine(tiny_llama_dir, tmp_path / "cold"), follow)
+    assert got.stats.cached_tokens == 0  # the damaged generation was refused ...
     assert again.states.index.session("s") is not None  # ... and the session continued
 
 
@@ -109,8 +111,8 @@ def test_a_failed_spill_keeps_the_state_in_memory(tiny_llama_dir, tmp_path, monk
     engine.states.fit(0)  # the disk has room again
     assert e.cache is None and e.path.is_dir()
     follow = e.tokens + _words(5, 31)
-    _run(engine, follow)
-    assert engine.last_stats.cached_tokens == len(e.tokens) and engine.last_stats.restored_from == "disk"
+    s = engine.reply(follow, GREEDY).stats
+    assert s.cached_tokens == len(e.tokens) and s.restored_from == "disk"
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
 
 
@@ -199,7 +201,7 @@ def test_chat_save_names_a_session_kept_after_every_turn(tiny_llama_dir, tmp_pat
     shared = next((i for i, (a, b) in enumerate(zip(kept, prompt)) if a != b), len(kept))
     t.handle(t.read_input())
     # All the template reproduces of the conversation came from the session's state.
-    assert again.last_stats.restored_from == "disk" and again.last_stats.cached_tokens == shared > 40
+    assert t.last_stats.restored_from == "disk" and t.last_stats.cached_tokens == shared > 40
     t.handle("/reset")
     assert t.session is None and set(_engine(tiny_llama_dir, tmp_path).sessions()) == {"work"}
 
@@ -208,22 +210,24 @@ def test_a_restarted_server_resumes_a_named_session(tiny_llama_dir, tmp_path):
     from tests.test_server import LiveServer, request
 
     def ask(engine, messages):
+        """The reply's text, and its request's stats (the scheduler keeps the last one's)."""
         live = LiveServer(engine)
         try:
             status, _, text = request(live, "POST", "/v1/chat/completions", {
                 "messages": messages, "max_tokens": 4, "temperature": 0, "session": "conv"})
+            live.idle()
+            stats = live.server.scheduler.last_stats
         finally:
             live.close()
         assert status == 200, text
-        return json.loads(text)["choices"][0]["message"]["content"]
+        return json.loads(text)["choices"][0]["message"]["content"], stats
 
     first = [{"role": "user", "content": "the first question, long enough to matter " * 3}]
-    reply = ask(_engine(tiny_llama_dir, tmp_path), first)
+    reply, _ = ask(_engine(tiny_llama_dir, tmp_path), first)
     again = _engine(tiny_llama_dir, tmp_path)  # the server restarted on the same state directory
     held = again.states.session_entry("conv").tokens
     follow = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
     prompt = again.encode(follow)
     shared = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), len(held))
-    ask(again, follow)
-    s = again.last_stats
+    _, s = ask(again, follow)
     assert s.restored_from == "disk" and s.cached_tokens == shared >= len(again.encode(first))

@@ -9,6 +9,7 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
+from justfit.stats import Reply
 from statetrans.prefix import PrefixTrie
 from tests.state_engines import SMALL_PAGES, paged_engine, run_tokens, words
 
@@ -18,6 +19,11 @@ _engine, _words = paged_engine, words
 
 def _run(engine, tokens, sp=GREEDY, session=None) -> list[int]:
     return run_tokens(engine, tokens, sp, session)
+
+
+def _reply(engine, tokens, sp=GREEDY, session=None) -> Reply:
+    """The reply with its request's stats."""
+    return engine.reply(tokens, sp, session=session)
 
 
 def _cold(path, tokens, sp=GREEDY) -> list[int]:
@@ -62,13 +68,13 @@ def test_requests_sharing_a_prefix_reuse_it_and_keep_each_other(tiny_llama_dir, 
     a, b = system + _words(20, 2), system + _words(20, 3)
     _run(engine, a)
     held_a = engine.cached_tokens
-    got_b = _run(engine, b)
-    assert engine.last_stats.cached_tokens == len(system) and engine.last_stats.restored_from == "memory"
-    assert got_b == _cold(tiny_llama_dir, b)
+    got_b = _reply(engine, b)
+    assert got_b.stats.cached_tokens == len(system) and got_b.stats.restored_from == "memory"
+    assert got_b.tokens == _cold(tiny_llama_dir, b)
     follow = held_a + _words(10, 4)  # a's conversation goes on: a's whole state is still there
-    got = _run(engine, follow)
-    assert engine.last_stats.cached_tokens == len(held_a)
-    assert got == _cold(tiny_llama_dir, follow)
+    got = _reply(engine, follow)
+    assert got.stats.cached_tokens == len(held_a)
+    assert got.tokens == _cold(tiny_llama_dir, follow)
 
 
 def test_memory_tier_is_bounded_and_spills_to_disk(tiny_llama_dir, tmp_path):
@@ -77,14 +83,15 @@ def test_memory_tier_is_bounded_and_spills_to_disk(tiny_llama_dir, tmp_path):
     _run(engine, first)
     assert engine.states.memory_bytes == 0 and engine.states.disk_bytes > 0  # spilled at once
     follow = engine.cached_tokens + _words(8, 6)
-    got = _run(engine, follow)
-    assert engine.last_stats.restored_from == "disk" and engine.last_stats.cached_tokens == len(follow) - 8
-    assert got == _cold(tiny_llama_dir, follow)
+    got = _reply(engine, follow)
+    assert got.stats.restored_from == "disk" and got.stats.cached_tokens == len(follow) - 8
+    assert got.tokens == _cold(tiny_llama_dir, follow)
     # a later process finds the disk tier
     again = _engine(tiny_llama_dir, tmp_path)
     follow2 = engine.cached_tokens + _words(8, 7)
-    assert _run(again, follow2) == _cold(tiny_llama_dir, follow2)
-    assert again.last_stats.restored_from == "disk" and again.last_stats.cached_tokens == len(follow2) - 8
+    got2 = _reply(again, follow2)
+    assert got2.tokens == _cold(tiny_llama_dir, follow2)
+    assert got2.stats.restored_from == "disk" and got2.stats.cached_tokens == len(follow2) - 8
 
 
 def test_disk_tier_is_bounded_but_sessions_are_kept(tiny_llama_dir, tmp_path):
@@ -106,8 +113,9 @@ def test_damaged_disk_state_is_dropped_not_used(tiny_llama_dir, tmp_path):
     data[len(data) // 2] ^= 0xFF
     arrays.write_bytes(bytes(data))
     follow = entry.tokens + _words(8, 11)
-    assert _run(engine, follow) == _cold(tiny_llama_dir, follow)
-    assert engine.last_stats.cached_tokens == 0 and entry.key not in engine.states.entries
+    got = _reply(engine, follow)
+    assert got.tokens == _cold(tiny_llama_dir, follow)
+    assert got.stats.cached_tokens == 0 and entry.key not in engine.states.entries
 
 
 def test_spilling_a_state_frees_its_memory(tiny_gemma3_dir, tmp_path):
@@ -135,11 +143,11 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
     for turn in range(5):
         for name in convo:
             tokens = convo[name] + _words(50, ord(name) * 10 + turn)
-            got = _run(engine, tokens, session=name)
-            assert got == _cold(tiny_llama_dir, tokens)  # swapped state continues exactly
+            got = _reply(engine, tokens, session=name)
+            assert got.tokens == _cold(tiny_llama_dir, tokens)  # swapped state continues exactly
             if turn:
-                sources.append(engine.last_stats.restored_from)
-                assert engine.last_stats.cached_tokens == len(convo[name])
+                sources.append(got.stats.restored_from)
+                assert got.stats.cached_tokens == len(convo[name])
             convo[name] = engine.cached_tokens
             idle = budget - engine.footprint(1, engine.swap.offloaded).total
             assert engine.states.memory_bytes <= idle
@@ -155,10 +163,10 @@ def test_fork_starts_an_independent_session(tiny_llama_dir, tmp_path):
     base = engine.cached_tokens
     engine.fork("main", "branch")
     x, y = base + _words(10, 14), base + _words(10, 15)
-    assert _run(engine, x, session="branch") == _cold(tiny_llama_dir, x)
-    assert engine.last_stats.cached_tokens == len(base)
-    assert _run(engine, y, session="main") == _cold(tiny_llama_dir, y)
-    assert engine.last_stats.cached_tokens == len(base)
+    got_x = _reply(engine, x, session="branch")
+    assert got_x.tokens == _cold(tiny_llama_dir, x) and got_x.stats.cached_tokens == len(base)
+    got_y = _reply(engine, y, session="main")
+    assert got_y.tokens == _cold(tiny_llama_dir, y) and got_y.stats.cached_tokens == len(base)
     assert set(engine.sessions()) == {"main", "branch"}
     with pytest.raises(KeyError):
         engine.fork("nobody", "x")
@@ -203,10 +211,11 @@ def test_hybrid_recurrent_state_round_trips_and_reuses_turn_checkpoints(hybrid_d
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
 
     turn2 = held + _words(20, 19)
-    assert _run(other, turn2) == _run(engine, turn2) == _cold(hybrid_dir, turn2)
-    assert engine.last_stats.cached_tokens == other.last_stats.cached_tokens == len(held)
+    theirs, ours = _reply(other, turn2), _reply(engine, turn2)
+    assert theirs.tokens == ours.tokens == _cold(hybrid_dir, turn2)
+    assert ours.stats.cached_tokens == theirs.stats.cached_tokens == len(held)
     # An edit inside turn 2: recurrent state cannot be trimmed, so the turn-1
     # checkpoint (kept, not consumed) serves, and the answer is still exact.
     edited = held + _words(10, 19)[:5] + _words(10, 20)
-    assert _run(engine, edited) == _cold(hybrid_dir, edited)
-    assert engine.last_stats.cached_tokens == len(held)
+    got = _reply(engine, edited)
+    assert got.tokens == _cold(hybrid_dir, edited) and got.stats.cached_tokens == len(held)

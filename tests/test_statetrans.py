@@ -49,8 +49,9 @@ def test_restore_is_byte_exact_and_continues_token_identically(arch, kv, tiny_ll
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
     prompt = second.encode(PROMPT) + head  # the conversation so far: only the last token is new
-    rest = _tokens(second, prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
-    assert second.last_stats.cached_tokens == len(prompt) - 1
+    reply = second.reply(prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    rest = reply.tokens
+    assert reply.stats.cached_tokens == len(prompt) - 1
     assert head + rest == whole
 
 

@@ -7,30 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-CONVERTER_VERSION = 3
-
-
-class UnsupportedModel(ValueError):
-    """A model this program cannot convert or load (an architecture or feature not supported)."""
-    pass
-
-
-@dataclass(frozen=True)
-class RequantOptions:
-    """How a GGUF file's weights are converted (see justfit.gguf.convert's module doc)."""
-
-    bits: int | str = "native"  # "native", "exact", or re-quantize at 2, 3, 4, 5, 6, 8
-    embed_bits: int = 8
-
-    def __post_init__(self) -> None:
-        if self.bits not in ("exact", "native") and int(self.bits) not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(
-                f"GGUF re-quantization bits must be 2-6, 8, 'native' or 'exact', not {self.bits!r}")
-        if self.embed_bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"embedding bits must be 2-6 or 8, not {self.embed_bits!r}")
+from justfit.gguf.options import CONVERTER_VERSION, RequantOptions, UnsupportedModel  # noqa: F401 (re-exported)
 
 
 def cache_key(gguf_path: str | os.PathLike, opts: RequantOptions) -> str:

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from justfit.gguf.blocks import EXACT_TYPES, GROUP, to_mlx_affine
-from justfit.gguf.cache import CONVERTER_VERSION, RequantOptions, UnsupportedModel
+from justfit.gguf.options import CONVERTER_VERSION, RequantOptions, UnsupportedModel
 from justfit.gguf.file import GGUFTensor, read_gguf
 from justfit.gguf.tokenizer import build_tokenizer, tokenizer_config
 

@@ -118,6 +118,7 @@ def anthropic_options(body: dict, defaults: SamplingParams = SamplingParams()) -
             min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
             max_tokens=get(body, "max_tokens", int, lo=1),
             stop=tuple(stops),
+            speculate=get(body, "speculate", bool, True),  # extension (extra_body): false decodes one token per step
         )
     except ValueError as e:  # top_p 0
         raise BadRequest(str(e), None) from None

@@ -28,10 +28,14 @@ def add_routes(app: web.Application, server) -> None:
 
 
 # -- the response -----------------------------------------------------------------------
-def usage(prompt: int, cached: int, output: int) -> dict:
-    """Anthropic counts input tokens served from a cache apart from the rest."""
-    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+def usage(prompt: int, cached: int, output: int, stats=None) -> dict:
+    """Anthropic counts input tokens served from a cache apart from the rest; a finished
+    reply's `stats` add speculative decoding's drafted and accepted tokens."""
+    out = {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
+           "cache_creation_input_tokens": 0}
+    if stats is not None:
+        out.update(drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens)
+    return out
 
 
 def tool_blocks(calls: list[dict]) -> list[dict]:
@@ -122,7 +126,8 @@ class AnthropicRoutes:
         cached = stats.cached_tokens if stats else 0
         stored = await state_outcome(stats, self.server.config.write_wait_s)  # durable before the answer
         resp = web.json_response({**head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                                  "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0)})
+                                  "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0,
+                                                 stats)})
         if stored is not None:
             resp.headers[STATE_HEADER] = stored.header()
         return resp
@@ -185,7 +190,7 @@ class AnthropicRoutes:
             cached = stats.cached_tokens if stats else 0
             await resp.write(event("message_delta", {
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0)}))
+                "usage": usage(len(job.tokens), cached, stats.generated_tokens if stats else 0, stats)}))
             await resp.write(event("message_stop", {}))
             await resp.write_eof()
         except ConnectionError:  # the client left: cancel (in messages), nobody to tell

@@ -28,7 +28,7 @@ from justfit.scheduler import Job, QueueFull, Scheduler
 from justfit.state_io import refuse_pipeline_session
 from justfit.tickets import TICKET_HEADER
 from justfit.server import connections, keys, status_page
-from justfit.server.metrics import Metrics, memory, prometheus
+from justfit.server.metrics import Metrics, acceptance_rate, memory, prometheus
 from justfit.server.schema import BadRequest, Options
 from justfit.server.sessions import scope_of
 from justfit.server.tokenizing import TokenizerThread
@@ -267,7 +267,7 @@ class Server:
 
     async def status(self, request: web.Request) -> web.Response:
         """GET /v1/justfit/status: the engine, memory, states, queue and last request as JSON."""
-        e, s = self.engine, self.engine.last_stats
+        e, s = self.engine, self.scheduler.last_stats
         last = None
         if s is not None:
             last = {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
@@ -275,12 +275,14 @@ class Server:
                     "prefill_tps": s.prefill_tps, "decode_tps": s.decode_tps, "finish_reason": s.finish_reason,
                     "queue_s": s.queue_s, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
                     "preemptions": s.preemptions, "preempted_s": s.preempted_s, "swap_s": s.swap_s,
+                    "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+                    "acceptance_rate": acceptance_rate(s.drafted_tokens, s.accepted_tokens),
                     "memory": s.memory.as_dict() if s.memory else None, "kv_disk": s.kv_disk,
                     "phases": [p.as_dict() if hasattr(p, "as_dict") else vars(p) for p in s.phases]}
         return web.json_response({
             "model": self.model_id, "path": str(e.path) if e.path else None, "version": justfit.__version__,
             "policy": e.policy.name, "kv_format": e.config.kv.format if e.config.kv else "mlx-lm",
-            "context_limit": e.context_limit, "memory": {**memory(e), "breakdown": process_breakdown(e)},
+            "context_limit": e.context_limit, "memory": {**memory(e), "breakdown": process_breakdown(e, self.scheduler.live_layers(), s)},
             "states": {"stored": len(e.states.entries), "in_memory": e.states.memory_bytes,
                        "on_disk": e.states.disk_bytes, "spilled": e.states.spilled,
                        "restored": e.states.restored},
@@ -292,6 +294,10 @@ class Server:
             "requests": {"completed": self.scheduler.completed, "cancelled": self.scheduler.cancelled,
                          "failed": self.scheduler.failed, "rejected_busy": self.scheduler.rejected},
             "cache_hit_ratio": self.metrics.cache_hit_ratio, "last_request": last,
+            "speculation": {"draft": e.config.draft, "drafted_tokens": self.metrics.drafted_tokens,
+                            "accepted_tokens": self.metrics.accepted_tokens,
+                            "acceptance_rate": acceptance_rate(self.metrics.drafted_tokens,
+                                                               self.metrics.accepted_tokens)},
             "kv_disk": {"folder": e.config.kv_disk, "bytes_last": self.metrics.kv_disk_bytes_last,
                         "read_bytes": self.metrics.kv_disk_read_bytes,
                         "read_per_token_last": round(self.metrics.kv_disk_read_per_token_last),

@@ -24,6 +24,8 @@ class Metrics:
     prefilled_tokens: int = 0
     decode_seconds: float = 0.0
     decoded_steps: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    accepted_tokens: int = 0  # of those, the ones the model agreed with
     last_prefill_tps: float = 0.0
     last_decode_tps: float = 0.0
     kv_disk_read_bytes: int = 0  # KV pages read back from disk (kvexec.disk_pages)
@@ -47,6 +49,8 @@ class Metrics:
         self.prefilled_tokens += stats.prompt_tokens - stats.cached_tokens
         self.decode_seconds += stats.decode_s
         self.decoded_steps += max(0, stats.generated_tokens - 1)
+        self.drafted_tokens += stats.drafted_tokens
+        self.accepted_tokens += stats.accepted_tokens
         self.last_prefill_tps, self.last_decode_tps = stats.prefill_tps, stats.decode_tps
         disk = stats.kv_disk or {}
         self.kv_disk_read_bytes += disk.get("bytes_read", 0)
@@ -60,6 +64,11 @@ class Metrics:
     def cache_hit_ratio(self) -> float:
         """The share of prompt tokens served from stored state."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def acceptance_rate(drafted: int, accepted: int) -> float | None:
+    """The share of drafted tokens the model accepted; None when nothing was drafted."""
+    return round(accepted / drafted, 3) if drafted else None
 
 
 def memory(engine) -> dict[str, int]:
@@ -89,6 +98,9 @@ def prometheus(m: Metrics, engine, scheduler) -> str:
     metric("prompt_tokens_total", "counter", "Prompt tokens received.", [("", m.prompt_tokens)])
     metric("cached_prompt_tokens_total", "counter", "Prompt tokens served from stored state.", [("", m.cached_tokens)])
     metric("completion_tokens_total", "counter", "Tokens generated.", [("", m.completion_tokens)])
+    metric("drafted_tokens_total", "counter", "Tokens drafted by speculative decoding and verified.",
+           [("", m.drafted_tokens)])
+    metric("accepted_tokens_total", "counter", "Drafted tokens the model accepted.", [("", m.accepted_tokens)])
     metric("prompt_cache_hit_ratio", "gauge", "Cached / all prompt tokens since start.", [("", m.cache_hit_ratio)])
     metric("prefill_tokens_per_second", "gauge", "Prefill rate: all time and last request.",
            [('{window="all"}', m.prefilled_tokens / m.prefill_seconds if m.prefill_seconds else 0),

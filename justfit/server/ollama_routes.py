@@ -170,4 +170,5 @@ class OllamaRoutes:
         return {"done_reason": stats.finish_reason or "stop", "total_duration": int((time.perf_counter() - start) * ns),
                 "load_duration": 0, "prompt_eval_count": stats.prompt_tokens - stats.cached_tokens,
                 "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.generated_tokens,
-                "eval_duration": int(stats.decode_s * ns)}
+                "eval_duration": int(stats.decode_s * ns),
+                "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens}

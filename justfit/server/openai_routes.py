@@ -57,11 +57,14 @@ def vocab_size(engine) -> int:
 
 
 def usage(stats) -> dict:
-    """OpenAI's usage object for a generation (zeros without stats)."""
+    """OpenAI's usage object for a generation (zeros without stats), with speculative
+    decoding's drafted and accepted tokens as extra keys (the openai client keeps them)."""
     prompt = stats.prompt_tokens if stats else 0
     done = stats.generated_tokens if stats else 0
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0}}
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
+            "drafted_tokens": stats.drafted_tokens if stats else 0,
+            "accepted_tokens": stats.accepted_tokens if stats else 0}
 
 
 def engine_error(e: Exception) -> BadRequest:

@@ -229,6 +229,7 @@ def openai_options(body: dict, default_max_tokens: int, chat: bool = True,
             frequency_penalty=get(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
             presence_penalty=get(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
             logprobs=_logprobs(body, chat),
+            speculate=get(body, "speculate", bool, True),  # extension: false decodes one token per step
         )
     except ValueError as e:  # e.g. top_p 0
         raise BadRequest(str(e), None) from None
@@ -256,6 +257,7 @@ def ollama_options(body: dict, default_max_tokens: int, defaults: SamplingParams
             seed=get(opts, "seed", int, None, where=w),
             max_tokens=num_predict if given else default_max_tokens,
             stop=_stop(opts.get("stop"), "options.stop"),
+            speculate=get(opts, "speculate", bool, True, where=w),  # extension, where Ollama's clients pass options
         )
     except ValueError as e:
         raise BadRequest(str(e), "options") from None

@@ -15,7 +15,7 @@ import psutil
 
 from justfit.fit import first_full_layer, kv_label
 from justfit.memory import rss_bytes
-from justfit.server.metrics import memory
+from justfit.server.metrics import acceptance_rate, memory
 from kvexec import ladder
 from phaseswap.registry import Residency
 
@@ -63,7 +63,7 @@ class LiveStatus:
         a whole-process one, over the RSS."""
         engine = self.server.engine
         try:
-            kv = kv_bytes_by_format(engine.live_cache)
+            kv = kv_bytes_by_format(self.server.scheduler.live_layers())
         except (RuntimeError, AttributeError):  # the engine thread changed the cache mid-read
             kv = {}
         weights = engine.swap.registry.resident_bytes()
@@ -116,6 +116,8 @@ class LiveStatus:
                         "generated_tokens": st.generated_tokens, "queue_s": round(st.queue_s, 3),
                         "prefill_s": round(st.prefill_s, 3), "decode_s": round(st.decode_s, 3),
                         "prefill_tps": round(st.prefill_tps, 1), "decode_tps": round(st.decode_tps, 1),
+                        "drafted_tokens": st.drafted_tokens, "accepted_tokens": st.accepted_tokens,
+                        "acceptance_rate": acceptance_rate(st.drafted_tokens, st.accepted_tokens),
                         "finish_reason": st.finish_reason, "restored_from": st.restored_from,
                         "kv_disk_bytes": (st.kv_disk or {}).get("bytes_on_disk", 0),
                         "kv_disk_read_mb_s": (st.kv_disk or {}).get("read_mb_s")})

@@ -1,13 +1,25 @@
 """JustFit's native CPU kernels for MLX (built from native/*.cpp): `kernels()` gives the
 extension module, used by phaseswap.native (weights, RoPE, RMS norm) and kvexec.kernels
-(attention over quantized pages); `dequantize` is the native dequantization both use."""
+(attention over quantized pages); `dequantize` is the native dequantization both use.
+`JUSTFIT_NATIVE=0` turns them off (read here only; justfit.runtime says so once)."""
 
 import functools
+import os
+
+SWITCH = "JUSTFIT_NATIVE"  # "0": run without these kernels (MLX's own only, as on a Mac)
+
+
+def requested() -> bool:
+    """Whether the kernels may be used: JUSTFIT_NATIVE unset or not "0"."""
+    return os.environ.get(SWITCH, "").strip() != "0"
 
 
 @functools.cache
 def kernels():
-    """The built extension module, or None when it cannot take MLX's arrays here."""
+    """The built extension module, or None when turned off (JUSTFIT_NATIVE=0) or when it
+    cannot take MLX's arrays here (looked up once)."""
+    if not requested():
+        return None
     try:
         import mlx.core as mx
 

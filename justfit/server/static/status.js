@@ -187,6 +187,8 @@ function render(doc) {
     cell(r.cached_tokens, num(r.cached_tokens)) + cell(r.restored_from || "-") + cell(r.generated_tokens, num(r.generated_tokens)) +
     cell(r.queue_s, secs(r.queue_s)) + cell(r.prefill_s, secs(r.prefill_s)) + cell(r.decode_s, secs(r.decode_s)) +
     cell(r.prefill_tps, num(r.prefill_tps)) + cell(r.decode_tps, num(r.decode_tps)) +
+    cell(r.accepted_tokens, r.drafted_tokens ? `${num(r.accepted_tokens)}/${num(r.drafted_tokens)} ` +
+      `(${Math.round(100 * r.acceptance_rate)}%)` : "-") +
     cell(r.kv_disk_bytes, r.kv_disk_bytes ? size(r.kv_disk_bytes) : "-") +
     cell(r.kv_disk_read_mb_s, r.kv_disk_read_mb_s == null ? "-" : num(r.kv_disk_read_mb_s)) +
     cell(r.finish_reason) + "</tr>").join("");

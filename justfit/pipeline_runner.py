@@ -1,14 +1,17 @@
-"""Running one request on an engine: plan it, take the best stored state, prefill what
-is new, decode with the request's own sampler and stops, store the state it ends with,
-and report its stats."""
+"""A request on rank 0 of a layer pipeline (justfit.pipeline): plan it, resume from the
+state every rank still holds, prefill what is new, decode with the request's own
+sampler and stops, keep the state it ends with on every rank, and report its stats.
+A pipeline runs one request at a time; a single process runs every request as a
+sequence in a batch (justfit.batch)."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from justfit.context import EngineContext
 from justfit.config import SamplingParams
 from justfit.generate import ProgressFn, decode, prefill, token_logprobs
 from justfit.memory import MemoryReport, memory_report, peak_rss_bytes, trimming
@@ -21,11 +24,9 @@ from justfit.pipeline import resume
 from justfit.state_io import refuse_pipeline_session
 from statetrans import holds
 
-if TYPE_CHECKING:
-    from justfit.engine import Engine
 
 
-def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
+def run_pipeline_request(engine: EngineContext, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
                 session: str | None = None, scope: str = "") -> Iterator[Chunk]:
     """Stream the reply to `tokens` (see Engine.generate): closing the iterator early
     cancels cleanly, and the state stored then holds exactly the tokens computed."""
@@ -34,16 +35,13 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     high_water = peak_rss_bytes()
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
-    if engine.pipeline is None:
-        reuse = engine.states.take(tokens, session, engine.state_allowance(request), scope=scope)
-    else:  # a pipeline keeps its last state on every rank (stored states are one process's)
-        reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
+    # A pipeline keeps its last state on every rank (stored states are one process's).
+    reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
     budget = engine.config.budget_bytes
-    reader = pages.bind(engine, cache, request, None if budget is None else request.page_allowance(budget),
+    reader = pages.bind(engine.config, cache, request, None if budget is None else request.page_allowance(budget),
                         len(tokens))
     held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
-    engine.live_cache = cache
     stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
     rng = new_rng(sp.seed) if sp.seed is not None else (reuse.sampler or new_rng())
     try:
@@ -52,22 +50,16 @@ def run_request(engine: Engine, tokens: list[int], sp: SamplingParams, progress:
     finally:
         # Also on cancel or error: what was computed is stored, once evaluated
         # (StateTiers.put), unless an interrupt left the cache and tokens apart.
-        engine.live_cache = None
         pages.release(cache, reader)
         kept = bool(held) and holds(cache, len(held))  # else an interrupt left cache and tokens apart
-        if engine.pipeline is not None:
-            engine.pipeline_live = (list(held), cache, rng) if kept else None
-        elif kept:
-            stored = engine.states.put(held, cache, session, rng, scope=scope, base=reuse.base)
-            stats.state_write = stored.write if session else None
+        engine.pipeline_live = (list(held), cache, rng) if kept else None
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
-        engine.last_stats = stats
         engine.remeasure_outside(high_water, stats.memory.mlx_peak)
 
 
-def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
+def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
          stats: GenerationStats, progress: ProgressFn | None, chunk: int, dense_prefill: bool,
          reader=None) -> Iterator[Chunk]:
     cached = len(held)
@@ -97,14 +89,14 @@ def _run(engine: Engine, tokens: list[int], cache: list, held: list[int], rng: d
     yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
 
 
-def _memory(engine: Engine, stats: GenerationStats, cache: list) -> MemoryReport:
+def _memory(engine: EngineContext, stats: GenerationStats, cache: list) -> MemoryReport:
     peak = max([p.peak_bytes for p in stats.phases] + [mx.get_peak_memory()])
     states = engine.states
     stored = states.memory_bytes - (states.last.nbytes if states.last and states.last.cache is cache else 0)
     return memory_report(engine.swap.registry.resident_bytes(), cache, peak, stored)
 
 
-def _decode(engine: Engine, logits, tokens, cache, sp, stats, sampler, processors, record):
+def _decode(engine: EngineContext, logits, tokens, cache, sp, stats, sampler, processors, record):
     """Yield a chunk per token; return the text held back at the end."""
     reply = ReplyText(engine.tokenizer, sp, stats)
     start = time.perf_counter()

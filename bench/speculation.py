@@ -1,0 +1,374 @@
+"""Speculative decoding with prompt-lookup drafts (justfit.draft), over HTTP: JustFit
+with drafts on and off, and llama-server without and with its own n-gram speculation,
+on the same GGUF and the same greedy requests.
+
+    python -m bench.speculation --model smollm2 --llama-cpp /path/to/llama.cpp/build/bin
+
+Workloads (OpenAI-compatible /v1/chat/completions, temperature 0, streamed):
+
+- code-edit: a 40-80 line function from the running Python's standard library
+  (textwrap, shlex) shown in the prompt, to be repeated exactly or repeated with one
+  identifier renamed: replies that copy their context, where drafts should pay;
+- prose: a story from a one-line prompt: little to copy, where drafts should cost nothing;
+- agent: bench/data/agent_trajectory.json, 15+ turns (files shown, tool outputs to quote,
+  edits, short questions) appended to one growing conversation with the system's own
+  replies, so prompt caching matters; its total completion time is reported.
+
+Each system runs every workload in its own server, one server at a time. A row per
+system and workload: wall time, completion tokens, decode tokens per second (tokens after
+the first over the time after the first arrived), drafted and accepted tokens where the
+server reports them (JustFit's `usage.drafted_tokens` / `accepted_tokens`, llama-server's
+`timings.draft_n` / `draft_n_accepted`; None where absent), and whether each reply's text
+equals the same server's reply with drafts off (greedy: it must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import hashlib
+import inspect
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TRAJECTORY = Path(__file__).resolve().parent / "data" / "agent_trajectory.json"
+LLAMA_CPP = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+# llama-server's n-gram speculation: look up the last 3 tokens, draft up to 16 (its
+# default lookup of 12 tokens rarely matches in short replies)
+LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-n-max 16"
+SYSTEMS = ("justfit", "justfit-nodraft", "llama-server", "llama-server-ngram")
+WORKLOADS = ("code-edit", "prose", "agent")
+# the drafts-off twin each system's replies are checked against
+TWIN = {"justfit": "justfit-nodraft", "llama-server-ngram": "llama-server"}
+
+# Standard-library functions shown for editing, and an identifier each renames.
+CODE = [(textwrap.TextWrapper, "_wrap_chunks", "chunks", "pieces"),
+        (textwrap, "dedent", "margin", "indent_prefix"),
+        (shlex.shlex, "read_token", "nextchar", "next_char"),
+        (textwrap.TextWrapper, "_handle_long_word", "space_left", "room_left"),
+        (shlex, "split", "lex", "lexer"),
+        (textwrap, "indent", "predicate", "should_indent")]
+PROSE = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+         "Write a short story about a robot learning to bake bread."]
+
+
+@dataclass
+class Reply:
+    """One request's outcome."""
+
+    text: str = ""
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    total_s: float = 0.0
+    first_s: float | None = None  # time to the first text
+    drafted: int | None = None
+    accepted: int | None = None
+    error: str | None = None
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - (self.first_s if self.first_s is not None else self.total_s)
+
+
+def function_source(owner, name: str, max_lines: int = 80) -> str:
+    """A function's source, dedented, cut to `max_lines` lines."""
+    lines = textwrap.dedent(inspect.getsource(getattr(owner, name))).splitlines()
+    return "\n".join(lines[:max_lines]) + "\n"
+
+
+def code_requests(count: int) -> list[list[dict]]:
+    """`count` code-edit conversations: repeat a function, or repeat it with a rename."""
+    out = []
+    for i in range(count):
+        owner, name, old, new = CODE[(i // 2) % len(CODE)]
+        code = function_source(owner, name)
+        ask = ("Repeat this Python function exactly, as code only." if i % 2 == 0 else
+               f"Rewrite this Python function with the identifier `{old}` renamed to `{new}` everywhere. "
+               "Reply with the whole function, as code only.")
+        out.append([{"role": "user", "content": f"{ask}\n\n```python\n{code}```"}])
+    return out
+
+
+def turn_message(turn: dict) -> str:
+    """One recorded agent turn as the user's message."""
+    kind = turn["kind"]
+    if kind == "file":
+        return f"Here is {turn['path']}:\n```\n{turn['content']}```\n{turn['ask']}"
+    if kind == "tool":
+        return f"`{turn['command']}` printed:\n```\n{turn['output']}```\n{turn['ask']}"
+    if kind == "edit":
+        return f"Edit {turn['path']}: {turn['instruction']}. {turn['ask']}"
+    return turn["text"]
+
+
+def load_trajectory(path: Path = TRAJECTORY) -> tuple[str, list[str]]:
+    data = json.loads(path.read_text())
+    return data["system"], [turn_message(t) for t in data["turns"]]
+
+
+def sse_events(raw: bytes):
+    """The JSON payloads of a server-sent-events body's `data:` lines."""
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if line.startswith("data:"):
+            payload = line[5:].strip()
+            if payload and payload != "[DONE]":
+                with contextlib.suppress(json.JSONDecodeError):
+                    yield json.loads(payload)
+
+
+async def chat(http, url: str, messages: list[dict], max_tokens: int, speculate: bool | None,
+               timeout: float, extra: dict | None = None) -> Reply:
+    """A streamed greedy chat completion, timed by its first text and its end; `extra`:
+    more body fields."""
+    import aiohttp
+
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": True}
+    if speculate is not None:
+        body["speculate"] = speculate
+    body.update(extra or {})
+    reply, pieces = Reply(), []
+    start = time.perf_counter()
+    try:
+        async with http.post(url + "/v1/chat/completions", json=body,
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                reply.error = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return reply
+            buffer = b""
+            async for chunk in r.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for event in sse_events(b"\n".join(lines)):
+                    take(event, reply, pieces, time.perf_counter() - start)
+            for event in sse_events(buffer):
+                take(event, reply, pieces, time.perf_counter() - start)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        reply.error = f"{type(e).__name__}: {e}"
+    reply.total_s = time.perf_counter() - start
+    reply.text = "".join(pieces)
+    return reply
+
+
+def take(event: dict, reply: Reply, pieces: list[str], at: float) -> None:
+    """Fold one streamed event into `reply`."""
+    for choice in event.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        if text:
+            if reply.first_s is None:
+                reply.first_s = at
+            pieces.append(text)
+    usage = event.get("usage")
+    if usage:
+        reply.completion_tokens = usage.get("completion_tokens")
+        reply.prompt_tokens = usage.get("prompt_tokens")
+        reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if "drafted_tokens" in usage:
+            reply.drafted, reply.accepted = usage["drafted_tokens"], usage.get("accepted_tokens")
+    timings = event.get("timings")
+    if timings:
+        if "draft_n" in timings:
+            reply.drafted, reply.accepted = timings["draft_n"], timings.get("draft_n_accepted")
+        if reply.completion_tokens is None and "predicted_n" in timings:
+            reply.completion_tokens = timings["predicted_n"]
+        if reply.cached_tokens is None and "cache_n" in timings:
+            reply.cached_tokens = timings["cache_n"]
+
+
+@dataclass
+class System:
+    """How to start one server of the comparison."""
+
+    name: str
+    model: str
+    llama_cpp: str = LLAMA_CPP
+    llama_spec: str = LLAMA_SPEC
+    context: int = 8192
+    unavailable: str | None = None  # why it cannot run (the row says so)
+    speculate: bool | None = None  # the per-request field JustFit takes
+
+    def command(self, port: int) -> list[str]:
+        if self.name.startswith("justfit"):
+            cmd = [str(Path(sys.executable).parent / "justfit"), "serve", "--port", str(port), "--model", self.model]
+            if justfit_drafts():
+                cmd += ["--draft", "none" if self.name == "justfit-nodraft" else "ngram"]
+            return cmd
+        from bench.llamacpp import _gguf, binary
+
+        cmd = [binary(self.llama_cpp, "llama-server"), "-m", _gguf(self.model), "--port", str(port),
+               "--host", "127.0.0.1", "-c", str(self.context), "-np", "1", "-t", str(os.cpu_count() or 1),
+               "--cache-prompt"]
+        return cmd + (shlex.split(self.llama_spec) if self.name == "llama-server-ngram" else [])
+
+
+@functools.cache
+def justfit_drafts() -> bool:
+    """Whether this JustFit's `serve` takes --draft."""
+    exe = Path(sys.executable).parent / "justfit"
+    try:
+        out = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--draft" in out
+
+
+def make_system(name: str, args) -> System:
+    s = System(name, args.model, args.llama_cpp, args.llama_spec, args.context)
+    if name.startswith("llama-server"):
+        from bench.llamacpp import binary
+
+        exe = binary(args.llama_cpp, "llama-server")
+        if not Path(exe).is_file():
+            s.unavailable = f"no llama-server at {exe}: pass --llama-cpp DIR"
+    elif name == "justfit" and not justfit_drafts():
+        s.unavailable = "this justfit serve has no --draft: drafts unavailable"
+    if name.startswith("justfit") and justfit_drafts():
+        s.speculate = name == "justfit"
+    return s
+
+
+@contextlib.asynccontextmanager
+async def running(system: System):
+    """The system's server on a free port, ready, stopped (SIGINT) on exit."""
+    from bench.server_process import launched
+
+    async with launched(system.command, "justfit-spec-bench-", ready_s=600, stop_s=60) as (url, _, _):
+        yield url
+
+
+async def run_workload(http, url: str, system: System, workload: str, args) -> list[Reply]:
+    """Every request of `workload`, one after another."""
+    if workload == "code-edit":
+        return [await chat(http, url, m, args.max_tokens or 400, system.speculate, args.timeout)
+                for m in code_requests(args.prompts)]
+    if workload == "prose":
+        return [await chat(http, url, [{"role": "user", "content": p}], args.max_tokens or 300, system.speculate,
+                           args.timeout) for p in PROSE[:max(1, min(args.prompts, len(PROSE)))]]
+    prompt, turns = load_trajectory()
+    messages = [{"role": "system", "content": prompt}]
+    replies = []
+    for user in turns[:args.turns or None]:
+        messages.append({"role": "user", "content": user})
+        reply = await chat(http, url, messages, args.max_tokens or 200, system.speculate, args.timeout)
+        replies.append(reply)
+        if reply.error:
+            break
+        messages.append({"role": "assistant", "content": reply.text})
+    return replies
+
+
+def _sum(values: list) -> int | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def summarize(replies: list[Reply]) -> dict:
+    """A workload's totals: times, tokens, decode rate, drafted and accepted tokens."""
+    tokens = _sum([r.completion_tokens for r in replies])
+    decode_s = sum(r.decode_s for r in replies)
+    after_first = None if tokens is None else tokens - sum(1 for r in replies if r.first_s is not None)
+    drafted, accepted = _sum([r.drafted for r in replies]), _sum([r.accepted for r in replies])
+    return {"requests": len(replies), "total_s": round(sum(r.total_s for r in replies), 3),
+            "first_s": round(sum(r.first_s or 0.0 for r in replies), 3), "decode_s": round(decode_s, 3),
+            "completion_tokens": tokens,
+            "decode_tps": round(after_first / decode_s, 2) if after_first and decode_s > 0 else None,
+            "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "cached_tokens": _sum([r.cached_tokens for r in replies]),
+            "errors": [r.error for r in replies if r.error]}
+
+
+async def measure(system: System, args) -> dict:
+    """One system's rows (one per workload), with each reply kept for the identity check."""
+    import aiohttp
+
+    row = {"system": system.name, "model": system.model}
+    if system.name == "llama-server-ngram":
+        row["llama_spec"] = system.llama_spec
+    if system.unavailable:
+        return {**row, "error": system.unavailable}
+    row["load_before"] = round(os.getloadavg()[0], 2)
+    workloads = {}
+    try:
+        # a fresh connection per request: llama-server closes one after a streamed reply
+        async with running(system) as url, aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+            for workload in args.workloads:
+                replies = await run_workload(http, url, system, workload, args)
+                workloads[workload] = {**summarize(replies), "replies": [kept(r) for r in replies]}
+                print(json.dumps({"system": system.name, "workload": workload,
+                                  **{k: v for k, v in workloads[workload].items() if k != "replies"}}),
+                      file=sys.stderr, flush=True)
+    except (OSError, RuntimeError) as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+    row["load_after"] = round(os.getloadavg()[0], 2)
+    return {**row, "workloads": workloads}
+
+
+def kept(reply: Reply) -> dict:
+    """What a result file keeps of a reply: its figures, and its text as a digest (the
+    identity check compares digests) with its first characters to read."""
+    out = asdict(reply)
+    text = out.pop("text")
+    return {**out, "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "text_chars": len(text),
+            "text_head": text[:80]}
+
+
+def identity(rows: list[dict]) -> None:
+    """Mark each system's workloads with whether every reply's text equals its twin's
+    with drafts off (same server kind, greedy), and the speedup of drafts in total time."""
+    by_name = {r["system"]: r for r in rows}
+    for row in rows:
+        twin = by_name.get(TWIN.get(row["system"], ""))
+        if not twin or "workloads" not in row or "workloads" not in twin:
+            continue
+        for name, w in row["workloads"].items():
+            other = twin["workloads"].get(name)
+            if other is None or w["errors"] or other["errors"]:
+                continue  # a failed request's text says nothing about identity
+            texts = [r["text_sha256"] for r in w["replies"]]
+            theirs = [r["text_sha256"] for r in other["replies"]]
+            w["identical_to_drafts_off"] = texts == theirs
+            w["differing_replies"] = sum(a != b for a, b in zip(texts, theirs)) + abs(len(texts) - len(theirs))
+            if w["total_s"] > 0:
+                w["speedup_total"] = round(other["total_s"] / w["total_s"], 3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a GGUF path (the same file for both)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--prompts", type=int, default=4, help="code-edit requests (half repeat, half rename); prose: up to 2")
+    ap.add_argument("--turns", type=int, default=0, help="agent turns to run (0: all)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="per reply (0: 400 code, 300 prose, 200 agent)")
+    ap.add_argument("--llama-cpp", default=LLAMA_CPP, help="llama.cpp's binaries (llama-server)")
+    ap.add_argument("--llama-spec", default=LLAMA_SPEC, help="llama-server's speculation flags for llama-server-ngram")
+    ap.add_argument("--context", type=int, default=8192, help="llama-server's context")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
+    ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    args = ap.parse_args(argv)
+    args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")
+    if set(args.systems) - set(SYSTEMS):
+        ap.error(f"unknown systems {sorted(set(args.systems) - set(SYSTEMS))}: choose from {', '.join(SYSTEMS)}")
+    if set(args.workloads) - set(WORKLOADS):
+        ap.error(f"unknown workloads {sorted(set(args.workloads) - set(WORKLOADS))}: choose from {', '.join(WORKLOADS)}")
+    from bench.common import machine_info, publish
+
+    rows = [asyncio.run(measure(make_system(name, args), args)) for name in args.systems]  # one server at a time
+    identity(rows)
+    settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context")}
+    publish("speculation", {"machine": machine_info(), "settings": {**settings, "cores": os.cpu_count()},
+                            "systems": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()
