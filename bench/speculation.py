@@ -4,7 +4,9 @@ on the same GGUF and the same greedy requests.
 
     python -m bench.speculation --model smollm2 --llama-cpp /path/to/llama.cpp/build/bin
 
-Workloads (OpenAI-compatible /v1/chat/completions, temperature 0, streamed):
+Workloads (OpenAI-compatible /v1/chat/completions, temperature 0, streamed; with
+`--text`, and always for the base model gemma3, each conversation as plain text
+"User: ...\n\nAssistant:" to /v1/completions, stopped at the next "User:"):
 
 - code-edit: a 40-80 line function from the running Python's standard library
   (textwrap, shlex) shown in the prompt, to be repeated exactly or repeated with one
@@ -126,21 +128,33 @@ def sse_events(raw: bytes):
                     yield json.loads(payload)
 
 
+def as_text(messages: list[dict]) -> str:
+    """A conversation as one plain text for a base model (no chat template), ending where
+    the assistant's next reply begins."""
+    names = {"system": "System", "user": "User", "assistant": "Assistant"}
+    return "".join(f"{names[m['role']]}: {m['content']}\n\n" for m in messages) + "Assistant:"
+
+
 async def chat(http, url: str, messages: list[dict], max_tokens: int, speculate: bool | None,
-               timeout: float, extra: dict | None = None) -> Reply:
+               timeout: float, extra: dict | None = None, text: bool = False) -> Reply:
     """A streamed greedy chat completion, timed by its first text and its end; `extra`:
-    more body fields."""
+    more body fields; `text`: the conversation as plain text to /v1/completions, ended
+    by the next "User:" (a base model)."""
     import aiohttp
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": True}
+    route = "/v1/chat/completions"
+    if text:
+        body = {**body, "prompt": as_text(body.pop("messages")), "stop": ["\nUser:"]}
+        route = "/v1/completions"
     if speculate is not None:
         body["speculate"] = speculate
     body.update(extra or {})
     reply, pieces = Reply(), []
     start = time.perf_counter()
     try:
-        async with http.post(url + "/v1/chat/completions", json=body,
+        async with http.post(url + route, json=body,
                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 reply.error = f"HTTP {r.status}: {(await r.text())[:300]}"
@@ -248,18 +262,19 @@ async def running(system: System):
 
 async def run_workload(http, url: str, system: System, workload: str, args) -> list[Reply]:
     """Every request of `workload`, one after another."""
+    text = args.text
     if workload == "code-edit":
-        return [await chat(http, url, m, args.max_tokens or 400, system.speculate, args.timeout)
+        return [await chat(http, url, m, args.max_tokens or 400, system.speculate, args.timeout, text=text)
                 for m in code_requests(args.prompts)]
     if workload == "prose":
         return [await chat(http, url, [{"role": "user", "content": p}], args.max_tokens or 300, system.speculate,
-                           args.timeout) for p in PROSE[:max(1, min(args.prompts, len(PROSE)))]]
+                           args.timeout, text=text) for p in PROSE[:max(1, min(args.prompts, len(PROSE)))]]
     prompt, turns = load_trajectory()
     messages = [{"role": "system", "content": prompt}]
     replies = []
     for user in turns[:args.turns or None]:
         messages.append({"role": "user", "content": user})
-        reply = await chat(http, url, messages, args.max_tokens or 200, system.speculate, args.timeout)
+        reply = await chat(http, url, messages, args.max_tokens or 200, system.speculate, args.timeout, text=text)
         replies.append(reply)
         if reply.error:
             break
@@ -354,8 +369,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-spec", default=LLAMA_SPEC, help="llama-server's speculation flags for llama-server-ngram")
     ap.add_argument("--context", type=int, default=8192, help="llama-server's context")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
+    ap.add_argument("--text", action="store_true",
+                    help="send each conversation as plain text to /v1/completions (a base model: gemma3 always)")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
+    args.text = args.text or args.model == "gemma3"  # a base model: its chat routes refuse it
     args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")
     if set(args.systems) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(set(args.systems) - set(SYSTEMS))}: choose from {', '.join(SYSTEMS)}")
@@ -365,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = [asyncio.run(measure(make_system(name, args), args)) for name in args.systems]  # one server at a time
     identity(rows)
-    settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context")}
+    settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context", "text")}
     publish("speculation", {"machine": machine_info(), "settings": {**settings, "cores": os.cpu_count()},
                             "systems": rows}, args.json)
 

@@ -36,7 +36,8 @@ PEER_FIDELITY = {"SmolLM2": ("quality-20261205-101054", _QUALITY.format("smollm2
 SPEED = "speed-20261204-235541"  # SmolLM2, llama.cpp in the same run
 SPEED_GEMMA = ("speed-20261204-190058", "speed-20261204-190706")  # two runs minutes apart
 RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same run
-SPECULATION = "speculation-20261205-145143"  # SmolLM2: drafts on and off, llama-server with and without its n-gram drafts
+# Drafts on and off, llama-server with and without its n-gram drafts, the same run per model
+SPECULATION = {"SmolLM2": "speculation-20261205-145143", "Gemma 3": "speculation-20261205-151958"}
 STREAMS = "streams-20261205-145311"  # SmolLM2: 4 concurrent streams, justfit serve and llama-server -np 4, the same run
 JUSTFIT_ROW = "justfit-calibrated+resident"  # the CLI's default pages, every weight resident
 LLAMA_SYSTEM = re.compile(r"^llama\.cpp")
@@ -202,25 +203,30 @@ def resume_rows(results: Path = RESULTS) -> list[Row]:
 
 
 def speculation_rows(results: Path = RESULTS) -> list[Row]:
-    """Drafts from the conversation's own text: decode rate on code edits and prose,
-    an agent trajectory's total time; against llama-server with and without its n-gram
-    drafts, the same run."""
-    result = load(SPECULATION, results)
-    on, off = _find(result, "justfit"), _find(result, "justfit-nodraft")
-    ll, lln = _find(result, "llama-server"), _find(result, "llama-server-ngram")
-    w = {name: (on["workloads"][name], off["workloads"][name]) for name in ("code-edit", "prose", "agent")}
-    same = [name for name, (a, _) in w.items() if a.get("identical_to_drafts_off")]
-    rate = " / ".join(f"{w[n][0]['decode_tps']:.1f} vs {w[n][1]['decode_tps']:.1f} tok/s "
-                      f"({_ratio(w[n][0]['decode_tps'], w[n][1]['decode_tps'])})" for n in ("code-edit", "prose"))
-    agent_on, agent_off = w["agent"][0]["total_s"], w["agent"][1]["total_s"]
-    return [Row(f"speculative decoding, SmolLM2, greedy: decode on code edits / prose (drafts on vs off), "
-                f"and a {len(w['agent'][0].get('replies', [])) or 16}-turn agent trajectory's total time",
-                f"{rate}; agent {agent_on:.1f} s vs {agent_off:.1f} s ({_ratio(agent_off, agent_on)} faster); "
-                f"text identical with drafts off: {', '.join(same) or 'none'}",
-                f"llama-server, same run: agent {ll['workloads']['agent']['total_s']:.1f} s, with its n-gram drafts "
-                f"{lln['workloads']['agent']['total_s']:.1f} s; code edits {ll['workloads']['code-edit']['decode_tps']:.1f} / "
-                f"{lln['workloads']['code-edit']['decode_tps']:.1f} tok/s", (SPECULATION,),
-                "python -m bench.speculation --model smollm2 --llama-cpp DIR")]
+    """Drafts from the conversation's own text: decode rate on code edits and prose, an
+    agent trajectory's total time; against llama-server with and without its n-gram
+    drafts, the same run, per model."""
+    out = []
+    for model, stem in SPECULATION.items():
+        result = load(stem, results)
+        on, off = _find(result, "justfit"), _find(result, "justfit-nodraft")
+        ll, lln = _find(result, "llama-server"), _find(result, "llama-server-ngram")
+        w = {name: (on["workloads"][name], off["workloads"][name]) for name in ("code-edit", "prose", "agent")}
+        same = [name for name, (a, _) in w.items() if a.get("identical_to_drafts_off")]
+        rate = " / ".join(f"{w[n][0]['decode_tps']:.1f} vs {w[n][1]['decode_tps']:.1f} tok/s "
+                          f"({_ratio(w[n][0]['decode_tps'], w[n][1]['decode_tps'])})" for n in ("code-edit", "prose"))
+        agent_on, agent_off = w["agent"][0]["total_s"], w["agent"][1]["total_s"]
+        text = result["settings"].get("text")
+        out.append(Row(f"speculative decoding, {model}, greedy{' (plain-text prompts: a base model)' if text else ''}: "
+                       f"decode on code edits / prose, drafts on vs off, and a {len(w['agent'][0]['replies'])}-turn "
+                       "agent trajectory's total time",
+                       f"{rate}; agent {agent_on:.1f} s vs {agent_off:.1f} s ({_ratio(agent_on, agent_off)} the time); "
+                       f"text identical with drafts off: {', '.join(same) or 'none'}",
+                       f"llama-server, same run: agent {ll['workloads']['agent']['total_s']:.1f} s, with its n-gram "
+                       f"drafts {lln['workloads']['agent']['total_s']:.1f} s; code edits "
+                       f"{ll['workloads']['code-edit']['decode_tps']:.1f} / {lln['workloads']['code-edit']['decode_tps']:.1f} tok/s",
+                       (stem,), f"python -m bench.speculation --model {result['settings']['model']} --llama-cpp DIR"))
+    return out
 
 
 def streams_rows(results: Path = RESULTS) -> list[Row]:
