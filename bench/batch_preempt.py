@@ -62,7 +62,7 @@ def preempt_rows(args) -> list[dict]:
         alone.append([c.token for c in engine.generate(p, sampling) if c.token is not None])
     engine.reset()
     base = {"context": args.context, "tokens": args.tokens, "sequences": args.sequences,
-            "budget_bytes": engine.config.budget_bytes, "policy": engine.policy.name}
+            "budget_bytes": engine.budget.bytes, "policy": engine.policy.name}
     rows = [{**base, "mode": "alone, one after another", "wall_s": round(time.perf_counter() - start, 2)}]
     print(json.dumps(rows[-1]), flush=True)
     for preempt in (True, False):

@@ -149,7 +149,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
                 "streamed_from_disk": list(engine.swap.offloaded),
                 "kv_formats": stats.kv_formats,
                 "kv_dtype": f"pages {','.join(sorted(stats.kv_formats)) or 'none yet'}, hot window {hot}",
-                "planned": stats.planned_bytes, "engine_budget": engine.config.budget_bytes,
+                "planned": stats.planned_bytes, "engine_budget": engine.budget.bytes,
                 "kv_disk": stats.kv_disk,
                 "mlx_phase_peaks": [p.peak_bytes for p in stats.phases]}
 
@@ -158,7 +158,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
     planner = engine.edge_footprint(pressed=bool(kv.pressure))
     if engine.config.kv_disk is not None:  # every growing layer's pages on disk at the budget's edge
         planner = engine.edge_footprint(disk_layers=planner.shape.full_layers)
-    planned = planner.max_positions(engine.config.budget_bytes)
+    planned = planner.max_positions(engine.budget.bytes)
     facts = {"trained_context": engine.model_config.get("max_position_embeddings"), "planned_positions": planned,
              "weights_bytes": planner.weights,
              "weights_dtype": f"{engine.policy.name}: resident {engine.swap.registry.resident_form}, "

@@ -83,7 +83,7 @@ class BatchRunner:
         # Under a budget the C heap's free pages go back to the system after each prefill
         # chunk and every 16 decode steps: MLX's many small buffers fragment the heap, and
         # what fragments hold counts against a budget but not in MLX's accounting.
-        self._trim = engine.config.budget_bytes is not None
+        self._trim = engine.budget.bytes is not None
 
     def _counted(self, seq: Sequence) -> int:
         """Positions `seq` is counted at (see the class doc)."""
@@ -107,14 +107,14 @@ class BatchRunner:
             return True
         if len(self.running) >= self.max_batch or seq.offloaded != tuple(self.engine.swap.offloaded):
             return False
-        budget = self.engine.config.budget_bytes
+        budget = self.engine.budget.bytes
         return budget is None or self._need(self.running + [seq]) <= budget
 
     def admit(self, seq: Sequence) -> None:
         """Start `seq` in the batch (the caller checked `fits`)."""
         if not self.running:
             self.engine.swap.offload(seq.offloaded)
-        budget = self.engine.config.budget_bytes
+        budget = self.engine.budget.bytes
         # Stored states in memory keep out of what the batch needs now and of what this
         # sequence needs at its plan's end (alone, nothing is set aside to make room).
         need = max(self._need(self.running + [seq]), seq.plan.total)
@@ -135,7 +135,7 @@ class BatchRunner:
 
     def _make_room(self) -> None:
         """Park the most recently admitted sequences until the next step fits (one always runs)."""
-        budget = self.engine.config.budget_bytes
+        budget = self.engine.budget.bytes
         while budget is not None and len(self.running) > 1 and self._need(self.running) > budget:
             seq = self.running[-1]
             try:

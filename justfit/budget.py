@@ -1,5 +1,4 @@
-"""The budget accountant: the engine's share of a whole-process budget, and the plan
-search that fits a request into the engine's budget (which components go to disk,
+"""The budget accountant: the plan search that fits a request into the engine's budget (which components go to disk,
 whether pages step down the pressure ladder, how large a prefill chunk) or refuses it
 before any work."""
 
@@ -7,30 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Iterator
 
 import kvexec
 from justfit.context import EngineContext
 from justfit.errors import BudgetExceeded, ContextTooLong, KVDiskFull
-from justfit.outside import decayed_max, measure_outside
 from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
 
-
-
-@dataclass
-class ProcessShare:
-    """Under a whole-process budget, the engine's share: the budget less what the
-    process holds besides MLX, a decaying maximum over requests (justfit.outside)."""
-
-    process_budget: int
-    outside: int = 0
-
-    def remeasure(self, high_water: int = 0, mlx_peak: int = 0) -> int:
-        """Measure the outside share again (after a request: `high_water`, `mlx_peak`,
-        see justfit.outside.measure_outside); return the engine's share now."""
-        self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak))
-        return self.process_budget - self.outside
 
 
 def prefill_ways(chunk: int, budget: int | None) -> Iterator[tuple[int, bool]]:
@@ -72,7 +54,7 @@ def plan(engine: EngineContext, positions: int) -> tuple[tuple[str, ...], Footpr
     `page_allowance` what the resident pages may take). With pages allowed on disk,
     every layer's pages go there before any page steps down the ladder (the ladder loses
     fidelity, disk only speed). The last tried, when nothing fits."""
-    budget = engine.config.budget_bytes
+    budget = engine.budget.bytes
     moves = _moves(engine, positions) if budget is not None else []
     kv = engine.config.kv
     # (pressed, the most the footprint may take): with the ladder to fall back on, wide
@@ -115,7 +97,7 @@ def check_fits(engine: EngineContext, prompt_tokens: int, max_tokens: int) -> tu
         raise ContextTooLong(prompt_tokens, max_tokens, n, f"positions rank {r} of the layer pipeline holds in its "
                              f"budget (per rank: {engine.rank_limits})")
     offloaded, fp = plan(engine, positions)
-    budget = engine.config.budget_bytes
+    budget = engine.budget.bytes
     if budget is not None and fp.total > budget:
         engine.remeasure_outside()  # a refused request counts too: a spike must not refuse all for good
         raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)

@@ -56,7 +56,9 @@ class EngineConfig:
     budget_bytes bounds the memory the engine manages (weights, KV, transients); with
     budget_covers_process, the whole process (what it holds besides MLX at load, the
     interpreter, libraries and tokenizer, is taken off). Under a budget on CPU, "auto"
-    picks cpu-compact when cpu's weights leave too little for the whole context.
+    picks cpu-compact when cpu's weights leave too little for the whole context. The
+    engine keeps the budget at load here; the one now (a whole-process budget's share,
+    `Engine.set_budget`) is `Engine.budget` (justfit.outside.Budget).
     """
 
     budget_bytes: int | None = None

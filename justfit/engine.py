@@ -15,7 +15,8 @@ import mlx.core as mx
 import psutil
 
 from justfit import blas, runtime
-from justfit.budget import ProcessShare, check_fits, plan
+from justfit.budget import check_fits, plan
+from justfit.outside import Budget, ProcessShare
 from justfit.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
 from justfit import adapter
@@ -64,12 +65,15 @@ class Engine:
         self.name, self.path = loaded.name, loaded.path
         # What a request that does not say is sampled with: the model's recommendation.
         self.default_sampling, self.sampling_source = loaded.sampling, loaded.sampling_source
-        self._share: ProcessShare | None = None  # a whole-process budget, if given
+        share = None  # a whole-process budget, if given
         if config.budget_bytes is not None and config.budget_covers_process:
             # Weights are not read yet (lazy load): what the process holds now besides
             # MLX is the interpreter, libraries and tokenizer; the engine gets the rest.
-            self._share = ProcessShare(config.budget_bytes)
-            config = replace(config, budget_bytes=self._share.remeasure(), budget_covers_process=False)
+            share = ProcessShare(config.budget_bytes)
+            config = replace(config, budget_bytes=share.remeasure(), budget_covers_process=False)
+        # The budget now (a whole-process one's share changes after requests); the
+        # config keeps the one at load.
+        self.budget = Budget(config.budget_bytes, share)
         calibration = kv_calibration(model, config, lambda: model_identity(self, state_root(config.state_dir)))
         self.config = replace(config, kv=kv_for_model(self.model, self.model_config, config.kv, calibration))
         if self.config.kv is not None:  # refused now, whole: a pipeline's split model's probe would cross ranks
@@ -82,13 +86,13 @@ class Engine:
             # PhaseSwap see only this rank's layers.
             base = footprint(self.model, self.model_config, 1, MIN_PREFILL_CHUNK, self.config.kv, 0,
                              predict_working_bytes(self.model), 4)
-            self.pipeline = attach(self.model, group, self.config.budget_bytes, self.model.args.hidden_size, base)
+            self.pipeline = attach(self.model, group, self.budget.bytes, self.model.args.hidden_size, base)
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.policy: ResidencyPolicy = get_policy(choose_policy(self.model, self.model_config, self.config.policy,
-                                                       self.context_limit, self.config.kv, self.config.budget_bytes))
+                                                       self.context_limit, self.config.kv, self.budget.bytes))
         self.blas = blas.active_blas()
-        budget = self.config.budget_bytes
+        budget = self.budget.bytes
         weight_limit = None
         if budget is not None:
             runtime.hold_memory(budget)
@@ -164,22 +168,14 @@ class Engine:
         """Hold later requests to `budget` (e.g. once what runs beside the engine is
         known); freed memory then goes back to the system at once, as under a budget
         given at load."""
-        self.config = replace(self.config, budget_bytes=parse_size(budget))
-        self._share = None
+        self.budget.set(parse_size(budget))
         self.swap.registry.strict = True
-        runtime.hold_memory(self.config.budget_bytes)
-
-    @property
-    def process_budget(self) -> int | None:
-        """The whole-process budget the engine's share is taken from (None: the budget,
-        if any, covers the engine alone)."""
-        return self._share.process_budget if self._share is not None else None
+        runtime.hold_memory(self.budget.bytes)
 
     def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the
-        engine's share (see ProcessShare.remeasure); nothing otherwise."""
-        if self._share is not None:
-            self.config = replace(self.config, budget_bytes=self._share.remeasure(high_water, mlx_peak))
+        engine's share (justfit.outside.Budget.remeasure); nothing otherwise."""
+        self.budget.remeasure(high_water, mlx_peak)
 
     def _footprint(self, positions: int, weights: int | None, working: int,
                    kv: KVConfig | None | str = "engine", chunk: int | None = None,
@@ -188,7 +184,7 @@ class Engine:
         return footprint(self.model, self.model_config, positions, chunk or self.config.prefill_chunk,
                          self.config.kv if kv == "engine" else kv, weights, working,
                          4 if self.policy.fp32 else 2, pressed, dense_prefill,
-                         limited=self.config.budget_bytes is not None, disk_layers=disk_layers,
+                         limited=self.budget.bytes is not None, disk_layers=disk_layers,
                          verify_rows=self.verify_rows if verify_rows is None else verify_rows)
 
     @property
@@ -230,7 +226,7 @@ class Engine:
 
     def state_allowance(self, request: Footprint) -> int | None:
         """What the budget leaves for stored states while `request` runs."""
-        budget = self.config.budget_bytes
+        budget = self.budget.bytes
         return None if budget is None else max(0, budget - request.total)
 
     # -- conversation state ------------------------------------------------------

@@ -69,12 +69,8 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
         report["kv_disk"] = {"folder": engine.config.kv_disk, "layers": layers,
                              "max_positions": edge.max_positions(budget)}
     if context is not None:
-        saved = engine.config
-        engine.config = replace(saved, budget_bytes=budget)  # planned under the budget asked about
-        try:
+        with engine.budget.trial(budget):  # planned under the budget asked about
             offloaded, fp = engine.plan(context)
-        finally:
-            engine.config = saved
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
             "beyond_context": context > engine.context_limit,

@@ -10,6 +10,8 @@ below it, the excess over the latest sample halves every `half_life` requests.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -48,3 +50,66 @@ def measure_outside(high_water: int = 0, mlx_peak: int = 0) -> int:
     if mlx_peak and peak > high_water:
         outside = max(outside, peak - mlx_peak)
     return outside
+
+
+@dataclass
+class ProcessShare:
+    """Under a whole-process budget, the engine's share: the budget less what the
+    process holds besides MLX, a decaying maximum over requests (`decayed_max`)."""
+
+    process_budget: int
+    outside: int = 0
+
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0) -> int:
+        """Measure the outside share again (after a request: `high_water`, `mlx_peak`,
+        see `measure_outside`); return the engine's share now."""
+        self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak))
+        return self.process_budget - self.outside
+
+
+class Budget:
+    """The engine's memory budget now (None: none): fixed, or under a whole-process
+    budget the process's budget less what it holds besides MLX, measured again after
+    requests. The engine builds one and keeps it; the value changes here, under a lock,
+    never the engine's configuration (which keeps the budget given at load)."""
+
+    def __init__(self, nbytes: int | None, share: ProcessShare | None = None):
+        self._lock = threading.Lock()
+        self._bytes, self._share = nbytes, share
+
+    @property
+    def bytes(self) -> int | None:
+        """The engine's budget in bytes now (None: no budget)."""
+        return self._bytes
+
+    @property
+    def process(self) -> int | None:
+        """The whole-process budget the engine's share comes from (None: the budget, if
+        any, covers the engine alone)."""
+        share = self._share
+        return share.process_budget if share is not None else None
+
+    def set(self, nbytes: int) -> None:
+        """Hold the engine to `nbytes` from now on (covering the engine alone)."""
+        with self._lock:
+            self._bytes, self._share = nbytes, None
+
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0) -> None:
+        """Under a whole-process budget, take what the process holds besides MLX off the
+        engine's share again (`ProcessShare.remeasure`); nothing otherwise."""
+        with self._lock:
+            if self._share is not None:
+                self._bytes = self._share.remeasure(high_water, mlx_peak)
+
+    @contextlib.contextmanager
+    def trial(self, nbytes: int | None):
+        """Within the block, plan as if the budget were `nbytes` (`justfit fit` asks
+        what another budget would hold); as before after it."""
+        with self._lock:
+            saved = self._bytes, self._share
+            self._bytes, self._share = nbytes, None
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._bytes, self._share = saved

@@ -38,7 +38,7 @@ def run_pipeline_request(engine: EngineContext, tokens: list[int], sp: SamplingP
     # A pipeline keeps its last state on every rank (stored states are one process's).
     reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
-    budget = engine.config.budget_bytes
+    budget = engine.budget.bytes
     reader = pages.bind(engine.config, cache, request, None if budget is None else request.page_allowance(budget),
                         len(tokens))
     held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
@@ -67,7 +67,7 @@ def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int],
     # exactly, it computes the reply this request computes.
     kvexec.keep_exact(cache, len(tokens) - 1)
     record: Callable[[list[int]], None] = held.extend
-    if engine.config.budget_bytes is not None:
+    if engine.budget.bytes is not None:
         record = trimming(record)
     if sp.max_tokens == 0:
         stats.finish_reason = "length"

@@ -83,7 +83,7 @@ class Sequence:
         e, plan = self.engine, self.plan
         # Each sequence's pages keep to its own plan: the batch was admitted on the sum
         # of the plans (justfit.batch.BatchRunner.fits).
-        room = None if e.config.budget_bytes is None else plan.page_allowance(plan.total)
+        room = None if e.budget.bytes is None else plan.page_allowance(plan.total)
         pages.release(self.cache, self.reader)
         self.reader = pages.bind(e.config, cache, plan, room, len(self.tokens))
         self.cache = cache

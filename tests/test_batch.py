@@ -149,4 +149,4 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
         sched.close()
 
     asyncio.run(both())
-    assert calls and engine.config.budget_bytes < 2**30  # the engine's share is what the outside leaves
+    assert calls and engine.budget.bytes < 2**30  # the engine's share is what the outside leaves

@@ -68,7 +68,7 @@ def test_four_long_sequences_under_a_budget_for_two_complete_as_alone(engine):
             break
         runner._resume()
         runner._make_room()  # what step() does first: the step to come fits
-        assert len(runner.running) == 1 or runner._need(runner.running) <= engine.config.budget_bytes
+        assert len(runner.running) == 1 or runner._need(runner.running) <= engine.budget.bytes
         for seq, chunk in runner.step():
             if chunk is not None and chunk.token is not None:
                 got.setdefault(id(seq), []).append(chunk.token)

@@ -77,12 +77,12 @@ def test_whole_process_budget_leaves_the_engine_what_the_process_does_not_hold(q
     budget = 2**30
     engine = Engine(str(q4_dir), budget=budget, config=EngineConfig(policy="cpu", budget_covers_process=True))
     outside = memory.rss_bytes() - mx.get_active_memory()
-    share = engine.config.budget_bytes
+    share = engine.budget.bytes
     assert 0 < budget - share and abs((budget - share) - outside) < 64 * 2**20
     list(engine.generate(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=4)))
     # re-measured after the request, as a decaying maximum (tests/test_outside_budget.py)
-    assert 0 < engine.config.budget_bytes and abs(engine.config.budget_bytes - share) < 64 * 2**20
+    assert 0 < engine.budget.bytes and abs(engine.budget.bytes - share) < 64 * 2**20
     engine.set_budget(budget)  # an engine-scope budget from then on
-    assert engine.config.budget_bytes == budget
+    assert engine.budget.bytes == budget
     list(engine.generate(list(range(3, 103)), SamplingParams(temperature=0, max_tokens=4)))
-    assert engine.config.budget_bytes == budget
+    assert engine.budget.bytes == budget

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import justfit.budget as budget_module
+import justfit.outside as outside_module
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
@@ -61,21 +61,21 @@ def tiny_dir(tmp_path_factory):
 
 def test_engine_share_recovers_after_a_spike_and_honours_a_rise(tiny_dir, monkeypatch):
     outside = {"now": 64 * MiB}
-    monkeypatch.setattr(budget_module, "measure_outside", lambda high_water=0, mlx_peak=0: outside["now"])
+    monkeypatch.setattr(outside_module, "measure_outside", lambda high_water=0, mlx_peak=0: outside["now"])
     prompt, sp = list(range(3, 103)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     need = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).footprint(len(prompt) + sp.max_tokens).total
     slack = 4 * MiB
     budget = 64 * MiB + need + slack
     engine = Engine(str(tiny_dir), budget=budget, config=EngineConfig(policy="cpu", budget_covers_process=True))
-    share = engine.config.budget_bytes
+    share = engine.budget.bytes
     assert share == budget - 64 * MiB
     engine.complete(prompt, sp)
-    assert engine.config.budget_bytes == share
+    assert engine.budget.bytes == share
 
     spike = budget  # outside the engine, more than the whole budget for one request
     outside["now"] = 64 * MiB + spike
     engine.complete(prompt, sp)  # ran before the spike was seen; measured after it
-    assert engine.config.budget_bytes == share - spike
+    assert engine.budget.bytes == share - spike
     outside["now"] = 64 * MiB
     # refused requests count as quiet ones: the spike's excess halves every 8 of them
     refused = 0
@@ -90,9 +90,9 @@ def test_engine_share_recovers_after_a_spike_and_honours_a_rise(tiny_dir, monkey
     assert 8 * math.log2(spike / share) - 1 <= refused <= math.ceil(8 * math.log2(spike / slack))
     for _ in range(80):
         engine.complete(prompt, sp)
-    assert share - MiB <= engine.config.budget_bytes <= share
+    assert share - MiB <= engine.budget.bytes <= share
 
     outside["now"] = 64 * MiB + 3 * MiB  # a sustained rise: taken at once, and kept
     for _ in range(3):
         engine.complete(prompt, sp)
-        assert engine.config.budget_bytes == share - 3 * MiB
+        assert engine.budget.bytes == share - 3 * MiB

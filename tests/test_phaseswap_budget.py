@@ -1,7 +1,6 @@
 """PhaseSwap under a budget: what the plan takes before streaming layers (the resident
 forms at the smallest chunk), what it refuses, and streaming below the weights."""
 
-from dataclasses import replace
 
 import pytest
 
@@ -72,7 +71,7 @@ def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir
 def test_refused_when_even_offloading_cannot_fit(q8_dir):
     eng = Engine(str(q8_dir))
     floor = eng.footprint(1, tuple(eng.swap.offload_order()))
-    eng.config = replace(eng.config, budget_bytes=floor.total + 4096)
+    eng.budget.set(floor.total + 4096)
     with pytest.raises(BudgetExceeded) as err:
         list(eng.generate("x " * 200, SamplingParams(max_tokens=100)))
     e = err.value

@@ -120,7 +120,7 @@ class Server:
                     sp = opts.sampling = replace(sp, max_tokens=min(sp.max_tokens, limit - n))
                     continue
                 details = {"prompt_tokens": n, "max_tokens": sp.max_tokens, "max_positions": limit,
-                           "budget_bytes": self.engine.config.budget_bytes,
+                           "budget_bytes": self.engine.budget.bytes,
                            "context_limit": self.engine.context_limit}
                 raise BadRequest(f"{e}", "messages", 400, "context_length_exceeded",
                                  "context_length_exceeded", details) from None

@@ -78,7 +78,7 @@ def memory(engine) -> dict[str, int]:
             "states_disk": states.disk_bytes, "mlx_active": mx.get_active_memory(),
             "mlx_peak": mx.get_peak_memory(), "mlx_cache": mx.get_cache_memory(),
             "process_rss": rss_bytes(), "process_peak": peak_rss_bytes(),
-            "budget": engine.config.budget_bytes or 0}
+            "budget": engine.budget.bytes or 0}
 
 
 def prometheus(m: Metrics, engine, scheduler) -> str:

@@ -73,7 +73,7 @@ class LiveStatus:
         return {"t": round(time.time(), 3), "weights_resident": weights, "weights_materialized": materialized,
                 "kv": kv, "states_memory": states, "transient": max(0, mx.get_active_memory() - accounted),
                 "mlx_cache": mx.get_cache_memory(), "rss": rss_bytes(),
-                "budget": engine.config.budget_bytes, "process_budget": engine.process_budget}
+                "budget": engine.budget.bytes, "process_budget": engine.budget.process}
 
     def _states(self, now: float, scope: str = "") -> list[dict]:
         """The viewer's own (`scope`'s) stored states; another key's are only counted
@@ -124,7 +124,7 @@ class LiveStatus:
         return out
 
     def _budget(self) -> tuple[int, str]:
-        budget = self.server.engine.config.budget_bytes
+        budget = self.server.engine.budget.bytes
         if budget is not None:
             return budget, "budget"
         return psutil.Process().memory_info().rss + psutil.virtual_memory().available, "memory available"
@@ -138,7 +138,7 @@ class LiveStatus:
         engine = self.server.engine
         budget, _ = self._budget()
         # Re-plan when the budget changes; free memory (no budget) moves all the time: per 64 MiB.
-        key = (budget // (2**20 if engine.config.budget_bytes else 2**26), tuple(engine.swap.offloaded))
+        key = (budget // (2**20 if engine.budget.bytes else 2**26), tuple(engine.swap.offloaded))
         if not self._capacity or self._capacity[0] != key:
             offloaded, base = tuple(engine.swap.offloaded), engine.config.kv
             rows = [{"format": base.format if base else "mlx-lm", "label": kv_label(base) if base else "mlx-lm",
@@ -164,8 +164,8 @@ class LiveStatus:
             "t": round(time.time(), 3), "model": self.server.model_id, "policy": engine.policy.name,
             "blas": engine.blas, "backend": str(mx.default_device()),
             "kv_format": engine.config.kv.format if engine.config.kv else "mlx-lm",
-            "context_limit": engine.context_limit, "budget": engine.config.budget_bytes,
-            "process_budget": engine.process_budget,
+            "context_limit": engine.context_limit, "budget": engine.budget.bytes,
+            "process_budget": engine.budget.process,
             "capacity_budget": budget, "capacity_budget_kind": budget_kind,
             "now": self.measure(), "memory": memory(engine),
             "history": [s for s in list(self.samples) if s["t"] > since],
