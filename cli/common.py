@@ -302,13 +302,13 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
 def stop_followers(engine) -> None:
     """On rank 0 of a pipeline, as it leaves: tell the other ranks to leave (the
     pipeline's STOP), once; nothing to tell when the group is lost (a rank gone)."""
-    if engine.pipeline_lost:
+    if engine.pipeline_run.lost:
         return
     try:
         engine.close_pipeline()
     except (OSError, RuntimeError):  # a rank went meanwhile: it needs no telling
         pass
-    engine.pipeline_lost = "the pipeline was stopped"
+    engine.pipeline_run.lost = "the pipeline was stopped"
 
 
 def launch_group():

@@ -26,7 +26,7 @@ from justfit.loader import kv_calibration, kv_for_model, load_lazily, offload_di
 from justfit.breakdown import LoadMarks, blas_warm_up, outside_anon
 from justfit.memory import parse_size, trim_heap
 from justfit.models import weight_files
-from justfit.pipeline import Pipeline, attach
+from justfit.pipeline import Pipeline, PipelineRun, attach
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
 from justfit.batch import run_alone
 from justfit.draft import MAX_DRAFT
@@ -79,8 +79,7 @@ class Engine:
         if self.config.kv is not None:  # refused now, whole: a pipeline's split model's probe would cross ranks
             adapter.check(self.model)
         self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline)
-        self.pipeline_lost = ""  # why the pipeline stopped, once a rank is gone
-        self.pipeline_live = None  # rank 0: (tokens, cache, sampler) every rank still holds (pipeline.resume)
+        self.pipeline_run = PipelineRun()  # rank 0: the state every rank holds, and why the pipeline stopped
         if group is not None and group.size() > 1:
             # Before any weight is read or counted: from here the model, the planner and
             # PhaseSwap see only this rank's layers.
@@ -302,8 +301,8 @@ class Engine:
         tokens = self.encode(prompt)  # here, in the iterating thread, as before the first chunk
         if not tokens:
             raise ValueError("empty prompt")
-        if self.pipeline_lost:
-            raise PipelineLost(self.pipeline_lost)
+        if self.pipeline_run.lost:
+            raise PipelineLost(self.pipeline_run.lost)
         try:
             sp = sampling or self.default_sampling
             if self.pipeline is not None:
@@ -314,8 +313,8 @@ class Engine:
         except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
             if self.pipeline is None or not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
                 raise
-            self.pipeline_lost = str(e)
-            raise PipelineLost(self.pipeline_lost) from e
+            self.pipeline_run.lost = str(e)
+            raise PipelineLost(self.pipeline_run.lost) from e
 
     def follow(self, limit: int = 0) -> None:
         """On ranks > 0 of a pipeline: compute this rank's layers for every forward

@@ -120,6 +120,16 @@ def split_layers(layers: int, budgets: list[int], fixed: int = 0) -> Split:
     return Split(tuple(starts))
 
 
+class PipelineRun:
+    """What rank 0 of a layer pipeline keeps between requests: `live`, the state every
+    rank still holds ((tokens, cache, sampler), or None), and `lost`, why the pipeline
+    stopped once a rank is gone ("" while it runs; requests are refused from then on)."""
+
+    def __init__(self):
+        self.live: tuple | None = None
+        self.lost = ""
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """This process's place in a layer pipeline."""

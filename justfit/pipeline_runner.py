@@ -36,7 +36,7 @@ def run_pipeline_request(engine: EngineContext, tokens: list[int], sp: SamplingP
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     # A pipeline keeps its last state on every rank (stored states are one process's).
-    reuse, engine.pipeline_live = resume(engine.pipeline.link, engine.pipeline_live, tokens), None
+    reuse, engine.pipeline_run.live = resume(engine.pipeline.link, engine.pipeline_run.live, tokens), None
     cache = reuse.cache if reuse.cache is not None else engine.new_cache()
     budget = engine.budget.bytes
     reader = pages.bind(engine.config, cache, request, None if budget is None else request.page_allowance(budget),
@@ -52,7 +52,7 @@ def run_pipeline_request(engine: EngineContext, tokens: list[int], sp: SamplingP
         # (StateTiers.put), unless an interrupt left the cache and tokens apart.
         pages.release(cache, reader)
         kept = bool(held) and holds(cache, len(held))  # else an interrupt left cache and tokens apart
-        engine.pipeline_live = (list(held), cache, rng) if kept else None
+        engine.pipeline_run.live = (list(held), cache, rng) if kept else None
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)

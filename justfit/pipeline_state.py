@@ -108,9 +108,9 @@ def save(engine, path: str, meta: dict) -> tuple[int, int]:
     """Rank 0: write the pipeline's live state at `path` on every rank; (bytes written
     here, state bytes here). Raises OSError naming the ranks that could not write (the
     previous generation stays whole)."""
-    if engine.pipeline_live is None:
+    if engine.pipeline_run.live is None:
         raise ValueError("nothing to save: the conversation holds no state yet")
-    held, cache, sampler = engine.pipeline_live
+    held, cache, sampler = engine.pipeline_run.live
     link, starts = engine.pipeline.link, list(engine.pipeline.split.starts)
     gen = os.urandom(6).hex()
     common = {**meta, "positions": len(held), "pipeline": {"starts": starts, "generation": gen}}
@@ -158,7 +158,7 @@ def load(engine, path: str, identity: dict) -> tuple[dict, int]:
     if failed:
         raise SnapshotError(f"{path}: the part of rank(s) {failed} is missing, damaged or from another "
                             "save; no rank's state changed")
-    engine.pipeline_live = ([int(t) for t in manifest["tokens"]], cache, manifest.get("sampler") or {})
+    engine.pipeline_run.live = ([int(t) for t in manifest["tokens"]], cache, manifest.get("sampler") or {})
     return manifest, state_bytes(arrays)
 
 

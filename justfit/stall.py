@@ -25,10 +25,10 @@ class StallWatch(threading.Thread):
         """Until stopped, or until it has marked the group lost."""
         while not self.stopped.wait(self.every):
             job, engine = self.scheduler.running, self.scheduler.engine
-            if job is None or engine.pipeline_lost or time.monotonic() - job.last_event < self.stall_s:
+            if job is None or engine.pipeline_run.lost or time.monotonic() - job.last_event < self.stall_s:
                 continue
-            engine.pipeline_lost = f"no answer from the layer pipeline for {self.stall_s:g} s"
-            error = PipelineLost(engine.pipeline_lost)
+            engine.pipeline_run.lost = f"no answer from the layer pipeline for {self.stall_s:g} s"
+            error = PipelineLost(engine.pipeline_run.lost)
             for waiting in [job, *self.scheduler.queued()]:
                 waiting.cancel.set()  # should the thread ever come back, it drops them
                 waiting.emit("error", error)

@@ -68,7 +68,7 @@ def export_state(engine, path: str, extra: dict | None = None, session: str | No
 
         start = time.perf_counter()
         written, held = save(engine, path, {**states.identity, "extra": extra or {}})
-        return StateIO(str(path), len(engine.pipeline_live[0]), held, written, time.perf_counter() - start)
+        return StateIO(str(path), len(engine.pipeline_run.live[0]), held, written, time.perf_counter() - start)
     if session is not None and session not in states.sessions:
         raise KeyError(f"no session {session!r}")
     entry = states.entries[states.sessions[session]] if session is not None else states.last

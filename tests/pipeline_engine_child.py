@@ -36,7 +36,7 @@ if die_after:
             list(engine.generate("The capital of France is", sp))
         except PipelineLost as e:
             errors.append(str(e))
-    print(json.dumps({"errors": errors, "lost": engine.pipeline_lost}))
+    print(json.dumps({"errors": errors, "lost": engine.pipeline_run.lost}))
     os._exit(0)
 prompt = "The capital of France is Paris. The capital of Italy is"
 tokens = engine.reply(prompt, sp).tokens

@@ -237,7 +237,7 @@ class _SilentPipeline:
         import threading
         from types import SimpleNamespace
 
-        self._engine, self.pipeline, self.pipeline_lost = engine, SimpleNamespace(size=2, rank=0), ""
+        self._engine, self.pipeline = engine, SimpleNamespace(size=2, rank=0)
         self.never = threading.Event()
 
     def __getattr__(self, name):

@@ -133,8 +133,8 @@ class Server:
         if self.draining:
             raise BadRequest(str(ServerStopping()), None, 503, "server_error", "server_stopping",
                              {"retry_after": 5, "ticket": ""})
-        if getattr(self.engine, "pipeline_lost", ""):  # nothing can run until every rank is restarted
-            raise BadRequest(str(PipelineLost(self.engine.pipeline_lost)), None, 503, "server_error",
+        if self.engine.pipeline_run.lost:  # nothing can run until every rank is restarted
+            raise BadRequest(str(PipelineLost(self.engine.pipeline_run.lost)), None, 503, "server_error",
                              "pipeline_degraded")
         try:
             refuse_pipeline_session(self.engine, opts.session)
@@ -249,7 +249,7 @@ class Server:
     # -- operations -----------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: ok (degraded once a pipeline rank is gone), and the model served."""
-        lost, pipeline = getattr(self.engine, "pipeline_lost", ""), getattr(self.engine, "pipeline", None)
+        lost, pipeline = self.engine.pipeline_run.lost, getattr(self.engine, "pipeline", None)
         states = getattr(self.engine, "states", None)
         failing = states.degraded() if states is not None else ""
         status = "stopping" if self.draining else "degraded" if lost or failing else "ok"
