@@ -163,7 +163,11 @@ class StateTiers:
     def _job(self, e: Entry, arrays: dict[str, mx.array], layers: list[dict], origin: str | None = None) -> Job:
         meta = json.loads(json.dumps({**self.identity, "tokens": e.tokens, "layers": layers, "sampler": e.sampler,
                                       "scope": e.scope}))
-        return Job(e, {k: copy.copy(v) for k, v in arrays.items()}, meta, e.base, origin or e.session)
+        arrays = {k: copy.copy(v) for k, v in arrays.items()}
+        # Computed here, on the thread that computes: the writer's thread then only reads
+        # buffers (MLX evaluating on two threads at once can crash).
+        mx.eval([a for a in arrays.values() if isinstance(a, mx.array)])
+        return Job(e, arrays, meta, e.base, origin or e.session)
 
     def _retire(self, prev: Entry) -> None:
         """A session's superseded (or evicted) state: an anonymous checkpoint of its
