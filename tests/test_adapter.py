@@ -11,13 +11,13 @@ import sys
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma2, llama
-from mlx_lm.utils import _get_classes
 
 import kvexec
 from justfit import adapter, runtime
 from justfit.native_layers import NativeLlamaBlock
 from kvexec import KVConfig, SeamBypassed, seam
 from phaseswap.native import NativeRMSNorm, NativeRoPE
+from tests.tiny_models import in_memory_model
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=97, rope_theta=10000.0,
@@ -25,13 +25,7 @@ BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_atten
 
 
 def _model(model_type: str = "llama", **extra):
-    config = {**BASE, **extra, "model_type": model_type}
-    mx.random.seed(0)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.apply(lambda a: a.astype(mx.float32))
-    mx.eval(model.parameters())
-    return model
+    return in_memory_model({**BASE, **extra, "model_type": model_type})
 
 
 def _as_loaded(model) -> list:

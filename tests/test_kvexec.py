@@ -4,10 +4,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
 
 import kvexec
 from kvexec import FORMATS, KVConfig, PageStore, blockwise_attention, get_format
+from tests.tiny_models import in_memory_model
 
 SMALL = dict(page_size=16, hot_window=8, sink_tokens=2, block_tokens=32)
 
@@ -224,18 +224,9 @@ TINY = {
 }
 
 
-def _tiny(config):
-    mx.random.seed(0)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.apply(lambda a: a.astype(mx.float32))
-    mx.eval(model.parameters())
-    return model
-
-
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_model_through_kvexec_matches_stock_cache(arch):
-    model = _tiny(TINY[arch])
+    model = in_memory_model(TINY[arch])
     kvexec.install(model)
     stock, paged = make_prompt_cache(model), kvexec.make_cache(model, KVConfig(format="fp32", **SMALL))
     assert any(isinstance(c, kvexec.PagedKVCache) for c in paged)

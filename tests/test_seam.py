@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import _BaseCache
-from mlx_lm.utils import _get_classes
 
 import kvexec
 from kvexec import KVConfig, PagedKVCache, SeamBypassed
 from kvexec.cache import KVPlaceholder
 from kvexec.seam import check
+from tests.tiny_models import in_memory_model
 
 SMALL = dict(page_size=16, hot_window=8, sink_tokens=2, block_tokens=32)
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
@@ -36,10 +36,7 @@ REFUSED = {  # mlx-lm architectures that compute attention inline
 
 
 def _tiny(model_type: str, extra: dict):
-    config = {**BASE, **extra, "model_type": model_type}
-    mx.random.seed(0)
-    model_class, args_class = _get_classes(config)
-    return model_class(args_class.from_dict(config))
+    return in_memory_model({**BASE, **extra, "model_type": model_type}, float32=False)
 
 
 def _fetched(window=None):

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.batch import BatchRunner
+from justfit.batch import BatchRunner, run_alone, run_all
 from justfit.config import EngineConfig
 from justfit.sequence import Sequence
+from justfit.stats import collect
 
 
 class Oracle:
@@ -53,17 +54,9 @@ def _greedy(n: int, **kw) -> SamplingParams:
 
 def _run(engine: Engine, prompt: list[int], sp: SamplingParams, drafter=None) -> tuple[list[int], str, Sequence]:
     """The reply's tokens and text run alone in a batch of one, and its sequence."""
-    seq = Sequence(engine, prompt, sp, **({"drafter": drafter} if drafter else {}))
-    runner = BatchRunner(engine, max_batch=1)
-    runner.admit(seq)
-    tokens, text = [], []
-    while runner.running:
-        for _, chunk in runner.step():
-            if chunk is not None:
-                text.append(chunk.text)
-                if chunk.token is not None:
-                    tokens.append(chunk.token)
-    return tokens, "".join(text), seq
+    seq = Sequence(engine, prompt, sp, drafter=drafter)
+    reply = collect(run_alone(engine, seq))
+    return reply.tokens, reply.text, seq
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -125,15 +118,10 @@ def test_drafts_in_a_batch_through_preemption_to_disk(tiny_llama_dir, tmp_path):
     alone = [_alone(engine, p) for p in PROMPTS]
     runner = BatchRunner(engine, max_batch=4)
     seqs = [Sequence(engine, p, _greedy(NEW), drafter=lambda t, a=a: Oracle(t, a)) for p, a in zip(PROMPTS, alone)]
-    waiting, got = list(seqs), {}
-    for _ in range(2000):
-        while waiting and runner.fits(waiting[0]):
-            runner.admit(waiting.pop(0))
-        if not runner.running and not runner.parked and not waiting:
-            break
-        for seq, chunk in runner.step():
-            if chunk is not None and chunk.token is not None:
-                got.setdefault(id(seq), []).append(chunk.token)
+    got = {}
+    for seq, chunk in run_all(runner, seqs):
+        if chunk is not None and chunk.token is not None:
+            got.setdefault(id(seq), []).append(chunk.token)
     assert [got[id(s)] for s in seqs] == alone
     # Drafts run in the steps where a sequence decodes alone (the others prefilling or set aside).
     assert runner.preemptions > 0 and sum(s.stats.accepted_tokens for s in seqs) > 0

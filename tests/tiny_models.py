@@ -6,10 +6,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
+from mlx_lm.utils import _get_classes
+
+def in_memory_model(config: dict, float32: bool = True):
+    """An mlx-lm model of `config` (its "model_type" included) with random weights drawn
+    from seed 0, in memory; `float32`: every parameter cast to float32 and evaluated."""
+    mx.random.seed(0)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if float32:
+        model.apply(lambda a: a.astype(mx.float32))
+        mx.eval(model.parameters())
+    return model
+
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
