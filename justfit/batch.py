@@ -202,10 +202,10 @@ class BatchRunner:
             e = self.engine
             e.states.fit(e.state_allowance(e.footprint(1, e.swap.offloaded)))
 
-    @staticmethod
-    def _groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-        """The decoding sequences as batched steps: all paged ones together, any other alone."""
-        paged = [s for s in seqs if batchable(s.cache)]
+    def _groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The decoding sequences as batched steps: all paged ones together, any other
+        alone (each alone where every forward computes one row: justfit.numerics)."""
+        paged = [s for s in seqs if batchable(s.cache)] if not self.engine.numerics.one_row else []
         return ([paged] if paged else []) + [[s] for s in seqs if s not in paged]
 
 

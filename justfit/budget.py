@@ -11,20 +11,27 @@ from typing import Iterator
 import kvexec
 from justfit.context import EngineContext
 from justfit.errors import BudgetExceeded, ContextTooLong, KVDiskFull
+from justfit.numerics import Numerics
 from justfit.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
 
 
 
-def prefill_ways(chunk: int, budget: int | None) -> Iterator[tuple[int, bool]]:
+def prefill_ways(chunk: int, budget: int | None, numerics: Numerics) -> Iterator[tuple[int, bool]]:
     """(prefill chunk, on dense working copies) to try, cheapest first: a smaller chunk
     shrinks the transient (scores, activations) at little cost; at the smallest, prefill
     on the resident forms drops the dense copy of a layer (as fast as dense at the
-    smallest chunks, slower at larger ones). Both come before offloading layers."""
-    yield chunk, True
+    smallest chunks, slower at larger ones). Both come before offloading layers.
+    Deterministic numerics prefill on the decode (resident) forms only; one row at a
+    time, in chunks of one."""
+    if numerics.one_row:
+        yield 1, False
+        return
+    dense = not numerics.deterministic
+    yield chunk, dense
     while budget is not None and chunk > MIN_PREFILL_CHUNK:
         chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
-        yield chunk, True
-    if budget is not None:
+        yield chunk, dense
+    if budget is not None and dense:
         yield chunk, False
 
 
@@ -71,7 +78,7 @@ def plan(engine: EngineContext, positions: int) -> tuple[tuple[str, ...], Footpr
             offloaded = tuple(m for m in moves[:k] if m is not None)
             disk_layers = k - len(offloaded) if forced is None else forced
             for pressed, edge in allowed:
-                for chunk, dense in prefill_ways(engine.config.prefill_chunk, budget):
+                for chunk, dense in prefill_ways(engine.config.prefill_chunk, budget, engine.numerics):
                     # Drafts go first: a verify step's rows are a small transient, worth less than any other way.
                     for rows in sorted({engine.verify_rows, 1}, reverse=True):
                         fp = engine.footprint(positions, offloaded, chunk=chunk, pressed=pressed, dense_prefill=dense,

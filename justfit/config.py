@@ -94,11 +94,11 @@ class EngineConfig:
     kv_disk_limit: int | None = None
     kv_disk_layers: int | None = None
     kv_disk_cached: bool = False
-    # Prefill chunks cut short of each page flush, so what a position attends to (float16
-    # or page) does not depend on how its prompt was chunked: replies then do not depend
-    # on a shared prefix's length or a batch's schedule. Off by default: it costs prefill
-    # speed (docs/BENCHMARKS.md, "Same request, same reply").
-    deterministic: bool = False
+    # One numerics per token (justfit.numerics): True, a reply does not depend on how a
+    # token was computed (cached, chunked, batched, drafted), one row per forward where
+    # no row-invariant kernels run; False, the fastest kernels and forms; None, row-
+    # invariant where the kernels are (the CPU's native ones), else fast.
+    deterministic: bool | None = None
     # Speculative decoding without a draft model: "ngram" drafts tokens from the longest
     # earlier match of the sequence's own suffix (prompt and reply) and verifies them in
     # one forward; "none" decodes one token per step. Replies are the same either way.

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import mlx.nn as nn
 
 from justfit.config import EngineConfig
+from justfit.numerics import Numerics
 from justfit.outside import Budget
 from justfit.planner import Footprint
 from justfit.speculate import StepCosts
@@ -32,6 +33,7 @@ class EngineContext(Protocol):
     rank_limits: list[int]  # on a layer pipeline: the positions each rank's plan holds
     step_costs: StepCosts  # decode steps' measured seconds by rows (what a draft must beat)
     budget: Budget  # the budget now (justfit.outside: a whole-process one's share changes)
+    numerics: Numerics  # how every token is computed: whether replies depend on the path
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

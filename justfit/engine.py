@@ -29,6 +29,7 @@ from justfit.models import weight_files
 from justfit.pipeline import Pipeline, PipelineRun, attach
 from justfit.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
 from justfit.batch import run_alone
+from justfit import numerics
 from justfit.draft import MAX_DRAFT
 from justfit.speculate import StepCosts
 from justfit.pipeline_runner import run_pipeline_request
@@ -112,6 +113,11 @@ class Engine:
                                        probe=False)  # checked above, whole
         self.swap = self.adapted.swap
         self.swap.registry.strict = budget is not None  # give freed memory back at once
+        # How every token is computed (justfit.numerics); a pipeline's rank holds part of the model.
+        self.numerics = (numerics.Numerics("fast", "a layer pipeline promises no row invariance")
+                         if self.pipeline is not None else
+                         numerics.choose(self.config.deterministic, self.model, self.swap, self.new_cache,
+                                         paged=self.config.kv is not None))
         if budget is None:
             runtime.hold_memory(None)  # without a budget too: freed buffers go back at once, a lower whole-process peak
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
@@ -189,7 +195,7 @@ class Engine:
     @property
     def verify_rows(self) -> int:
         """The most positions a decode step feeds: 1, and a draft's tokens when drafting."""
-        return 1 + MAX_DRAFT if self.config.draft == "ngram" else 1
+        return 1 + MAX_DRAFT if self.config.draft == "ngram" and not self.numerics.one_row else 1
 
     def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
                   kv: KVConfig | None | str = "engine", chunk: int | None = None,

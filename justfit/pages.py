@@ -15,12 +15,15 @@ from justfit.config import EngineConfig
 from justfit.planner import Footprint
 
 
-def bind(config: EngineConfig, cache: list, plan: Footprint, room: int | None, prompt_tokens: int) -> PageReader | None:
+def bind(config: EngineConfig, cache: list, plan: Footprint, room: int | None, prompt_tokens: int,
+         row_invariant: bool = False) -> PageReader | None:
     """Hold `cache`'s resident pages to `room` bytes (None: no limit), put the plan's
-    layers (under `config`'s KV folder) on disk, pin the prompt; the reader of the
-    pages on disk (None: none are)."""
+    layers (under `config`'s KV folder) on disk, pin the prompt, and with `row_invariant`
+    attend to each row as a lone query at its position would (justfit.numerics); the
+    reader of the pages on disk (None: none are)."""
     reader = None
     if config.kv is not None:
+        kvexec.row_invariant(cache, row_invariant)
         layers = plan.shape.disk_layers
         stores = [c.store for c in cache if isinstance(c, PagedKVCache)]
         if layers or any(s.spilled() for s in stores):

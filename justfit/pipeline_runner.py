@@ -77,7 +77,7 @@ def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int],
     with engine.swap.phase("prefill", dense=dense_prefill) as phase:
         stats.phases.append(phase)
         stats.prefill_chunk = chunk
-        logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record, engine.config.deterministic)
+        logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record, engine.numerics.deterministic)
     stats.prefill_s = phase.seconds
     sampler = keyed_sampler(sp, int(logits.shape[-1]), rng)
     processors = logits_processors(sp, len(tokens))

@@ -85,7 +85,7 @@ class Sequence:
         # of the plans (justfit.batch.BatchRunner.fits).
         room = None if e.budget.bytes is None else plan.page_allowance(plan.total)
         pages.release(self.cache, self.reader)
-        self.reader = pages.bind(e.config, cache, plan, room, len(self.tokens))
+        self.reader = pages.bind(e.config, cache, plan, room, len(self.tokens), e.numerics.deterministic)
         self.cache = cache
 
     def park(self) -> float:
@@ -140,7 +140,7 @@ class Sequence:
         fewer); after the last one, the first token's chunk."""
         e, done = self.engine, len(self.held)
         size = self.plan.shape.chunk if limit is None else max(1, min(limit, self.plan.shape.chunk))
-        if self.engine.config.deterministic:  # as justfit.generate.prefill: pages seen do not depend on it
+        if self.engine.numerics.deterministic:  # the pages a position sees do not depend on the chunk
             size = kvexec.chunk_room(self.cache, size)
         piece = self.tokens[done:done + size]
         last = done + len(piece) == len(self.tokens)
@@ -172,9 +172,11 @@ class Sequence:
         """Drafting is on for this sequence: the engine drafts, the request allows it,
         nothing rewrites logits from the context (penalties), a seeded sampled request
         keeps its one reply (whether a step verified a draft depends on timing and the
-        batch, and changes which draws a sampled reply takes; greedy replies do not
-        change), and every layer can drop rejected positions exactly."""
+        batch, and changes which draws a sampled reply takes; a greedy reply does not
+        change where the numerics are row-invariant: justfit.numerics), every layer can
+        drop rejected positions exactly, and a forward may compute several rows."""
         return (self.engine.config.draft == "ngram" and self.sp.speculate and not self.processors
+                and not self.engine.numerics.one_row
                 and (self.sp.temperature == 0 or self.sp.seed is None)
                 and all(isinstance(c, kvexec.PagedKVCache) for c in self.cache))
 

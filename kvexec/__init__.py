@@ -14,7 +14,7 @@ kvexec.disk_pages), `page_bytes_per_token(config, kv_heads, head_dim)`, `ladder(
 from kvexec.attention import Block, blockwise_attention, transient_bytes
 from kvexec.cache import (PagedKVCache, SeamBypassed, can_trim, chunk_room, for_head_dim, keep_exact, limit_pages, make_cache, page_bytes_per_token,
                           page_formats, pin, trim)
-from kvexec.cache import detach_disk, disk_bytes, spill_layers
+from kvexec.cache import detach_disk, disk_bytes, row_invariant, spill_layers
 from kvexec.formats import FORMATS, KVFormat, get_format
 from kvexec.seam import install
 from kvexec.config import KVConfig
@@ -24,4 +24,4 @@ from kvexec.store import PageStore
 __all__ = ["Block", "FORMATS", "KVConfig", "KVFormat", "PageStore", "PagedKVCache", "SeamBypassed",
            "blockwise_attention", "can_trim", "chunk_room", "for_head_dim", "get_format", "install", "keep_exact", "ladder", "limit_pages",
            "make_cache", "page_bytes_per_token", "page_formats", "pin", "transient_bytes", "trim",
-           "spill_layers", "detach_disk", "disk_bytes"]
+           "spill_layers", "detach_disk", "disk_bytes", "row_invariant"]

@@ -144,15 +144,22 @@ def blockwise_attention(
     observe=None,
     block_tokens: int = 2048,
     tokens_major: bool = False,
+    row_invariant: bool = False,
 ) -> mx.array:
     """softmax(q k^T * scale + causal/window mask) v over `blocks`, for queries at
     positions q_start .. q_start + L - 1. queries: [B, H, L, D]; the result is shaped
     like them, or with `tokens_major` [B, L, H * D] (as a layer's output projection takes
     it). `observe(block, mass)`, if given, receives the attention probability each
-    block got, summed over rows."""
+    block got, summed over rows. With `row_invariant`, each query row is computed as a
+    decode step at its position computes it, whatever rows share the call
+    (`invariant_rows`; where the native kernel cannot take the blocks, as without)."""
     B, H, L, D = queries.shape
     blocks = list(blocks)
     kvh = blocks[0].kv_heads if blocks else 1
+    if row_invariant and sinks is None and observe is None:
+        out = invariant_rows(queries, blocks, q_start, scale, window, tokens_major)
+        if out is not None:
+            return out
     if (H // kvh) * L <= DIRECT_ROWS and B * H * L * sum(b.length for b in blocks) <= TWO_PASS_SCORES:
         if sinks is None and observe is None:  # one native operation where it can take the blocks
             seen = [b for b in blocks if _sees(q_start, L, b.start, b.length, window)]
@@ -163,6 +170,27 @@ def blockwise_attention(
     else:
         out = _online(queries, blocks, q_start, scale, window, sinks, observe, block_tokens)
     return out.swapaxes(1, 2).reshape(B, L, H * D) if tokens_major else out
+
+
+def invariant_rows(queries: mx.array, blocks: list, q_start: int, scale: float, window: int | None,
+                   tokens_major: bool = False) -> mx.array | None:
+    """Attention whose every query row is computed as a lone query at its position
+    computes it (native/decode_attention.cpp: each row's softmax spans only the keys it
+    sees, in their order; the scores and value products are per row): the queries in
+    groups whose scores take at most TWO_PASS_SCORES, one native operation each. None
+    where the kernel is not built or cannot take these blocks."""
+    B, H, L, D = queries.shape
+    total = sum(b.length for b in blocks)
+    per = max(1, TWO_PASS_SCORES // max(1, B * H * total))
+    outs = []
+    for g0 in range(0, L, per):
+        n = min(per, L - g0)
+        seen = [b for b in blocks if _sees(q_start + g0, n, b.start, b.length, window)]
+        out = fused_attention(queries[:, :, g0:g0 + n], seen, q_start + g0, scale, window, tokens_major)
+        if out is None:
+            return None
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1 if tokens_major else 2)
 
 
 def _online(queries, blocks, q_start, scale, window, sinks, observe, block_tokens) -> mx.array:

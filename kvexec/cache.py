@@ -130,7 +130,8 @@ class PagedKVCache(_BaseCache):
                 reader.schedule(id(after), after.spilled())
         out = blockwise_attention(queries, store.blocks(queries, loaded), q_start, scale, store.window, sinks,
                                   observe=store.observe if scoring else None,
-                                  block_tokens=store.config.block_tokens, tokens_major=tokens_major)
+                                  block_tokens=store.config.block_tokens, tokens_major=tokens_major,
+                                  row_invariant=store.row_invariant)
         if spilled or store.page_file is not None:
             mx.eval(out)  # the read pages are free for the next layer's read; full segments can go
             if loaded is not None:
@@ -242,6 +243,15 @@ def chunk_room(cache: list, chunk: int) -> int:
             s, cfg = c.store, c.store.config
             room = min(room, exact.chunk_room(s.offset, chunk, s.sinks, cfg.hot_window, cfg.page_size))
     return room
+
+
+def row_invariant(cache: list, on: bool = True) -> None:
+    """Whether attention over `cache`'s pages computes each query row as a lone query
+    at its position would, whatever rows share the step (a prefill chunk, a verified
+    draft): kvexec.attention.invariant_rows."""
+    for c in cache:
+        if isinstance(c, PagedKVCache):
+            c.store.row_invariant = on
 
 
 def limit_pages(cache: list, per_layer: int | None) -> None:

@@ -60,6 +60,10 @@ class PageStore:
         # layer is planned on disk, and the reader that brings spilled ones back.
         self.page_file: PageFile | None = None
         self.reader: PageReader | None = None
+        # Attention computes each query row as a lone query at its position would
+        # (kvexec.attention.invariant_rows): set where the engine promises the same
+        # reply however a token was computed (kvexec.row_invariant).
+        self.row_invariant = False
 
     # -- writing -------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:

@@ -5,6 +5,7 @@
 // hot window) are plain loops: they are short.
 #include "decode_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -139,9 +140,33 @@ void attend(const float* q, const std::vector<mx::array>& in, const std::vector<
       for (size_t i = 0; i < nrows; ++i) mask(s + i * total, b.length, b.start, q_start + static_cast<int>(i % R) % L, window);
     offset += b.length;
   }
+  // Each row's softmax runs from its first visible key to its last (the keys outside, a
+  // window's older blocks and the chunk's later positions, get 0): a row's sums then run
+  // over the keys a decode step at its position would see, in the same order, so its
+  // result does not depend on the rows (or blocks) beside it.
+  std::vector<int> begins(L, -1), ends(L, 0);
+  for (int l = 0; l < L; ++l) {
+    const int qpos = q_start + l;
+    int at = 0;
+    for (const auto& b : blocks) {
+      const int first = window > 0 ? std::max(0, qpos - window + 1 - b.start) : 0;
+      const int last = std::min(b.length, qpos - b.start + 1);  // one past the last visible
+      if (first < last) {
+        if (begins[l] < 0) begins[l] = at + first;
+        ends[l] = at + last;
+      }
+      at += b.length;
+    }
+    if (begins[l] < 0) begins[l] = 0;
+  }
 #pragma omp parallel for schedule(static) if (nrows * total >= (1 << 16))
-  for (long i = 0; i < static_cast<long>(nrows); ++i) softmax_row(scores.data() + i * total, scores.data() + i * total, total);
-
+  for (long i = 0; i < static_cast<long>(nrows); ++i) {
+    float* row = scores.data() + i * total;
+    const int l = (i % R) % L, begin = begins[l], end = std::max(begins[l], ends[l]);
+    softmax_row(row + begin, row + begin, end - begin);
+    std::fill(row, row + begin, 0.f);
+    std::fill(row + end, row + total, 0.f);
+  }
   std::vector<float> plain(nrows * D, 0.f), turned(any_value_rotated ? nrows * D : 0, 0.f), part(nrows * D);
   offset = 0;
   for (const auto& b : blocks) {

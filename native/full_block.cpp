@@ -85,6 +85,12 @@ void full_scores(const float* q, const FullRows<T>& k, int batch, int R, int D, 
             }
             _mm256_storeu_ps(si + t, lane_sums(acc));
           }
+        if (D % 8 == 0)  // the last keys as in a group of eight: a key's score does not depend on the block's length
+          for (; t < t1; ++t) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), widen8(kb + t * k.row + d), acc);
+            si[t] = hsum_pairs(acc);
+          }
 #endif
         for (; t < t1; ++t) si[t] = dot(qi, kb + t * k.row, D);
       }

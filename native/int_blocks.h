@@ -139,7 +139,8 @@ inline void scale_blocks(const float* d, const S* sc, int groups, int per_group,
   }
 }
 
-// The sums of four vectors' lanes, [a0, a1, a2, a3].
+// The sums of four vectors' lanes, [a0, a1, a2, a3]: each ((l0 + l1) + (l2 + l3)) +
+// ((l4 + l5) + (l6 + l7)), the order `hsum_pairs` (simd.h) adds one vector's lanes in.
 inline __m128 hsum4(const __m256 a[4]) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -186,10 +187,13 @@ inline void four_columns_at(const Rounded<T>& a, int in, const uint8_t* w, const
 }
 
 // Output column `o` for NR rows; `scaled` is per-thread room for each row's d x scale per block.
+// Every row adds its blocks in one chain, in `four_columns`' order, whatever NR is: a
+// row's product does not depend on how many rows share the call (a prefill chunk, a
+// batched or verifying decode step and a lone decode step give the same bits).
 template <int Bits, int NR, typename T, typename S>
 inline void column(const T* xq, const float* xd, const float* xsum, int in, const uint8_t* wrow, const S* sc,
                    const S* bi, int groups, int group_size, float* y, int out, Lines<float>& scaled) {
-  constexpr int ACC = NR == 1 ? 2 : 1;
+  constexpr int ACC = 1;
   const int blocks = in / 32, per_group = group_size / 32;
   if (scaled.size() < static_cast<size_t>(NR) * blocks) scaled.resize(static_cast<size_t>(NR) * blocks);
   for (int r = 0; r < NR; ++r)
@@ -209,7 +213,7 @@ inline void column(const T* xq, const float* xd, const float* xsum, int in, cons
   for (int r = 0; r < NR; ++r) {
     __m256 total = acc[r][0];
     for (int k = 1; k < ACC; ++k) total = _mm256_add_ps(total, acc[r][k]);
-    y[static_cast<size_t>(r) * out] = hsum(total) + bias_share(bi, sc, offset, xsum + static_cast<size_t>(r) * groups, groups);
+    y[static_cast<size_t>(r) * out] = hsum_pairs(total) + bias_share(bi, sc, offset, xsum + static_cast<size_t>(r) * groups, groups);
   }
 }
 

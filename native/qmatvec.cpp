@@ -30,7 +30,8 @@ namespace justfit {
 
 namespace {
 
-constexpr int kRows = 8;
+// Rows per pass over a column: each row keeps four chains (below), so two rows fill the registers.
+constexpr int kRows = 2;
 
 
 // The sum of x over each group of each row: the biases' share of every dot product.
@@ -49,11 +50,12 @@ std::vector<float> group_sums(const float* x, int rows, int in, int group_size) 
 #ifdef __AVX2__
 // Output column `o` for NR input rows: the group's dot products stay in vector
 // registers (ACC independent chains per row, so one row is not bound by the FMA's
-// latency), scaled once per group and summed across lanes once per column.
+// latency), scaled once per group and summed across lanes once per column. ACC is the
+// same for every NR: a row's product does not depend on how many rows share the call.
 template <int Bits, int NR, typename S>
 inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xsum,
                    int groups, int group_size, float* y, int out, std::vector<float>& scales) {
-  constexpr int ACC = NR == 1 ? 4 : (NR == 2 ? 2 : 1);
+  constexpr int ACC = 4;
   if (scales.size() < static_cast<size_t>(groups)) scales.resize(groups);
   widen_scales(sc, groups, scales.data());
   __m256 acc[NR];
@@ -86,16 +88,10 @@ inline void column(const float* x, int in, const uint8_t* wrow, const S* sc, con
 template <int Bits, typename S>
 inline void columns(const float* x, int in, const uint8_t* wrow, const S* sc, const S* bi, const float* xs,
                     int groups, int group_size, float* y, int out, int nr, std::vector<float>& scales) {
-  switch (nr) {
-    case 1: column<Bits, 1>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    case 2: column<Bits, 2>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    case 3: column<Bits, 3>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    case 4: column<Bits, 4>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    case 5: column<Bits, 5>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    case 6: column<Bits, 6>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    case 7: column<Bits, 7>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-    default: column<Bits, 8>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales); break;
-  }
+  if (nr == 1)
+    column<Bits, 1>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales);
+  else
+    column<Bits, 2>(x, in, wrow, sc, bi, xs, groups, group_size, y, out, scales);
 }
 #else
 // Portable: each group unpacked to floats, then dotted with every row.

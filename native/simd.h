@@ -50,6 +50,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// A vector's lanes summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the order
+// in which the kernels that reduce four or eight vectors at once (hadd pairs) sum each,
+// so a column or key computed alone gives the same bits as one computed with others.
+inline float hsum_pairs(__m256 v) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v, v), v);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+
 // 8 scales or biases as floats (float16 through F16C).
 inline __m256 widen8(const mlx::core::float16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

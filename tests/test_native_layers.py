@@ -122,8 +122,8 @@ def test_native_layers_compute_what_mlx_lm_s_classes_do(q4_dir):
     assert _back_to(engine, _LLAMA_BLOCKS) == 3
     assert _back_to(engine, {NativeLlamaAttention: llama.Attention, NativeLlamaMLP: llama.MLP}) == 6
     plain = _step_logits(engine, tokens)
-    for a, b in zip(fast, plain):
-        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4), float(mx.abs(a - b).max())
+    for a, b in zip(fast, plain):  # float32 sums in other orders (attention: kvexec's against the seam's)
+        assert mx.allclose(a, b, rtol=1e-4, atol=5e-4), float(mx.abs(a - b).max())
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import difflib
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -39,16 +40,20 @@ def _seeded(n: int = NEW) -> SamplingParams:
     return SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=n, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def model_dir(request, tmp_path_factory):
+    """Tiny random models: llama, and Gemma 3 with sliding-window layers; their window
+    (256) holds every reply here, so a stored state can be trimmed back to a prompt (a
+    window that dropped positions cannot be: tests/test_numerics.py runs window 16)."""
     from tests.tiny_models import write_mlx_folder
 
-    return write_mlx_folder(tmp_path_factory.mktemp("same") / "llama", "llama", head_dim=32)
+    return write_mlx_folder(tmp_path_factory.mktemp("same") / request.param, request.param, head_dim=32,
+                            quantize_bits=4, sliding_window=256)
 
 
-def _engine(path, state_dir, chunk: int = 512) -> Engine:
+def _engine(path, state_dir, chunk: int = 512, **config) -> Engine:
     return Engine(str(path), config=EngineConfig(kv=KV, prefill_chunk=chunk, state_dir=str(state_dir),
-                                                 deterministic=True))
+                                                 deterministic=True, **config))
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +150,36 @@ def test_a_repeat_of_a_prompt_paged_in_its_prefill_gives_the_cold_reply(engine):
     cold = _cold(engine, LONG, _greedy())
     again = engine.reply(LONG, _greedy())
     assert again.tokens == cold and again.stats.cached_tokens == len(LONG) - 1
+
+
+def test_drafts_verified_in_one_forward_give_the_plain_reply(model_dir, tmp_path):
+    """A step that feeds the pending token and its draft (some drafted tokens wrong, so
+    verifies accept all, part and none) computes each row as a lone step would: the
+    reply with drafting is the one without."""
+    from justfit.batch import run_alone
+    from justfit.stats import collect
+    from tests.test_speculative_decoding import Oracle
+
+    for prompt in (PROMPT, LONG):  # a new engine each: no step costs measured yet that decline drafts
+        engine = _engine(model_dir, tmp_path / str(len(prompt)))
+        plain = _cold(engine, prompt, replace(_greedy(), speculate=False))
+        engine.reset()
+        seq = Sequence(engine, prompt, _greedy(), drafter=lambda p: Oracle(p, plain))
+        assert collect(run_alone(engine, seq)).tokens == plain
+        assert seq.stats.drafted_tokens > seq.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("sp", [_greedy(), _seeded()], ids=["greedy", "seeded"])
+def test_a_next_turn_resumed_from_the_last_gives_its_cold_reply(engine, sp):
+    """Turn 2 resumes from turn 1's state, whose reply was decoded a token at a time;
+    cold, the same tokens are prefilled in chunks: the same reply either way."""
+    first = _cold(engine, PROMPT, sp)
+    turn = PROMPT + first + [(17 * j) % 150 + 3 for j in range(40)]
+    cold = _cold(engine, turn, sp)
+    engine.reset()
+    _reply(engine, PROMPT, sp)
+    resumed = engine.reply(turn, sp)
+    assert resumed.stats.cached_tokens >= len(PROMPT) and resumed.tokens == cold
 
 
 def test_without_the_exact_point_a_repeat_differs(engine, monkeypatch):

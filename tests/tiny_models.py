@@ -252,7 +252,8 @@ def reference_model(ref: dict[str, np.ndarray]):
 
 
 def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quantize_bits: int | None = None,
-                     layers: int | None = None, vocab_size: int | None = None, head_dim: int | None = None) -> Path:
+                     layers: int | None = None, vocab_size: int | None = None, head_dim: int | None = None,
+                     sliding_window: int | None = None) -> Path:
     """A tiny random mlx-lm model folder (llama, gemma3_text or qwen3_next) with a byte-level
     tokenizer and chat template, loadable by mlx-lm and the engine. `vocab_size` may
     pad the embedding past the tokenizer (as real models do); `head_dim` (llama: 16)
@@ -295,6 +296,8 @@ def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quant
         config["num_hidden_layers"] = layers
     if head_dim:
         config["head_dim"] = head_dim
+    if sliding_window and model_type == "gemma3_text":
+        config["sliding_window"] = sliding_window
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
