@@ -156,7 +156,7 @@ def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
     process, reaches the launcher, and nothing is left behind when it is killed."""
     if ranks <= 1 or "MLX_RANK" in os.environ or ctx.resilient_parsing:
         return
-    from justfit.launch import launched, stop_grace
+    from justfit.pipeline.launch import launched, stop_grace
 
     args = _without_ranks(sys.orig_argv[1:])  # the interpreter's options, the script or -m, the command
     drain = _option_value(ctx.command, args, "drain")
@@ -261,7 +261,7 @@ def kv_disk_folder(value: str | None) -> str | None:
     if value is None or value == "off":
         return None
     if value == "auto":
-        from justfit.state_io import state_root
+        from justfit.engine.state_io import state_root
 
         return str(state_root() / "kv-pages")
     return value
@@ -316,7 +316,7 @@ def launch_group():
     (a layer pipeline: justfit.pipeline), else None."""
     if "MLX_RANK" not in os.environ:
         return None
-    from justfit.launch import watch_launcher
+    from justfit.pipeline.launch import watch_launcher
 
     watch_launcher()  # under justfit.launch: leave when it is gone
     import mlx.core as mx

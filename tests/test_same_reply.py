@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.batch import BatchRunner
-from justfit.sequence import Sequence
+from justfit.engine.batch import BatchRunner
+from justfit.engine.sequence import Sequence
 from justfit.config import EngineConfig
 from kvexec import KVConfig
 from kvexec.export import copy_layer, export_store, restore_store
