@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seen", default="1024,2048", help="positions seen by the chunk, comma-separated")
     args = ap.parse_args(argv)
     from bench.common import machine_info, save
-    from justfit.models import load
-    from justfit.planner import attention_shape
+    from justfit.model.models import load
+    from justfit.planning.planner import attention_shape
 
     loaded = load(args.model)
     heads, kv_heads, head_dim = attention_shape(loaded.model, loaded.config)

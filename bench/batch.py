@@ -1,4 +1,4 @@
-"""Batching (justfit.batch), side by side with batching off in one run.
+"""Batching (justfit.engine.batch), side by side with batching off in one run.
 
     python -m bench.batch decode --streams 1,2,4,8 --context 1024 --tokens 32 --repeats 3
     python -m bench.batch ttft --context 8000 --short 64
@@ -27,9 +27,9 @@ import time
 def _decode_rows(args) -> list[dict]:
     from bench.common import prompt_tokens
     from justfit import Engine
-    from justfit.batch import decode_step
+    from justfit.engine.batch import decode_step
     from justfit.config import EngineConfig
-    from justfit.generate import prefill
+    from justfit.engine.generate import prefill
 
     engine = Engine(args.model, config=EngineConfig(policy=args.policy))
     most = max(int(n) for n in args.streams.split(","))
@@ -50,7 +50,7 @@ def _decode_rows(args) -> list[dict]:
                         first.append(int(logits.argmax().item()))
                 tokens, seqs = list(first), [[t] for t in first]
                 start = time.perf_counter()
-                if mode == "batched":  # one step for all, as justfit.batch.BatchRunner runs it
+                if mode == "batched":  # one step for all, as justfit.engine.batch.BatchRunner runs it
                     steps = (lambda toks: decode_step(engine.model, toks, caches) for _ in range(args.tokens - 1))
                     phase = engine.swap.phase("decode")
                 else:  # each sequence's steps alone, in one decode phase

@@ -29,8 +29,8 @@ def _engine(args):
 
 
 def _batched(engine, prompts: list[list[int]], sampling, preempt: bool) -> dict:
-    from justfit.batch import BatchRunner, run_all
-    from justfit.sequence import Sequence
+    from justfit.engine.batch import BatchRunner, run_all
+    from justfit.engine.sequence import Sequence
 
     engine.reset()
     runner = BatchRunner(engine, max_batch=len(prompts), preempt=preempt)

@@ -65,7 +65,7 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
            "--start-at", str(args.start_at)]
     ranks = int(system.partition("@")[2] or 1)
     if ranks > 1:  # a layer pipeline: every rank a worker, each held to the budget
-        from justfit.launch import launched
+        from justfit.pipeline.launch import launched
 
         cmd = launched(ranks, cmd)
     run = {"setup": {}, "steps": [], "end": {"end": "crashed"}}

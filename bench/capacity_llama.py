@@ -44,7 +44,7 @@ def trained_context(model: str) -> int | None:
     """The model's trained context from its converted config (None if unknown)."""
     from pathlib import Path
 
-    from justfit.models import resolve
+    from justfit.model.models import resolve
 
     try:
         config = Path(resolve(model)) / "config.json"

@@ -65,7 +65,7 @@ def quantize_what_mlx_lm_can(cache: list, bits: int = 4) -> str:
 
 def _stock_setup(system: str, model: str):
     from bench.stock import STOCK, make_stock
-    from justfit.planner import footprint
+    from justfit.planning.planner import footprint
 
     loaded, step, details = make_stock(system, model)
     setup = STOCK[system]
@@ -85,7 +85,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
 
     # The budget is the whole process's: the engine takes off what the interpreter,
     # libraries and tokenizer hold beside it, measured at load. "SYSTEM@N": a layer
-    # pipeline over N local ranks (justfit.launch), each rank with this budget.
+    # pipeline over N local ranks (justfit.pipeline.launch), each rank with this budget.
     system, _, ranks = system.partition("@")
     # "SYSTEM+resident": no layer streamed from disk at the budget's edge (every weight in
     # memory, as the stock systems and llama.cpp keep theirs); refused where that needs one

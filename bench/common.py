@@ -61,10 +61,10 @@ def prompt_tokens(tokenizer, n: int) -> list[int]:
 
 def run_worker(module: str, args: list[str], timeout: float, ranks: int = 1) -> dict:
     """Run `python -m module --worker ...` in a fresh process (`ranks` > 1: one per rank
-    under justfit.launch, as a layer pipeline); its last stdout line is JSON."""
+    under justfit.pipeline.launch, as a layer pipeline); its last stdout line is JSON."""
     cmd = [sys.executable, "-m", module, "--worker", *args]
     if ranks > 1:
-        from justfit.launch import launched
+        from justfit.pipeline.launch import launched
 
         cmd = launched(ranks, cmd)
     try:

@@ -51,7 +51,7 @@ def run(model_name: str, context: int, steps: int, rounds: int) -> dict:
 
     from bench.common import prompt_tokens
     from justfit import Engine
-    from justfit.generate import prefill
+    from justfit.engine.generate import prefill
 
     engine = Engine(model_name)
     model = engine.model

@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per server start or request")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     args = ap.parse_args(argv)
-    from justfit.models import EMBEDDED, resolve
-    from justfit.tokenizer import GGUFTokenizer
+    from justfit.model.models import EMBEDDED, resolve
+    from justfit.model.tokenizer import GGUFTokenizer
 
     folder = Path(resolve(args.model))
     trained = json.loads((folder / "config.json").read_text()).get("max_position_embeddings") or 8192

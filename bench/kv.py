@@ -98,7 +98,7 @@ def _decode_row(name: str, context: int, steps: int, policy: str) -> dict:
     from bench.quality import requested
     from justfit import Engine
     from justfit.config import EngineConfig
-    from justfit.models import load
+    from justfit.model.models import load
 
     if name == "mlx-lm":  # stock: quantized weights, fp16 activations, its own KV cache
         model, dtype, kv = load("smollm2").model, mx.float16, None

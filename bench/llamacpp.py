@@ -25,7 +25,7 @@ def binary(llama_cpp: str, name: str = "llama-bench") -> str:
 
 
 def _gguf(model: str) -> str:
-    from justfit.models import EMBEDDED
+    from justfit.model.models import EMBEDDED
 
     return str(EMBEDDED[model]()) if model in EMBEDDED else model
 
@@ -74,8 +74,8 @@ def read_bytes(model: str, gguf: str, context: int, cache_type: str) -> int:
     """Bytes one llama.cpp decode step at `context` reads: the GGUF's tensors (a tied
     embedding is the head) and the KV cache it attends over (sliding-window layers:
     their window), from the model's config."""
-    from justfit.fit_config import layer_kinds
-    from justfit.models import resolve
+    from justfit.planning.fit_config import layer_kinds
+    from justfit.model.models import resolve
 
     config = json.loads((Path(resolve(model)) / "config.json").read_text())
     kv_dim = config.get("num_key_value_heads", config["num_attention_heads"]) * config.get(

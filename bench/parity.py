@@ -52,7 +52,7 @@ def greedy_matches(loaded, cases: list[dict], n: int = 24) -> list[int]:
 
 
 def license_perplexity(loaded, add_bos: bool):
-    from justfit.perplexity import perplexity
+    from justfit.model.perplexity import perplexity
 
     with open(LICENSE, encoding="utf-8") as f:
         tokens = list(loaded.tokenizer.encode(f.read()))
@@ -63,8 +63,8 @@ def load_dense(name: str, bits: int | str = "native"):
     from justfit import runtime
 
     runtime.setup()  # OpenBLAS before mlx.core
-    from justfit.gguf.cache import RequantOptions
-    from justfit.models import load
+    from justfit.model.gguf.cache import RequantOptions
+    from justfit.model.models import load
     from phaseswap import materialize_dense
 
     loaded = load(name, RequantOptions(bits=bits))

@@ -41,8 +41,8 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvexec
 from justfit import Engine
 from justfit.config import EngineConfig
-from justfit.loader import kv_calibration
-from justfit.state_io import model_identity, state_root
+from justfit.model.loader import kv_calibration
+from justfit.engine.state_io import model_identity, state_root
 from kvexec import KVConfig
 from kvexec.calibrate import calibrated_config, layer_summary
 from phaseswap.policy import get_policy
@@ -124,7 +124,7 @@ def peers(args) -> list[dict]:
     """The baselines' rows (bench.peer_fidelity) on the windows JustFit's were scored on."""
     from bench.common import long_text
     from bench.peer_fidelity import llamacpp_rows, mlx_lm_rows
-    from justfit.models import load
+    from justfit.model.models import load
 
     layout, ids = text_layout(load(args.model).tokenizer, args.tokens, args.context)
     rows = []

@@ -49,7 +49,7 @@ def prompts(model: str, context: int) -> tuple[list[int], list[int]]:
     """(turn 1, turn 2) token prompts, by the model's GGUF tokenizer (llama.cpp's own
     tokenization of the same text: bench.peer_fidelity checks they agree)."""
     from bench.common import prompt_tokens
-    from justfit.models import load
+    from justfit.model.models import load
 
     tok = load(model, lazy=True).tokenizer
     history = prompt_tokens(tok, context)

@@ -101,9 +101,9 @@ def _cold(engine, tokens: list[int], sp) -> list[int]:
 
 
 def _preempted(engine, tokens: list[int], sp) -> list[int]:
-    """Set aside on disk after half the reply and resumed (justfit.batch's preemption)."""
-    from justfit.batch import BatchRunner
-    from justfit.sequence import Sequence
+    """Set aside on disk after half the reply and resumed (justfit.engine.batch's preemption)."""
+    from justfit.engine.batch import BatchRunner
+    from justfit.engine.sequence import Sequence
 
     engine.reset()
     runner, seq, got, parked = BatchRunner(engine), Sequence(engine, tokens, sp), [], False
@@ -119,8 +119,8 @@ def _preempted(engine, tokens: list[int], sp) -> list[int]:
 
 def _batched(engine, prompts: list[list[int]], sp) -> list[int]:
     """The first prompt's reply, run in one batch with the others."""
-    from justfit.batch import BatchRunner, run_all
-    from justfit.sequence import Sequence
+    from justfit.engine.batch import BatchRunner, run_all
+    from justfit.engine.sequence import Sequence
 
     engine.reset()
     runner = BatchRunner(engine, max_batch=len(prompts))
@@ -142,7 +142,7 @@ def run(model: str, count: int, max_tokens: int, max_prompt: int, deterministic:
     None (identical) or the index of the first differing token."""
     from justfit import Engine
     from justfit.config import EngineConfig
-    from justfit.models import EMBEDDED
+    from justfit.model.models import EMBEDDED
     from kvexec import KVConfig
 
     path = str(EMBEDDED[model]()) if model in EMBEDDED else model

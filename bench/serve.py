@@ -30,7 +30,7 @@ import aiohttp
 
 from bench.fuzz_cases import Case, make_cases
 from bench.server_process import served
-from justfit.tickets import TICKET_HEADER
+from justfit.engine.tickets import TICKET_HEADER
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -73,7 +73,7 @@ def long_message(model: str, n: int) -> str:
     from transformers import AutoTokenizer  # after justfit (main imports it first)
 
     from bench.common import prompt_tokens
-    from justfit.models import resolve
+    from justfit.model.models import resolve
 
     tok = AutoTokenizer.from_pretrained(str(resolve(model)))
     return tok.decode(prompt_tokens(tok, n))

@@ -72,7 +72,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
     from bench.common import progress_bar, prompt_tokens
     from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
-    from justfit.stats import collect
+    from justfit.engine.stats import collect
 
     if budget is None:
         probe = Engine(model, config=EngineConfig(state_dir=state_dir))

@@ -1,5 +1,5 @@
 """bench.sessions --batched: the same sessions, turns and budget, each round's turns run
-at once through the batch (justfit.batch with preemption) instead of one after another.
+at once through the batch (justfit.engine.batch with preemption) instead of one after another.
 
 Every round gives each session with room its next turn; the turns join the batch while
 they fit the budget together and the newest are parked on disk when the batch would
@@ -18,8 +18,8 @@ def run_batched(model: str, budget: int, single: int, text: list[int], turn: int
                 state_dir: str, reference: list[tuple[str, list[int], list[int]]]) -> dict:
     """The batched row; `reference`: the round-robin run's (session, prompt, reply) per turn."""
     from justfit import Engine, SamplingParams
-    from justfit.batch import BatchRunner, run_all
-    from justfit.sequence import Sequence
+    from justfit.engine.batch import BatchRunner, run_all
+    from justfit.engine.sequence import Sequence
     from justfit.config import EngineConfig
 
     engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))

@@ -1,4 +1,4 @@
-"""Speculative decoding with prompt-lookup drafts (justfit.draft), over HTTP: JustFit
+"""Speculative decoding with prompt-lookup drafts (justfit.engine.draft), over HTTP: JustFit
 with drafts on and off, and llama-server without and with its own n-gram speculation,
 on the same GGUF and the same greedy requests.
 

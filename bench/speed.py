@@ -11,11 +11,11 @@ Systems: `justfit-default` (what `justfit chat` and `serve` run: PhaseSwap polic
 i.e. cpu-int16 where the native kernel is built, calibrated KV pages, OpenBLAS; another
 page format with `--kv-format`;
 `justfit-fast` the same without one numerics per token (dense prefill forms, the
-fastest kernels: justfit.numerics; what row invariance costs is the difference);
+fastest kernels: justfit.engine.numerics; what row invariance costs is the difference);
 `justfit-disk` the same with every growing layer's KV pages on disk, read back just in
 time and dropped from the OS page cache (cold), `justfit-disk-warm` left in it;
 `justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
-two local ranks, justfit.launch); stock `generate_step` on the same
+two local ranks, justfit.pipeline.launch); stock `generate_step` on the same
 quantized matrices with float16 parameters, as mlx-lm's users run it with the wheel's
 own BLAS (bench/stock.py): `mlx-lm` (defaults), `mlx-lm-tuned` (prefill step 512, 8-bit
 KV), `mlx-lm-kv4`; `mlx-lm-dense` (not a baseline: JustFit's prefill weight form, dense
@@ -142,7 +142,7 @@ def _pages(kv) -> str:
 
 def _policy_ranks(system: str) -> tuple[str, int]:
     """"justfit@cpu" -> ("cpu", 1); "justfit-default@2" -> ("auto", 2): a layer
-    pipeline over two ranks (justfit.pipeline)."""
+    pipeline over two ranks (justfit.pipeline.layers)."""
     tail = system.partition("@")[2]
     return ("auto", int(tail)) if tail.isdigit() else (tail or "auto", 1)
 

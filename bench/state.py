@@ -31,7 +31,7 @@ def _run(model: str, context: int, scratch: str) -> dict:
     runtime.setup()  # OpenBLAS before mlx.core
     from bench.common import prompt_tokens
     from justfit import Engine, SamplingParams
-    from justfit.stats import collect
+    from justfit.engine.stats import collect
 
     # Stored states go to a fresh folder: nothing from earlier runs may warm the cold run.
     os.environ["JUSTFIT_STATE_DIR"] = os.path.join(scratch, "state")

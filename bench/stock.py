@@ -106,7 +106,7 @@ def kv_dtype(cache: list) -> str:
 
 def load_stock(model: str, setup: StockSetup):
     """The model as a user of mlx-lm loads it: float16 parameters (dense, if asked)."""
-    from justfit.models import load
+    from justfit.model.models import load
 
     loaded = load(model)
     if setup.dense:

@@ -9,7 +9,7 @@ import sys
 import click
 from jinja2 import TemplateError
 
-from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
+from justfit.model.chat_template import has_chat_template, read_chat_template, use_chat_template
 
 from . import common
 from .chat_session import ChatSession, request_sampling, sampling_text

@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from justfit import SamplingParams
 from justfit.errors import JustFitError
 from justfit.memory import format_size
-from justfit.models import describe_sampling
+from justfit.model.models import describe_sampling
 
 from . import common, raw_text
 from .chat_input import read_message

@@ -150,13 +150,13 @@ def deprecated_alias(flag: str, option: str, new: str, **kwargs) -> Callable:
 
 
 def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
-    """--ranks N > 1, not yet a rank: become the launcher (justfit.launch) of this same
+    """--ranks N > 1, not yet a rank: become the launcher (justfit.pipeline.launch) of this same
     command line as N local ranks of a layer pipeline. This process turns into it (exec)
     rather than waiting on it, so a stop signal, or a service manager watching this
     process, reaches the launcher, and nothing is left behind when it is killed."""
     if ranks <= 1 or "MLX_RANK" in os.environ or ctx.resilient_parsing:
         return
-    from justfit.launch import launched, stop_grace
+    from justfit.pipeline.launch import launched, stop_grace
 
     args = _without_ranks(sys.orig_argv[1:])  # the interpreter's options, the script or -m, the command
     drain = _option_value(ctx.command, args, "drain")
@@ -263,7 +263,7 @@ def kv_disk_folder(value: str | None) -> str | None:
     if value is None or value == "off":
         return None
     if value == "auto":
-        from justfit.state_io import state_root
+        from justfit.engine.state_io import state_root
 
         return str(state_root() / "kv-pages")
     return value
@@ -315,12 +315,12 @@ def stop_followers(engine) -> None:
 
 def launch_group():
     """The mx.distributed group when started by `mlx.launch` with two or more ranks
-    (a layer pipeline: justfit.pipeline), else None."""
+    (a layer pipeline: justfit.pipeline.layers), else None."""
     if "MLX_RANK" not in os.environ:
         return None
-    from justfit.launch import watch_launcher
+    from justfit.pipeline.launch import watch_launcher
 
-    watch_launcher()  # under justfit.launch: leave when it is gone
+    watch_launcher()  # under justfit.pipeline.launch: leave when it is gone
     import mlx.core as mx
 
     group = mx.distributed.init()

@@ -35,14 +35,14 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
     """Weights, KV bytes per position, transient bound and maximum context per KV
     format for a memory budget (default: memory available now), without running;
     with --config, from a model's config.json alone."""
-    from justfit.breakdown import format_breakdown, process_breakdown
-    from justfit.fit import fit_report, format_fit
+    from justfit.planning.breakdown import format_breakdown, process_breakdown
+    from justfit.planning.fit import fit_report, format_fit
 
     budgets = budget if isinstance(budget, tuple) else (budget or psutil.virtual_memory().available,) * ranks
     common.rank_budget(budgets, 0, ranks)  # one size per rank, if a list
     budget = budgets[0]
     if config_path is not None:
-        from justfit.fit_config import config_fit_report, format_config_fit, load_config
+        from justfit.planning.fit_config import config_fit_report, format_config_fit, load_config
         from kvexec import KVConfig
 
         if model is not None:
@@ -61,7 +61,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
     engine = common.load_engine(model, None, gguf_bits, kv_format, policy)
     outside = 0
     if whole_process:  # what this process holds besides MLX, loaded: every rank holds as much
-        from justfit.outside import measure_outside
+        from justfit.planning.outside import measure_outside
 
         outside = measure_outside()
         if min(budgets) <= outside:
@@ -69,7 +69,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
                                    f"the process holds besides the engine ({format_size(outside)})")
         budgets = tuple(b - outside for b in budgets)
     if ranks > 1:
-        from justfit.fit_ranks import format_ranks, ranks_report
+        from justfit.planning.fit_ranks import format_ranks, ranks_report
 
         try:
             report = {**ranks_report(engine, list(budgets)), "outside": outside}

@@ -100,7 +100,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     sampling. GET /health, /metrics (Prometheus) and /v1/justfit/status report; the
     status page is at /.
     """
-    from justfit.chat_template import has_chat_template, read_chat_template, use_chat_template
+    from justfit.model.chat_template import has_chat_template, read_chat_template, use_chat_template
     from justfit.memory import parse_size
     from justfit.server import ServerConfig, run
 
@@ -128,7 +128,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     name = served_name or engine.name
 
     def ready(url: str) -> None:
-        from justfit.models import describe_sampling
+        from justfit.model.models import describe_sampling
 
         click.echo(f"serving {name} on {url}/v1 (OpenAI), {url}/api (Ollama) and {url}/v1/messages (Anthropic), "
                    f"the status page at {url}/; Ctrl-C stops", file=sys.stderr)

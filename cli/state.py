@@ -20,7 +20,7 @@ state_dir_option = click.option("--state-dir", default=None, metavar="DIR",
 
 
 def _root(state_dir: str | None) -> Path:
-    from justfit.state_io import state_root
+    from justfit.engine.state_io import state_root
 
     return state_root(state_dir)
 

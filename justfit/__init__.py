@@ -15,7 +15,7 @@ __all__ = ["Engine", "GenerationStats", "Reply", "SamplingParams"]
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it, imported when first asked for.
-_LAZY = {"Engine": "justfit.engine", "GenerationStats": "justfit.stats", "Reply": "justfit.stats",
+_LAZY = {"Engine": "justfit.engine.facade", "GenerationStats": "justfit.engine.stats", "Reply": "justfit.engine.stats",
          "SamplingParams": "justfit.config"}
 
 

@@ -14,7 +14,7 @@ class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy.
 
     The defaults are the fallback for a model that recommends no sampling of its own
-    (justfit.models.recommended_sampling reads what one does): temperature 0.6 and
+    (justfit.model.models.recommended_sampling reads what one does): temperature 0.6 and
     top-p 0.9, as Llama 3's makers ship; small models wander at 0.7 without a top-p."""
 
     temperature: float = 0.6
@@ -58,7 +58,7 @@ class EngineConfig:
     interpreter, libraries and tokenizer, is taken off). Under a budget on CPU, "auto"
     picks cpu-compact when cpu's weights leave too little for the whole context. The
     engine keeps the budget at load here; the one now (a whole-process budget's share,
-    `Engine.set_budget`) is `Engine.budget` (justfit.outside.Budget).
+    `Engine.set_budget`) is `Engine.budget` (justfit.planning.outside.Budget).
     """
 
     budget_bytes: int | None = None
@@ -68,7 +68,7 @@ class EngineConfig:
     stream_weights: bool = True
     policy: str = "auto"
     prefill_chunk: int = 512
-    gguf_bits: int | str = "native"  # see justfit.gguf.convert
+    gguf_bits: int | str = "native"  # see justfit.model.gguf.convert
     gguf_embed_bits: int = 8
     context_limit: int | None = None  # defaults to the model's trained context
     kv: KVConfig | None = field(default_factory=KVConfig)  # None: mlx-lm's own KV cache
@@ -94,7 +94,7 @@ class EngineConfig:
     kv_disk_limit: int | None = None
     kv_disk_layers: int | None = None
     kv_disk_cached: bool = False
-    # One numerics per token (justfit.numerics): True, a reply does not depend on how a
+    # One numerics per token (justfit.engine.numerics): True, a reply does not depend on how a
     # token was computed (cached, chunked, batched, drafted), one row per forward where
     # no row-invariant kernels run; False, the fastest kernels and forms; None, row-
     # invariant where the kernels are (the CPU's native ones), else fast.

@@ -17,7 +17,7 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
   them, and a lazy array (a weight loaded on demand, a state restored from disk) can
   only be evaluated on its stream's thread. The server computes on a worker thread,
   on arrays other threads created, so every thread that calls `setup()` gets one
-  shared stream as its default. Requests run one at a time (justfit/scheduler.py),
+  shared stream as its default. Requests run one at a time (justfit/engine/scheduler.py),
   so the stream is never used by two threads at once.
 * mlx-lm without its hub loader. mlx-lm's package `__init__` imports its loader,
   which imports `transformers` (tens of MiB resident, a large share of a small process)

@@ -41,7 +41,7 @@ def _wrap(original):
 def install(model: nn.Module) -> None:
     """Route this model's attention through KVExec when its cache is paged; raise
     SeamBypassed for a model whose attention would not reach the executor. JustFit
-    installs it through justfit.adapter, with its other changes to the model."""
+    installs it through justfit.model.adapter, with its other changes to the model."""
     wrap(model)
     check(model)
 

@@ -268,7 +268,7 @@ def install_ops(model: nn.Module) -> int:
 
 def replace_ops(model: nn.Module) -> list[tuple]:
     """`install_ops`, each replacement as (container, key, original, native): what
-    justfit.adapter puts back when it removes them."""
+    justfit.model.adapter puts back when it removes them."""
     if kernels() is None:
         return []
     done = []

@@ -40,14 +40,14 @@ def parity() -> dict:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from justfit.models import EMBEDDED
+    from justfit.model.models import EMBEDDED
 
     return EMBEDDED["smollm2"]()
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
-    from justfit.models import EMBEDDED
+    from justfit.model.models import EMBEDDED
 
     return EMBEDDED["gemma3"]()
 

@@ -1,4 +1,4 @@
-"""One rank under justfit.launch (tests/test_launch.py): rank 0 sleeps, then sends; rank 1
+"""One rank under justfit.pipeline.launch (tests/test_launch.py): rank 0 sleeps, then sends; rank 1
 waits on its Link and prints how long it waited and the CPU time that took. With
 `fail` as argument, rank 1 exits 3 at once while rank 0 would sleep a minute."""
 
@@ -8,7 +8,7 @@ import time
 
 import mlx.core as mx
 
-from justfit.link import connect
+from justfit.pipeline.link import connect
 
 group = mx.distributed.init()
 if sys.argv[1:] == ["fail"]:

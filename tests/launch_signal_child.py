@@ -1,4 +1,4 @@
-"""One rank under justfit.launch for tests/test_launch.py, without MLX: prints its rank
+"""One rank under justfit.pipeline.launch for tests/test_launch.py, without MLX: prints its rank
 and the stop signals it ignores, then waits. Rank 0, on SIGTERM, leaves a file FLAG
 (as a server tells its followers STOP) and exits 0, or with `stuck` ignores it (a stop
 that never ends); the others leave once FLAG exists."""

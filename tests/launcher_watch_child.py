@@ -1,9 +1,9 @@
 """A rank-like process for tests/test_rank_lifecycle.py: watches the launcher's pipe
-(justfit.launch.watch_launcher), says so, then waits to be ended."""
+(justfit.pipeline.launch.watch_launcher), says so, then waits to be ended."""
 
 import time
 
-from justfit.launch import watch_launcher
+from justfit.pipeline.launch import watch_launcher
 
 watch_launcher()
 print("watching", flush=True)

@@ -11,8 +11,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from justfit import pipeline
-from justfit.models import load
+from justfit.pipeline import layers as pipeline
+from justfit.model.models import load
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")

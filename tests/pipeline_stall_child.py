@@ -24,7 +24,7 @@ if group.rank() > 0:
     os.kill(os.getpid(), signal.SIGSTOP)
     os._exit(0)
 
-from justfit.scheduler import Job, Scheduler  # noqa: E402
+from justfit.engine.scheduler import Job, Scheduler  # noqa: E402
 
 
 async def request(scheduler: Scheduler) -> list:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from justfit.launch import free_ports
+from justfit.pipeline.launch import free_ports
 
 ROOT = str(Path(__file__).resolve().parents[1])
 

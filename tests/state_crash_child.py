@@ -118,7 +118,7 @@ def zygote() -> None:
     from justfit import runtime
 
     runtime.setup()  # OpenBLAS, then mlx: imported once, computed nothing yet
-    import justfit.engine  # noqa: F401
+    import justfit.engine.facade  # noqa: F401
 
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -30,7 +30,7 @@ def words(n: int, seed: int) -> list[int]:
 
 def prefilled(engine: Engine, tokens: list[int]) -> list:
     """A fresh cache of `engine` holding `tokens`."""
-    from justfit.generate import prefill
+    from justfit.engine.generate import prefill
 
     cache = engine.new_cache()
     prefill(engine.model, tokens, cache, 16)

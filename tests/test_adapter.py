@@ -1,4 +1,4 @@
-"""The model adapter (justfit/adapter.py) installs the seam, native operations, native
+"""The model adapter (justfit/model/adapter.py) installs the seam, native operations, native
 layers and phase hooks in its order, refuses a model the seam cannot serve with nothing
 left installed, and removes all of it: the model's modules run as mlx-lm loaded them.
 And the native kernels' switch (justfit.runtime.native_kernels) says why they are off."""
@@ -13,8 +13,9 @@ import pytest
 from mlx_lm.models import gemma2, llama
 
 import kvexec
-from justfit import adapter, runtime
-from justfit.native_layers import NativeLlamaBlock
+from justfit import runtime
+from justfit.model import adapter
+from justfit.model.native_layers import NativeLlamaBlock
 from kvexec import KVConfig, SeamBypassed, seam
 from phaseswap.native import NativeRMSNorm, NativeRoPE
 from tests.tiny_models import in_memory_model

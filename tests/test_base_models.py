@@ -18,7 +18,7 @@ from cli import common
 from cli.chat_session import ChatSession
 from cli.main import main
 from justfit import Engine, SamplingParams
-from justfit.chat_template import ChatTemplateError, has_chat_template, read_chat_template, use_chat_template
+from justfit.model.chat_template import ChatTemplateError, has_chat_template, read_chat_template, use_chat_template
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
 NOTICE = "is a base model with no chat template: text is continued as typed"

@@ -1,4 +1,4 @@
-"""Several requests at once (justfit.batch): batched greedy decoding equals each
+"""Several requests at once (justfit.engine.batch): batched greedy decoding equals each
 request alone; sequences join and leave mid-batch; a cancelled one leaves within a
 step with its state stored; a short prompt is served between a long one's chunks; the
 batch is admitted on the sum of its plans. Preemption: tests/test_batch_preempt.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.batch import BatchRunner
-from justfit.sequence import Sequence
+from justfit.engine.batch import BatchRunner
+from justfit.engine.sequence import Sequence
 from justfit.config import EngineConfig
 
 PROMPTS = ([5, 9, 13, 2, 77, 31, 8], list(range(40, 140)), [200, 3, 3, 3, 9, 120, 64, 1, 2, 33, 90, 11, 4])
@@ -129,7 +129,7 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
     besides MLX after each request; the batch does so each time it drains."""
     import asyncio
 
-    from justfit.scheduler import Job, Scheduler
+    from justfit.engine.scheduler import Job, Scheduler
 
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=2**30, budget_covers_process=True))
     calls = []

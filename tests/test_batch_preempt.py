@@ -1,4 +1,4 @@
-"""Preemption to disk (justfit.batch with `preempt`): under a budget that holds two
+"""Preemption to disk (justfit.engine.batch with `preempt`): under a budget that holds two
 sequences at full length, four all complete token-identical to each alone, the newest
 set aside on disk and resumed with its state byte-exact; one cancelled while set aside
 keeps what it computed as a stored state; a parked snapshot is checked when read back
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.batch import BatchRunner
-from justfit.sequence import Sequence
+from justfit.engine.batch import BatchRunner
+from justfit.engine.sequence import Sequence
 from justfit.config import EngineConfig
 from statetrans import SnapshotError, StateTiers, capture, park, unpark
 

@@ -196,7 +196,7 @@ def test_capacity_kv4_quantizes_what_mlx_lm_can_on_sliding_window_models(tiny_ge
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
     from bench.capacity_worker import quantize_what_mlx_lm_can
-    from justfit.models import load
+    from justfit.model.models import load
 
     # the bench's worker replaces mlx-lm's function for its process; here, only for this test
     generate = importlib.import_module("mlx_lm.generate")

@@ -135,7 +135,7 @@ def test_mlx_lm_dense_holds_the_same_weights_dequantized(tiny_gemma3_dir):
     import mlx.nn as nn
 
     from bench.stock import dequantize, weights_dtype
-    from justfit.models import load
+    from justfit.model.models import load
 
     model = load(str(tiny_gemma3_dir)).model
     nn.quantize(model, group_size=32, bits=4)  # the tiny import is dense: pack it as a 4-bit model would be

@@ -4,7 +4,7 @@ uncompiled step's tokens and logits, and both are timed side by side."""
 
 def test_the_compiled_decode_step_equals_the_plain_one(tiny_llama_dir, tmp_path, monkeypatch):
     from bench import compiled
-    from justfit import native_layers
+    from justfit.model import native_layers
 
     plain_call = native_layers.NativeLlamaMLP.__call__
     row = compiled.run(str(tiny_llama_dir), context=40, steps=6, rounds=2)

@@ -107,7 +107,7 @@ def _mlx_lm(tiny_llama_dir):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from justfit.models import load
+    from justfit.model.models import load
 
     model = load(str(tiny_llama_dir)).model
 
@@ -143,7 +143,7 @@ def test_quality_windows_and_mlx_lm_rows_side_by_side(tiny_gemma3_dir, tmp_path,
     import bench.common
     import bench.peer_fidelity
     from bench.quality import main as quality
-    from justfit.models import load
+    from justfit.model.models import load
 
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
     real = bench.peer_fidelity.mlx_lm_rows
@@ -174,7 +174,7 @@ def test_quality_windows_and_mlx_lm_rows_side_by_side(tiny_gemma3_dir, tmp_path,
 def test_mlx_lm_past_its_time_limit_is_recorded_as_not_measured(tiny_gemma3_dir):
     from bench.peer_fidelity import mlx_lm_rows
     from bench.quality import text_layout
-    from justfit.models import load
+    from justfit.model.models import load
 
     layout, ids = text_layout(load(str(tiny_gemma3_dir)).tokenizer, 256, 128)
     rows = mlx_lm_rows(str(tiny_gemma3_dir), layout, ids, group_size=32, limit_s=1e-6, chunk=32)
@@ -197,7 +197,7 @@ def test_llama_cpp_scores_the_tokens_justfit_scores():
     from bench.common import long_text
     from bench.peer_fidelity import llamacpp_rows
     from bench.quality import text_layout
-    from justfit.models import load
+    from justfit.model.models import load
 
     layout, ids = text_layout(load("smollm2").tokenizer, 256, 128)
     [q4] = llamacpp_rows(LLAMA_CPP, "smollm2", long_text()[:20000], layout, ids, ("q4_0",))

@@ -1,4 +1,4 @@
-"""The whole-process breakdown (justfit.breakdown): its measured parts add up to the
+"""The whole-process breakdown (justfit.planning.breakdown): its measured parts add up to the
 process's RSS on a tiny GGUF model, after load and after a request, and `justfit fit`
 and `/v1/justfit/status`'s data carry it."""
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from justfit import Engine, SamplingParams
-from justfit.breakdown import HOW, format_breakdown, measured, process_breakdown
+from justfit.planning.breakdown import HOW, format_breakdown, measured, process_breakdown
 from tests.tiny_models import write_gemma3_gguf, write_llama_gguf
 
 TOLERANCE = 0.05  # the measured parts, without `unaccounted`, within 5% of RSS

@@ -7,8 +7,8 @@ import pytest
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.memory import weight_bytes
-from justfit.models import load
-from justfit.planner import MIN_PREFILL_CHUNK
+from justfit.model.models import load
+from justfit.planning.planner import MIN_PREFILL_CHUNK
 from phaseswap.predict import predict_resident_bytes, predict_working_bytes
 from tests.tiny_models import write_mlx_folder
 

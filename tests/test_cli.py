@@ -19,9 +19,9 @@ from click.testing import CliRunner
 import justfit
 from cli import common
 from cli.main import main
-from justfit.outside import Budget
+from justfit.planning.outside import Budget
 from justfit import Engine, SamplingParams
-from justfit.models import ModelNotFound
+from justfit.model.models import ModelNotFound
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"

@@ -31,7 +31,7 @@ FRESH_MACHINE = """# JustFit
 ```
 """
 README_MAX_LINES = 210  # a page for users; measurements belong in docs/BENCHMARKS.md
-PACKAGES = ("kvexec", "phaseswap", "statetrans", "justfit")  # justfit/server/, justfit/gguf/ included
+PACKAGES = ("kvexec", "phaseswap", "statetrans", "justfit")  # justfit/server/, justfit/model/gguf/ included
 
 
 def _slug(heading: str) -> str:

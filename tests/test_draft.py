@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts (justfit.draft): the continuation of a repeated span, nothing for
+"""Prompt-lookup drafts (justfit.engine.draft): the continuation of a repeated span, nothing for
 novel text, a draft length that follows acceptance, a pause where drafts keep failing,
 and an index a 100K-token prompt builds in well under a second."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from justfit.draft import NgramDrafter, continuation, replay
+from justfit.engine.draft import NgramDrafter, continuation, replay
 
 
 def _novel(n: int, seed: int = 0) -> list[int]:

@@ -8,7 +8,7 @@ from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from phaseswap.policy import default_policy
 from justfit.errors import BudgetExceeded, ContextTooLong
-from justfit.stops import StopMatcher
+from justfit.engine.stops import StopMatcher
 from tests.tiny_models import write_mlx_folder
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -178,7 +178,7 @@ def test_stop_matcher(stops, chunks, expected):
 
 
 def test_planner_counts_kv_format_and_bounded_transient(tiny_llama_dir):
-    from justfit.planner import footprint
+    from justfit.planning.planner import footprint
     from kvexec import KVConfig
 
     engine = Engine(str(tiny_llama_dir))

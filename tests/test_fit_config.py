@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
-from justfit.fit_config import _footprint, config_fit_report, format_config_fit, read_config
+from justfit.planning.fit_config import _footprint, config_fit_report, format_config_fit, read_config
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu", "hidden_size": 4096,
@@ -109,8 +109,8 @@ def test_matches_the_offline_models_plans(model, request):
     """The same terms as the planner's for the real model, loaded (lazily, as the engine
     does): KV (pages, windows, hot rows) and transients equal at every size, in every
     KV format; parameters as the loaded model's."""
-    from justfit.models import load
-    from justfit.planner import footprint
+    from justfit.model.models import load
+    from justfit.planning.planner import footprint
     from kvexec import KVConfig
 
     loaded = load(str(request.getfixturevalue(f"{model}_gguf")), lazy=True)
@@ -148,7 +148,7 @@ def test_comparison_rows_name_their_kv(smollm2_gguf):
     """mlx-lm's KV at float16 (what its users hold), float32 only with float32
     activations; llama.cpp's f16 and q8_0 from the shapes; SmolLM2: 30 layers, 3 KV
     heads of 64."""
-    from justfit.models import load
+    from justfit.model.models import load
 
     config = load(str(smollm2_gguf), lazy=True).config
     budget = 800 * 2**20

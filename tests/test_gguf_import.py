@@ -10,11 +10,11 @@ from gguf.quants import dequantize
 
 from mlx.utils import tree_flatten
 
-from justfit.gguf.cache import RequantOptions, UnsupportedModel, converted_path
-from justfit.gguf.convert import convert
-from justfit.gguf.blocks import pack
-from justfit.gguf.file import read_gguf
-from justfit.models import load
+from justfit.model.gguf.cache import RequantOptions, UnsupportedModel, converted_path
+from justfit.model.gguf.convert import convert
+from justfit.model.gguf.blocks import pack
+from justfit.model.gguf.file import read_gguf
+from justfit.model.models import load
 from phaseswap import materialize_dense
 from tests.tiny_models import finish, reference_model, write_gemma3_gguf, write_llama_gguf
 

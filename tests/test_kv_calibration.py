@@ -159,9 +159,9 @@ def test_engine_calibrates_on_first_load_and_reuses_it(tiny_gemma3_dir, tmp_path
         raise AssertionError("a cached calibration was measured again")
 
     monkeypatch.setattr(calibrate_mod, "measure", measured_again)
-    import justfit.loader
+    import justfit.model.loader
 
-    monkeypatch.setattr(justfit.loader, "load_lazily", measured_again)  # a cached load needs no second copy
+    monkeypatch.setattr(justfit.model.loader, "load_lazily", measured_again)  # a cached load needs no second copy
     caplog.clear()
     with caplog.at_level("INFO", logger="justfit.loader"):
         again = Engine(str(tiny_gemma3_dir), config=config)
@@ -189,8 +189,8 @@ def test_a_sliding_layers_bytes_count_as_its_share_of_the_trained_context():
 
 
 def test_calibration_weighs_sliding_layers_and_the_planner_counts_each_kind(tiny_gemma3_dir):
-    from justfit.models import load
-    from justfit.planner import footprint
+    from justfit.model.models import load
+    from justfit.planning.planner import footprint
 
     loaded = load(str(tiny_gemma3_dir))
     kvexec.install(loaded.model)

@@ -193,7 +193,7 @@ def test_smollm2_with_its_pages_on_disk_replies_as_with_them_in_memory(smollm2_g
 
 
 def test_fit_shows_the_layers_on_disk_and_what_a_token_reads(q4_dir, tmp_path):
-    from justfit.fit import fit_report, format_fit
+    from justfit.planning.fit import fit_report, format_fit
 
     engine = Engine(str(q4_dir), config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
     positions = len(PROMPT) + GREEDY.max_tokens

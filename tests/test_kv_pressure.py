@@ -9,7 +9,7 @@ import pytest
 import kvexec
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from justfit.planner import MIN_PREFILL_CHUNK
+from justfit.planning.planner import MIN_PREFILL_CHUNK
 from kvexec import KVConfig, PageStore, blockwise_attention, ladder
 from kvexec.export import export_store, restore_store
 
@@ -196,7 +196,7 @@ def test_justfit_fit_reports_the_ladder(tiny_gemma3_dir):
 
 
 def test_justfit_fit_shows_the_ladder_of_a_layer_that_steps_down(tiny_gemma3_dir):
-    from justfit.fit import fit_report
+    from justfit.planning.fit import fit_report
 
     # sliding layers in q8c, the full one (the sixth) in k8cv4, as calibration chooses
     kv = KVConfig(layer_formats=("q8c",) * 5 + ("k8cv4",))

@@ -1,4 +1,4 @@
-"""Local ranks (justfit/launch.py) and their transfers (justfit/link.py): a rank waiting
+"""Local ranks (justfit/pipeline/launch.py) and their transfers (justfit/pipeline/link.py): a rank waiting
 for its neighbour sleeps, the launcher relays nothing, a failing rank ends the others, a
 stop signal goes to rank 0 alone and a group that does not stop is killed after the
 grace (tests/test_rank_lifecycle.py stops `justfit serve --ranks 2`)."""
@@ -17,7 +17,7 @@ import pytest
 import click
 
 from cli.common import UserError, _option_value, _without_ranks, rank_budget
-from justfit.launch import launched
+from justfit.pipeline.launch import launched
 
 CHILD = str(Path(__file__).with_name("launch_child.py"))
 SIGNAL_CHILD = str(Path(__file__).with_name("launch_signal_child.py"))

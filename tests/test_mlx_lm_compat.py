@@ -168,7 +168,7 @@ def test_make_logits_processors_keywords_and_call():
                                    frequency_penalty=1.0, frequency_context_size=8)
     assert len(procs) == 3
     logits = mx.ones((1, 5))
-    for p in procs:  # called as (tokens, logits[None]) by justfit.generate.decode
+    for p in procs:  # called as (tokens, logits[None]) by justfit.engine.generate.decode
         out = p(mx.array([2, 2]), logits)
         assert out.shape == (1, 5) and out[0, 2].item() < 1.0 and out[0, 0].item() == 1.0
 
@@ -214,7 +214,7 @@ def test_load_lazy_with_config(tool_model_dir):
 
 
 def test_load_refuses_an_unknown_architecture_saying_not_supported(tool_model_dir, tmp_path):
-    # justfit.models turns this ValueError into UnsupportedModel by its wording
+    # justfit.model.models turns this ValueError into UnsupportedModel by its wording
     from mlx_lm.utils import load
 
     path = tmp_path / "m"

@@ -16,7 +16,7 @@ import pytest
 from cli.chat_session import ChatSession, request_sampling, sampling_text
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from justfit.models import CARD_SAMPLING, FALLBACK_SOURCE, describe_sampling, recommended_sampling
+from justfit.model.models import CARD_SAMPLING, FALLBACK_SOURCE, describe_sampling, recommended_sampling
 from justfit.server.anthropic_request import anthropic_options
 from justfit.server.schema import ollama_options, openai_options
 from tests.server_harness import LiveServer, request

@@ -1,4 +1,4 @@
-"""mlx-lm's layers with JustFit's CPU kernels (justfit/native_layers.py): the gated MLP
+"""mlx-lm's layers with JustFit's CPU kernels (justfit/model/native_layers.py): the gated MLP
 activation equals MLX's, the native llama and Gemma 3 layers, attention, MLPs and norms
 compute what mlx-lm's own classes do on the same weights and paged cache, a layer's fused
 steps what its native operations do one by one (bit for bit), a decode step makes a
@@ -16,7 +16,7 @@ from mlx_lm.models.activations import swiglu
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from justfit.native_layers import (NativeGemmaAttention, NativeGemmaBlock, NativeGemmaMLP, NativeGemmaRMSNorm,
+from justfit.model.native_layers import (NativeGemmaAttention, NativeGemmaBlock, NativeGemmaMLP, NativeGemmaRMSNorm,
                                    NativeLlamaAttention, NativeLlamaBlock, NativeLlamaMLP)
 from phaseswap import native
 from tests.tiny_models import write_mlx_folder

@@ -1,4 +1,4 @@
-"""One numerics per token (justfit.numerics): a row's logits, keys and values are bitwise
+"""One numerics per token (justfit.engine.numerics): a row's logits, keys and values are bitwise
 the same whether the row is computed alone (a decode step), in a prefill chunk of any
 size, as a row of a batched step or inside a verified draft; the kernels that promise
 it (native/: quantized products, decode attention) and the engine's choice of mode,
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import kvexec
-from justfit import Engine, SamplingParams, numerics
-from justfit.batch import decode_step, verify_step
+from justfit import Engine, SamplingParams
+from justfit.engine import numerics
+from justfit.engine.batch import decode_step, verify_step
 from justfit.config import EngineConfig
 from kvexec import KVConfig, PagedKVCache
 from phaseswap import native

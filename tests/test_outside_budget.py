@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-import justfit.outside as outside_module
+import justfit.planning.outside as outside_module
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
-from justfit.outside import OutsideDecay, decayed_max, measure_outside
+from justfit.planning.outside import OutsideDecay, decayed_max, measure_outside
 from tests.tiny_models import write_mlx_folder
 
 MiB = 2**20

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from bench.parity import LICENSE, greedy_matches, license_perplexity
-from justfit.gguf.cache import RequantOptions
-from justfit.models import load
+from justfit.model.gguf.cache import RequantOptions
+from justfit.model.models import load
 from phaseswap import materialize_dense
 
 SMOLLM2 = "smollm2-135m-instruct-q4_1"

@@ -7,7 +7,7 @@ import pytest
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
-from justfit.planner import MIN_PREFILL_CHUNK
+from justfit.planning.planner import MIN_PREFILL_CHUNK
 
 
 def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Layers pipelined over mx.distributed (justfit/pipeline.py): two local ranks on the
+"""Layers pipelined over mx.distributed (justfit/pipeline/layers.py): two local ranks on the
 ring backend, launched by mlx.launch as a user would, against one process."""
 
 import json
@@ -40,7 +40,7 @@ def test_a_rank_that_leaves_is_an_error_on_rank_0_not_a_hang(tiny_llama_dir):
 
 
 def test_layers_split_in_proportion_to_budgets():
-    from justfit.pipeline import split_layers
+    from justfit.pipeline.layers import split_layers
 
     assert split_layers(30, [1, 1]).starts == (0, 15, 30)
     assert split_layers(30, [100, 300], fixed=0).starts == (0, 8, 30)
@@ -154,15 +154,15 @@ def test_the_split_balances_positions_not_weights(gemma3_gguf):
     # as each sheds half the weights: 1.80x with the layers held as q8t, 1.795x stored at 5 bits
     assert report["max_positions"] >= 1.75 * report["one_process_max_positions"]
     from justfit import Engine
-    from justfit.fit_ranks import ranks_report
-    from justfit.pipeline import split_layers
+    from justfit.planning.fit_ranks import ranks_report
+    from justfit.pipeline.layers import split_layers
 
     even = ranks_report(Engine("gemma3"), [1600 * 2**20] * 2, split_layers(18, [1, 1]))
     assert even["ranks"][0]["layers"] == [0, 8] and even["max_positions"] < report["max_positions"]
 
 
 def test_the_capacity_bench_runs_a_pipeline_with_every_rank_held_to_the_budget(tmp_path, monkeypatch):
-    """`--systems justfit-lossless@2`: two local ranks (justfit.launch), each held to the
+    """`--systems justfit-lossless@2`: two local ranks (justfit.pipeline.launch), each held to the
     budget by its own sampler; a step's peak is the largest rank's."""
     import bench.common
     from bench.capacity import main
@@ -271,7 +271,7 @@ def test_the_server_answers_503_and_reports_degraded_when_the_pipeline_stalls(ti
 def test_a_request_some_rank_cannot_hold_is_refused_before_any_work_with_the_per_rank_numbers():
     from types import SimpleNamespace
 
-    from justfit.budget import check_fits
+    from justfit.planning.budget import check_fits
     from justfit.errors import ContextTooLong
 
     engine = SimpleNamespace(context_limit=1 << 20, config=SimpleNamespace(kv=None), rank_limits=[90_000, 4_000])

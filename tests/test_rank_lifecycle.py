@@ -1,4 +1,4 @@
-"""A layer pipeline stops as one (justfit/launch.py, cli/common.py): `justfit serve
+"""A layer pipeline stops as one (justfit/pipeline/launch.py, cli/common.py): `justfit serve
 --ranks 2` on a tiny model, stopped by a signal to its top process (SIGTERM, SIGINT,
 SIGHUP), to its whole process group (systemd's way), by Ctrl-C on its terminal, or
 killed (SIGKILL: no handler runs, as in a crash), or losing a follower. Every time,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from justfit.launch import LAUNCHER_PIPE
+from justfit.pipeline.launch import LAUNCHER_PIPE
 from tests.rank_group import ROOT, ServeGroup
 
 GONE_S = 5.0  # every process gone within this of a kill, or of the end of the drain
@@ -152,6 +152,6 @@ def test_a_process_with_only_the_launchers_environment_does_not_watch():
 
 def test_usage_errors_exit_2():
     for argv in ([], ["-n", "2"], ["-n", "0", "--", "true"], ["-n", "2", "--grace", "x", "--", "true"]):
-        done = subprocess.run([sys.executable, "-m", "justfit.launch", *argv], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "justfit.pipeline.launch", *argv], capture_output=True, text=True,
                               cwd=ROOT, timeout=30)
         assert done.returncode == 2 and "usage" in done.stderr, (argv, done.stderr)

@@ -180,7 +180,7 @@ def test_setup_defers_mlx_lms_init_until_the_package_is_asked_for_a_name():
 import json, sys
 from justfit import runtime
 runtime.setup()
-from justfit.models import load
+from justfit.model.models import load
 loaded = load("smollm2")  # the converted GGUF: mlx-lm's model code, JustFit's tokenizer
 light = "transformers" not in sys.modules and "mlx_lm.tokenizer_utils" not in sys.modules
 ids = loaded.tokenizer.encode("hello")

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.batch import BatchRunner
-from justfit.sequence import Sequence
+from justfit.engine.batch import BatchRunner
+from justfit.engine.sequence import Sequence
 from justfit.config import EngineConfig
 from kvexec import KVConfig
 from kvexec.export import copy_layer, export_store, restore_store
@@ -156,8 +156,8 @@ def test_drafts_verified_in_one_forward_give_the_plain_reply(model_dir, tmp_path
     """A step that feeds the pending token and its draft (some drafted tokens wrong, so
     verifies accept all, part and none) computes each row as a lone step would: the
     reply with drafting is the one without."""
-    from justfit.batch import run_alone
-    from justfit.stats import collect
+    from justfit.engine.batch import run_alone
+    from justfit.engine.stats import collect
     from tests.test_speculative_decoding import Oracle
 
     for prompt in (PROMPT, LONG):  # a new engine each: no step costs measured yet that decline drafts

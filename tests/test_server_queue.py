@@ -15,8 +15,8 @@ import pytest
 
 from justfit import Engine
 from justfit.config import EngineConfig, SamplingParams
-from justfit.scheduler import Job, QueueFull, Scheduler
-from justfit.tickets import TICKET_HEADER, Tickets
+from justfit.engine.scheduler import Job, QueueFull, Scheduler
+from justfit.engine.tickets import TICKET_HEADER, Tickets
 from tests.server_harness import CHAT, Gate, LiveServer, Starting, request
 
 

@@ -1,4 +1,4 @@
-"""Verifying drafts (justfit.speculate): greedy acceptance stops at the first token the
+"""Verifying drafts (justfit.engine.speculate): greedy acceptance stops at the first token the
 model would not pick; sampled acceptance emits each token with the target
 distribution's probabilities (chi-square tests over seeded draws), the first one as
 plain sampling does, and moves the RNG position once per emitted token."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from justfit.config import SamplingParams
-from justfit.sampling import keyed_sampler, sampling_logprobs
-from justfit.speculate import accept_uniform, greedy_accept, sampled_accept
+from justfit.engine.sampling import keyed_sampler, sampling_logprobs
+from justfit.engine.speculate import accept_uniform, greedy_accept, sampled_accept
 
 # The chi-square distribution's upper 0.001 quantiles, by degrees of freedom: a correct
 # sampler fails a test with probability 0.001.

@@ -15,7 +15,7 @@ from cli import common
 from cli.main import main
 from justfit.server.anthropic_request import anthropic_options
 from justfit.server.schema import BadRequest, ollama_options, openai_options
-from justfit.stats import GenerationStats
+from justfit.engine.stats import GenerationStats
 from tests.test_server import live, request, tiny_engine  # noqa: F401 (fixtures)
 
 CHAT = [{"role": "user", "content": "one two three one two three one two"}]

@@ -1,4 +1,4 @@
-"""Speculative decoding in the request path (justfit.sequence, justfit.batch): drafts
+"""Speculative decoding in the request path (justfit.engine.sequence, justfit.engine.batch): drafts
 verified in one forward give the reply plain decoding gives, with rejected positions
 dropped from the cache; a reply that ends inside a draft stores only what plain
 decoding would have fed; drafts run inside a batch (in the steps where one sequence
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.batch import BatchRunner, run_alone, run_all
+from justfit.engine.batch import BatchRunner, run_alone, run_all
 from justfit.config import EngineConfig
-from justfit.sequence import Sequence
-from justfit.stats import collect
+from justfit.engine.sequence import Sequence
+from justfit.engine.stats import collect
 
 
 class Oracle:
@@ -132,7 +132,7 @@ def test_sampled_replies_keep_their_distribution(tiny_llama_dir, monkeypatch):
     two samples of one distribution (two-sample chi-square, p = 0.001). Drafts run for
     unseeded requests only (a seeded one keeps its one reply), so the requests carry no
     seed and each one's RNG position is given here, for a reproducible test."""
-    import justfit.sequence
+    import justfit.engine.sequence
 
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(prefill_chunk=32))
     sp = dict(temperature=0.7, top_k=6, max_tokens=3, ignore_eos=True)
@@ -144,7 +144,7 @@ def test_sampled_replies_keep_their_distribution(tiny_llama_dir, monkeypatch):
     for seed in range(240):
         for drafting in (True, False):
             engine.reset()
-            monkeypatch.setattr(justfit.sequence, "new_rng", lambda _=None, s=seed: {"seed": s, "step": 0})
+            monkeypatch.setattr(justfit.engine.sequence, "new_rng", lambda _=None, s=seed: {"seed": s, "step": 0})
             tokens, _, seq = _run(engine, PROMPT, SamplingParams(speculate=drafting, **sp),
                                   lambda p: Oracle(p, guess, wrong=1000))
             counts[drafting][tokens[2]] = counts[drafting].get(tokens[2], 0) + 1
@@ -163,7 +163,7 @@ def test_sampled_replies_keep_their_distribution(tiny_llama_dir, monkeypatch):
 
 def test_smollm2_code_edit_drafts_with_the_same_text(smollm2_gguf):
     """How much is drafted depends on the step costs this machine measures as it runs
-    (justfit.speculate.draft_length): here only that drafts ran and the text held."""
+    (justfit.engine.speculate.draft_length): here only that drafts ran and the text held."""
     source = inspect.getsource(textwrap.indent)
     msgs = [{"role": "user", "content": "Repeat this Python code exactly, renaming indent to add_prefix.\n\n"
              + source}]

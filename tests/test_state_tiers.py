@@ -9,7 +9,7 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from justfit.stats import Reply
+from justfit.engine.stats import Reply
 from statetrans.prefix import PrefixTrie
 from tests.state_engines import SMALL_PAGES, paged_engine, run_tokens, words
 

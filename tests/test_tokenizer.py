@@ -7,8 +7,8 @@ import sys
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from justfit.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer, tokenizer_config
-from justfit.models import load
+from justfit.model.gguf.tokenizer import UnsupportedTokenizer, build_tokenizer, tokenizer_config
+from justfit.model.models import load
 from tests.tiny_models import gpt2_vocab, spm_vocab
 
 
@@ -98,9 +98,9 @@ def test_converted_models_load_without_transformers_as_mlx_lm_loads_them(name, r
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load as mlx_lm_load
 
-    from justfit.chat_template import FALLBACK_TEMPLATE
-    from justfit.models import resolve
-    from justfit.tokenizer import GGUFTokenizer
+    from justfit.model.chat_template import FALLBACK_TEMPLATE
+    from justfit.model.models import resolve
+    from justfit.model.tokenizer import GGUFTokenizer
 
     ours = load(str(request.getfixturevalue(name)))
     model, theirs, _ = mlx_lm_load(str(resolve(str(request.getfixturevalue(name)))), return_config=True)

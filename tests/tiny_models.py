@@ -263,7 +263,7 @@ def write_mlx_folder(path: Path, model_type: str = "llama", seed: int = 0, quant
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from justfit.gguf.tokenizer import build_tokenizer, tokenizer_config
+    from justfit.model.gguf.tokenizer import build_tokenizer, tokenizer_config
 
     v = gpt2_vocab()
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",

@@ -22,11 +22,11 @@ from aiohttp import web
 
 import justfit
 from justfit import runtime
-from justfit.breakdown import process_breakdown
+from justfit.planning.breakdown import process_breakdown
 from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerStopping
-from justfit.scheduler import Job, QueueFull, Scheduler
-from justfit.state_io import refuse_pipeline_session
-from justfit.tickets import TICKET_HEADER
+from justfit.engine.scheduler import Job, QueueFull, Scheduler
+from justfit.engine.state_io import refuse_pipeline_session
+from justfit.engine.tickets import TICKET_HEADER
 from justfit.server import connections, keys, status_page
 from justfit.server.metrics import Metrics, acceptance_rate, memory, prometheus
 from justfit.server.schema import BadRequest, Options
@@ -50,12 +50,12 @@ class ServerConfig:
     cors_origin: str | None = None
     max_body_bytes: int = 16 * 2**20
     max_queue: int = 16
-    max_batch: int = 1  # requests computed at once (justfit.batch); 1: one at a time
+    max_batch: int = 1  # requests computed at once (justfit.engine.batch); 1: one at a time
     preempt: bool = True  # batching: set sequences aside on disk when the batch outgrows the budget
     default_max_tokens: int = 1024
     model_name: str | None = None  # the id clients use; default: the engine's model name
     keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
-    rank_timeout_s: float = 300.0  # a layer pipeline silent this long mid-request is lost (justfit.stall)
+    rank_timeout_s: float = 300.0  # a layer pipeline silent this long mid-request is lost (justfit.pipeline.stall)
     drain_s: float = 10.0  # on a stop signal: how long running requests get to finish (justfit.server.lifecycle)
     write_wait_s: float = 60.0  # how long a response waits for its session's write before saying it is not stored
     # A connection's read timeouts and the connection limit (justfit.server.connections):

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 import justfit
-from justfit.chat_template import has_chat_template
+from justfit.model.chat_template import has_chat_template
 from justfit.server.openai_routes import chat_tokens, engine_error, vocab_size
 from justfit.server.schema import get, messages, ollama_options, parse_body, token_ids
 from justfit.server.tools import ToolCalls

@@ -11,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from justfit.chat_template import has_chat_template
+from justfit.model.chat_template import has_chat_template
 from justfit.errors import JustFitError, PipelineLost, ServerStopping
 from justfit.server.logprobs import chat_entries, chat_entry, chat_logprobs, completion_logprobs
 from justfit.server.sessions import STATE_HEADER, state_outcome, stream_note

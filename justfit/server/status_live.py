@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import psutil
 
-from justfit.fit import first_full_layer, kv_label
+from justfit.planning.fit import first_full_layer, kv_label
 from justfit.memory import rss_bytes
 from justfit.server.metrics import acceptance_rate, memory
 from kvexec import ladder

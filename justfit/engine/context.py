@@ -1,0 +1,61 @@
+"""What the request path reads from an engine, as a typing protocol.
+
+The step loop (justfit.engine.batch, justfit.engine.sequence), the planner's search (justfit.planning.budget)
+and a pipeline's runner take an `EngineContext`, not the engine class: justfit.engine.facade
+imports them, so they never import it back (no import circle), and a test may pass
+any object with these members. `justfit.engine.facade.Engine` is the one implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import mlx.nn as nn
+
+from justfit.config import EngineConfig
+from justfit.engine.numerics import Numerics
+from justfit.planning.outside import Budget
+from justfit.planning.planner import Footprint
+from justfit.engine.speculate import StepCosts
+from phaseswap import PhaseSwap
+from statetrans import StateTiers
+
+
+class EngineContext(Protocol):
+    """The loaded model, its settings, PhaseSwap, the stored states and the planner."""
+
+    model: nn.Module
+    tokenizer: Any  # mlx-lm's TokenizerWrapper
+    config: EngineConfig
+    swap: PhaseSwap
+    states: StateTiers
+    context_limit: int
+    rank_limits: list[int]  # on a layer pipeline: the positions each rank's plan holds
+    step_costs: StepCosts  # decode steps' measured seconds by rows (what a draft must beat)
+    budget: Budget  # the budget now (justfit.planning.outside: a whole-process one's share changes)
+    numerics: Numerics  # how every token is computed: whether replies depend on the path
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head_dim)."""
+
+    @property
+    def verify_rows(self) -> int:
+        """The most positions a decode step feeds (1, and a draft's tokens when drafting)."""
+
+    def new_cache(self) -> list:
+        """Per-layer state for one sequence."""
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> tuple[tuple[str, ...], Footprint]:
+        """Refuse what cannot fit, before any work; else the components on disk and the plan."""
+
+    def footprint(self, positions: int, offloaded: tuple[str, ...] = (), kv: Any = "engine", chunk: int | None = None,
+                  pressed: bool = False, dense_prefill: bool = True, disk_layers: int = 0,
+                  verify_rows: int | None = None) -> Footprint:
+        """Memory for `positions` retained positions planned this way."""
+
+    def state_allowance(self, request: Footprint) -> int | None:
+        """What the budget leaves for stored states while `request` runs."""
+
+    def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
+        """Under a whole-process budget, take what the process holds besides MLX off the engine's share."""

@@ -1,0 +1,296 @@
+"""One worker thread runs requests on the engine in arrival order, one at a time or,
+with `max_batch` > 1, several at once (justfit.engine.batch: decode steps shared, prefill
+chunks interleaved, admitted while their plans fit the budget together); the rest wait
+in a bounded queue. The HTTP side talks to it through `Job`s: events
+come back on the job's asyncio queue, and setting `cancel` stops the request within
+one decode step (or between prefill chunks), leaving the engine's state consistent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from justfit import runtime
+from justfit.engine.batch_worker import work_batched
+from justfit.config import SamplingParams
+from justfit.errors import JustFitError, ServerStopping
+from justfit.engine.tickets import Tickets
+
+log = logging.getLogger("justfit.scheduler")
+
+
+# A ticket lapses when its client has not retried within this many Retry-After
+# periods (and never sooner than TICKET_FLOOR_S).
+TICKET_PERIODS, TICKET_FLOOR_S = 3, 30.0
+
+
+class QueueFull(JustFitError):
+    """The queue is full: how many requests wait, when to retry, and the ticket that keeps the place."""
+
+    def __init__(self, waiting: int, retry_after: int, ticket: str = ""):
+        self.waiting, self.retry_after, self.ticket = waiting, retry_after, ticket
+        super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s"
+                         " with the ticket to keep your place")
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One request for the engine thread: its tokens and sampling, and the events it sends back."""
+
+    tokens: list[int]
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    session: str | None = None
+    scope: str = ""  # whose stored states it may reuse and write (a client key's hash; "": shared)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    processed: int = 0  # prompt positions computed so far (cached ones included)
+    generated: int = 0  # tokens generated so far
+    route: str = ""  # the API it came through, for the status page
+    phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
+    last_event: float = field(default_factory=time.monotonic)  # for justfit.pipeline.stall
+    stopping: bool = False  # cancelled by the server's stop, not by its client
+
+    def stop(self) -> None:
+        """Cancel for the server's stop: its client is told so (503), not left with a short reply."""
+        self.stopping = True
+        self.cancel.set()
+
+    def ended_by_stop(self) -> None:
+        """Tell the client a stop ended its request, when one did."""
+        if self.stopping:
+            self.emit("error", ServerStopping())
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        """Send an event to the job's loop; cancel the job when that loop is gone."""
+        self.last_event = time.monotonic()
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the server's loop is gone: nobody is listening
+            self.cancel.set()
+
+    async def stream(self, tick: float | None = None):
+        """(kind, payload) events until "done": "progress" (done, total, elapsed),
+        "chunk" (engine Chunk), "error" (exception), "done" (stats or None); with
+        `tick`, also ("tick", None) after every `tick` seconds without an event (a
+        long prefill chunk, a wait in the queue), so streams can keep proxies awake."""
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(self.events.get(), tick)
+            except TimeoutError:
+                yield "tick", None
+                continue
+            yield kind, payload
+            if kind == "done":
+                return
+
+
+class Scheduler:
+    """The engine's worker thread and the bounded queue of jobs waiting for it."""
+
+    def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None,
+                 max_batch: int = 1, preempt: bool = True, stall_s: float | None = None):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.engine, self.max_queue, self.on_done, self.max_batch = engine, max_queue, on_done, max_batch
+        self.preempt = preempt  # batching: park sequences on disk rather than count each at its plan's end
+        self._queue: deque[Job | None] = deque()  # None: the worker's signal to stop
+        self._arrived = threading.Condition()  # guards _queue; notified on every put
+        self.active: list[Job] = []  # the jobs computing now, oldest first
+        self.completed = self.cancelled = self.failed = self.rejected = 0
+        self._seconds = 1.0  # recent request duration, for Retry-After
+        self.batch = None  # the BatchRunner its worker steps (justfit.engine.batch_worker)
+        self.last_stats = None  # the stats of the request that finished last
+        self.tickets = Tickets()  # places kept for clients turned away (touched on the server's loop only)
+        # Every request runs as a sequence in the worker's batch (one at a time with
+        # max_batch 1); a layer pipeline runs one request at a time on rank 0's engine.
+        work = self._work_pipeline if engine.pipeline is not None else self._work_batched
+        self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
+        self._thread.start()
+        self.watch = None  # a layer pipeline's bounded wait (justfit.pipeline.stall), with `stall_s`
+        if stall_s is not None:
+            from justfit.pipeline.stall import StallWatch
+
+            self.watch = StallWatch(self, stall_s)
+            self.watch.start()
+
+    @property
+    def running(self) -> Job | None:
+        """The oldest job computing now, or None."""
+        active = self.active
+        return active[0] if active else None
+
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting in the queue (the running one excluded)."""
+        with self._arrived:
+            return sum(j is not None for j in self._queue)
+
+    def queued(self) -> list[Job]:
+        """The jobs waiting, in order (a snapshot)."""
+        with self._arrived:
+            return [j for j in self._queue if j is not None]
+
+    def _put(self, job: Job | None, at: int | None = None) -> None:
+        with self._arrived:
+            self._queue.insert(len(self._queue) if at is None else at, job)
+            self._arrived.notify()
+
+    def live_layers(self) -> list:
+        """Every layer of the running sequences' caches (the status page's KV), a snapshot."""
+        b = self.batch
+        running = list(b.running) if b is not None else []
+        return [layer for s in running if s.cache is not None for layer in s.cache]
+
+    def batch_stats(self) -> dict:
+        """With batching: sequences set aside now, preemptions so far, seconds swapping."""
+        b = self.batch
+        if b is None:
+            return {}
+        return {"preempted": len(b.parked), "preemptions": b.preemptions, "swap_s": round(b.swap_s, 3)}
+
+    def submit(self, job: Job, ticket: str | None = None) -> int:
+        """Queue `job`; returns how many run or wait before it. Raises QueueFull with a
+        ticket; a retry that brings it back (`ticket`) is queued ahead of every request
+        that arrived after its first try (justfit.engine.tickets)."""
+        now = time.monotonic()
+        self.tickets.expire(now)
+        issued = self.tickets.redeem(ticket)
+        if issued is not None:
+            job.submitted = issued  # its wait counts from its first try
+            return self._queue_in_order(job)
+        if self.waiting >= self.max_queue:
+            self.rejected += 1
+            retry = max(1, round(self._seconds * (self.waiting + 1)))
+            held = self.tickets.hold(ticket, now, now + max(TICKET_FLOOR_S, TICKET_PERIODS * retry))
+            raise QueueFull(self.waiting, retry, held)
+        ahead = self.waiting + len(self.active)
+        self._put(job)
+        return ahead
+
+    def _queue_in_order(self, job: Job) -> int:
+        """Put `job` in the queue before the jobs submitted after it; how many are ahead."""
+        with self._arrived:
+            later = [i for i, j in enumerate(self._queue) if j is None or j.submitted > job.submitted]
+            at = later[0] if later else len(self._queue)
+            self._put(job, at)
+        return at + len(self.active)
+
+    def idle(self) -> bool:
+        """Nothing computing, set aside or waiting."""
+        b = self.batch
+        return not self.active and not self.waiting and not (b is not None and (b.running or b.parked))
+
+    def uses_session(self, name: str, scope: str) -> bool:
+        """Whether a job computing or waiting names session `name` of `scope`."""
+        return any(j.session == name and j.scope == scope for j in list(self.active) + self.queued())
+
+    def stop_all(self) -> int:
+        """Cancel every job, computing or waiting, for the server's stop; how many."""
+        jobs = list(self.active) + self.queued()
+        for job in jobs:
+            job.stop()
+        return len(jobs)
+
+    def close(self) -> None:
+        """Cancel the running jobs and stop the worker thread once what is queued is done."""
+        if self.watch is not None:
+            self.watch.stopped.set()
+        for job in list(self.active):
+            job.cancel.set()
+        self._put(None)
+        self._thread.join(timeout=30)
+
+    def next_job(self, block: bool) -> tuple[Job | None, bool]:
+        """Take the first job waiting out of the queue (waiting for one if `block`);
+        None when there is none or the scheduler is closing (the second value)."""
+        with self._arrived:
+            while block and not self._queue:
+                self._arrived.wait()
+            if not self._queue or self._queue[0] is None:
+                return None, bool(self._queue)
+            return self._queue.popleft(), False
+
+    def put_back(self, job: Job) -> None:
+        """Return a job taken by `next_job` to the head of the queue (it waits for room)."""
+        self._put(job, 0)
+
+    def finished(self, job: Job, outcome: str, stats=None) -> None:
+        """Count `job` as "completed", "cancelled" or "failed" and hand its stats on
+        (its wait in the queue set); the request durations behind Retry-After."""
+        if outcome not in ("completed", "cancelled", "failed"):
+            raise ValueError(f"unknown outcome {outcome!r}")
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        if job.started is not None:
+            self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - job.started)
+        if stats is not None:
+            stats.queue_s = job.started - job.submitted
+            self.last_stats = stats
+            if self.on_done:
+                self.on_done(stats)
+
+    def _work_pipeline(self) -> None:
+        runtime.setup()  # this thread computes on the shared execution stream
+        while True:
+            with self._arrived:
+                while not self._queue:
+                    self._arrived.wait()
+                job = self._queue.popleft()
+            if job is None:
+                return
+            if job.cancel.is_set():  # its client left while it waited
+                self.cancelled += 1
+                job.ended_by_stop()
+                job.emit("done", None)
+                continue
+            self.active, job.started = [job], time.monotonic()
+            job.last_event = job.started  # its wait in the queue is no stall
+            try:
+                self._run(job)
+            finally:
+                self.active = []
+
+    def _work_batched(self) -> None:
+        work_batched(self)
+
+    def _run(self, job: Job) -> None:
+        def progress(done: int, total: int) -> None:
+            if job.cancel.is_set():
+                raise _Cancelled
+            job.processed = done
+            job.emit("progress", (done, total, time.monotonic() - job.started))
+
+        gen = self.engine.generate(job.tokens, job.sampling, progress, session=job.session, scope=job.scope)
+        failed, stats = False, None
+        try:
+            for chunk in gen:
+                job.generated += chunk.token is not None
+                stats = chunk.stats or stats
+                job.emit("chunk", chunk)
+                if job.cancel.is_set():
+                    break
+        except _Cancelled:
+            pass
+        except Exception as e:  # JustFitError: the client's to fix; others: logged, a clean 500
+            if not isinstance(e, JustFitError):
+                log.exception("request failed")
+            failed = True
+            job.emit("error", e)
+        finally:
+            gen.close()  # stores the state computed so far
+            outcome = "failed" if failed else "cancelled" if job.cancel.is_set() else "completed"
+            self.finished(job, outcome, stats)
+            if not failed:
+                job.ended_by_stop()
+            job.emit("done", stats)
