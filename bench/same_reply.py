@@ -3,13 +3,13 @@ path the engine can take, each compared token for token with the cold one.
 
     python -m bench.same_reply --model smollm2 --prompts 50
     python -m bench.same_reply --model gemma3 --prompts 50
-    python -m bench.same_reply --model smollm2 --prompts 20 --numerics fast   # the control
+    python -m bench.same_reply --model smollm2 --prompts 50 --numerics fast   # the default engine
 
 Prompts (fixed by a rule, not picked by outcome; `prompt_set`): in turn code to copy
 (a function of the running Python's standard library, "repeat exactly"), prose (a module
 docstring to summarize), and a chat turn (a function shown, a question about it);
 SmolLM2 gets them through its chat template, the base model Gemma 3 as plain text
-("User: ...\\n\\nAssistant:"). Each is cut to `--max-prompt` tokens.
+("User: ...\\n\\nAssistant:"). Each is cut to its last `--max-prompt` tokens.
 
 Paths, each against the cold reply (`engine.reset()` first, nothing stored):
 repeat (the exact prompt stored: all but its last token reused), prefix (a stored state
@@ -40,24 +40,26 @@ FOLLOW_UP = "\n\nUser: Thank you. Now say it again, shorter.\n\nAssistant:"
 
 
 def _functions() -> list[str]:
-    """Standard-library functions of 12 to 60 lines, in module order then by name."""
+    """Standard-library functions of 12 to 60 lines, in module order then by name, each
+    once (a module may bind one under two names)."""
     out = []
     for mod in MODULES:
         for name, obj in sorted(vars(mod).items()):
             if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
                 src = textwrap.dedent(inspect.getsource(obj))
-                if 12 <= src.count("\n") <= 60:
+                if 12 <= src.count("\n") <= 60 and src not in out:
                     out.append(src)
     return out
 
 
 def _docstrings() -> list[str]:
-    """Module and class docstrings of at least 400 characters, in module order."""
+    """Module and class docstrings of at least 400 characters, in module order, each once
+    (a class bound under two names, logging's, counts once)."""
     out = []
     for mod in MODULES:
         for obj in [mod] + [v for _, v in sorted(vars(mod).items()) if inspect.isclass(v) and v.__module__ == mod.__name__]:
             doc = inspect.getdoc(obj) or ""
-            if len(doc) >= 400:
+            if len(doc) >= 400 and doc not in out:
                 out.append(doc)
     return out
 
@@ -136,7 +138,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def run(model: str, count: int, max_tokens: int, max_prompt: int, deterministic: bool | None,
+def run(model: str, count: int, max_tokens: int, max_prompt: int, deterministic: bool,
         only: tuple[str, ...] = PATHS, log=print) -> dict:
     """Every prompt on every path; per prompt the cold reply's length and, per path,
     None (identical) or the index of the first differing token."""
@@ -220,13 +222,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompts", type=int, default=50)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt", type=int, default=700, help="prompt tokens kept (the last ones)")
-    ap.add_argument("--numerics", choices=("auto", "deterministic", "fast"), default="auto")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-prompt", type=int, default=512, help="prompt tokens kept (the last ones)")
+    ap.add_argument("--numerics", choices=("deterministic", "fast"), default="deterministic",
+                    help="deterministic: `--deterministic` (justfit.engine.numerics); fast: the default engine")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    asked = {"auto": None, "deterministic": True, "fast": False}[args.numerics]
+    asked = args.numerics == "deterministic"
     only = tuple(p for p in args.paths.split(",") if p)
     unknown = set(only) - set(PATHS)
     if unknown:
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "max_prompt": args.max_prompt, "numerics": args.numerics, "paths": list(only)},
               **run(args.model, args.prompts, args.max_tokens, args.max_prompt, asked, only,
                     log=lambda s: print(s, flush=True) if not args.json else None)}
-    publish("same_reply", result, args.json)
+    publish("same-reply", result, args.json)
     return result
 
 

@@ -10,8 +10,9 @@ process on the same prompt tokens.
 Systems: `justfit-default` (what `justfit chat` and `serve` run: PhaseSwap policy auto,
 i.e. cpu-int16 where the native kernel is built, calibrated KV pages, OpenBLAS; another
 page format with `--kv-format`;
-`justfit-fast` the same without one numerics per token (dense prefill forms, the
-fastest kernels: justfit.engine.numerics; what row invariance costs is the difference);
+`justfit-deterministic` the same with one numerics per token (`--deterministic`: prefill
+on the decode forms through row-invariant kernels, justfit.engine.numerics; what the same
+reply on every path costs is the difference);
 `justfit-disk` the same with every growing layer's KV pages on disk, read back just in
 time and dropped from the OS page cache (cold), `justfit-disk-warm` left in it;
 `justfit@POLICY` for another PhaseSwap policy, `justfit-default@2` a layer pipeline over
@@ -58,8 +59,8 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
         policy, ranks = _policy_ranks(system)
         group = mx.distributed.init() if ranks > 1 else None
         config = EngineConfig(policy=policy, kv=KVConfig(format=kv_format), context_limit=context + decode + 1)
-        if system == "justfit-fast":  # replies may depend on the path: dense prefill, fastest kernels
-            config = replace(config, deterministic=False)
+        if system == "justfit-deterministic":  # the same reply on every path: a prefill row is a decode step
+            config = replace(config, deterministic=True)
         if system.startswith("justfit-disk"):  # every growing layer's pages on disk, read back just in time
             import tempfile
 

@@ -39,6 +39,9 @@ RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same ru
 # Drafts on and off, llama-server with and without its n-gram drafts, the same run per model
 SPECULATION = {"SmolLM2": "speculation-20261205-145143", "Gemma 3": "speculation-20261205-151958"}
 STREAMS = "streams-20261205-145311"  # SmolLM2: 4 concurrent streams, justfit serve and llama-server -np 4, the same run
+# Same request, same reply: --deterministic per model, and the default engine on SmolLM2
+SAME_REPLY = {"SmolLM2": "same-reply-20261205-174353", "Gemma 3": "same-reply-20261205-180224"}
+SAME_REPLY_DEFAULT = "same-reply-20261205-180815"
 JUSTFIT_ROW = "justfit-calibrated+resident"  # the CLI's default pages, every weight resident
 LLAMA_SYSTEM = re.compile(r"^llama\.cpp")
 
@@ -241,10 +244,39 @@ def streams_rows(results: Path = RESULTS) -> list[Row]:
                 f"--max-tokens {s['max_tokens']} --rounds {s['rounds']} --llama-cpp DIR")]
 
 
+def _identical(result: dict) -> str:
+    """'identical on every path' or the paths where some reply differed, with counts."""
+    summary = result["summary"]
+    short = {p: v for p, v in summary.items() if v["identical"] < v["compared"]}
+    if not short:
+        return "identical on every path"
+    return "; ".join(f"{p} {v['identical']}/{v['compared']}" for p, v in short.items()) + ", the other paths identical"
+
+
+def same_reply_rows(results: Path = RESULTS) -> list[Row]:
+    """Each prompt's greedy reply cold against every other path, `--deterministic`, per
+    model; the default engine (dense prefill) on SmolLM2 beside it."""
+    default = load(SAME_REPLY_DEFAULT, results)
+    out = []
+    for model, stem in SAME_REPLY.items():
+        result = load(stem, results)
+        s = result["settings"]
+        paths = ", ".join(result["summary"])
+        out.append(Row(f"same request, same greedy reply, {model}: {s['prompts']} prompts (code, prose, chat turns; "
+                       f"up to {s['max_prompt']} tokens, {s['max_tokens']} generated), each cold and then {paths}",
+                       f"`--deterministic` ({result['numerics']['mode']}): {_identical(result)}",
+                       (f"the default engine, same prompts ({default['settings']['prompts']}): {_identical(default)}"
+                        if model == "SmolLM2" else ""),
+                       (stem, SAME_REPLY_DEFAULT) if model == "SmolLM2" else (stem,),
+                       f"python -m bench.same_reply --model {s['model']} --prompts {s['prompts']}"
+                       + ("; the same with --numerics fast --prompts 20" if model == "SmolLM2" else "")))
+    return out
+
+
 def rows(results: Path = RESULTS) -> list[Row]:
     """Every row of the table, in the order shown."""
     return [*capacity_rows(results), *fidelity_rows(results), *speed_rows(results), *resume_rows(results),
-            *streams_rows(results), *speculation_rows(results)]
+            *streams_rows(results), *speculation_rows(results), *same_reply_rows(results)]
 
 
 def block(results: Path = RESULTS) -> str:

@@ -11,7 +11,7 @@ import click
 
 from .common import UserError
 
-SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -32,6 +32,7 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     sessions 2 or 4 sessions sharing one budget, swapped to disk in turn
     serve    the HTTP server: second-turn TTFT, concurrent clients, fuzz
     resume_peers  a long conversation's next-turn TTFT against llama-server's prompt cache and slot restore
+    same_reply  each prompt's greedy reply cold against every other path (cached, chunked, batched, drafted, ...)
     batch    several requests at once vs one at a time: decode throughput, TTFT during a long prefill
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect

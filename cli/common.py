@@ -248,11 +248,11 @@ kv_disk_options = options(
                       "state directory; off: never, pages step down to smaller formats instead)."),
     click.option("--kv-disk-limit", default=None, metavar="SIZE", callback=_parse_size_option,
                  help="Most bytes of KV pages on disk per request (default: half the folder's free space)."),
-    click.option("--deterministic/--no-deterministic", default=None,
+    click.option("--deterministic", is_flag=True,
                  help="One numerics per token: a reply does not depend on how the server computed it (a "
-                      "cached prefix, the chunk size, a batch, a draft). Default: on where row-invariant "
-                      "kernels run (the CPU's native ones), off elsewhere, where --deterministic computes "
-                      "one row per forward (much slower prefill). `justfit fit` says which."),
+                      "cached prefix, the prefill chunk, a batch, a draft): prefill on the decode forms "
+                      "through row-invariant kernels (slower prefill), or, where none run (MLX's own "
+                      "kernels), one row per forward (far slower). `justfit fit` says which."),
 )
 engine_options = options(budget_option, whole_process_option, gguf_bits_option, kv_format_option, policy_option,
                          draft_option, kv_disk_options, ranks_option)
@@ -272,7 +272,7 @@ def kv_disk_folder(value: str | None) -> str | None:
 def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bits: int | str = "native",
                 kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False,
                 state_disk: int | None = None, session_keep_s: float = 600.0, kv_disk: str | None = "auto",
-                kv_disk_limit: int | None = None, deterministic: bool | None = None, draft: str = "ngram"):
+                kv_disk_limit: int | None = None, deterministic: bool = False, draft: str = "ngram"):
     """Load the engine for a command (tests replace this to share one engine)."""
     from justfit import Engine
     from justfit.config import EngineConfig

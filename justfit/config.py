@@ -94,11 +94,11 @@ class EngineConfig:
     kv_disk_limit: int | None = None
     kv_disk_layers: int | None = None
     kv_disk_cached: bool = False
-    # One numerics per token (justfit.engine.numerics): True, a reply does not depend on how a
-    # token was computed (cached, chunked, batched, drafted), one row per forward where
-    # no row-invariant kernels run; False, the fastest kernels and forms; None, row-
-    # invariant where the kernels are (the CPU's native ones), else fast.
-    deterministic: bool | None = None
+    # One numerics per token (justfit.engine.numerics): a reply does not depend on how a
+    # token was computed (a cached prefix, the prefill chunk, a batch, a draft); one row
+    # per forward where no row-invariant kernels run. Off: prefill on the dense forms,
+    # faster (docs/BENCHMARKS.md, "Same request, same reply", says by how much).
+    deterministic: bool = False
     # Speculative decoding without a draft model: "ngram" drafts tokens from the longest
     # earlier match of the sequence's own suffix (prompt and reply) and verifies them in
     # one forward; "none" decodes one token per step. Replies are the same either way.

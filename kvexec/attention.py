@@ -23,6 +23,10 @@ from kvexec.online import fold_block, softmax, softmax_step, softmax_step_numpy
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
 DIRECT_ROWS = 32
+# Query positions up to which attention always computes each row as a lone query at its
+# position would (`invariant_rows`): a decode step's, a batched step's or a verified
+# draft's rows then give the logits single steps give, at no cost (few rows).
+INVARIANT_POSITIONS = 32
 # Score matrices at least this large are folded (evaluated) one block at a time.
 EVAL_EVERY_BLOCK = 1 << 20
 # Few query rows over at most this many scores in all: one softmax over every block's
@@ -150,13 +154,14 @@ def blockwise_attention(
     positions q_start .. q_start + L - 1. queries: [B, H, L, D]; the result is shaped
     like them, or with `tokens_major` [B, L, H * D] (as a layer's output projection takes
     it). `observe(block, mass)`, if given, receives the attention probability each
-    block got, summed over rows. With `row_invariant`, each query row is computed as a
-    decode step at its position computes it, whatever rows share the call
-    (`invariant_rows`; where the native kernel cannot take the blocks, as without)."""
+    block got, summed over rows. With `row_invariant` (and always for at most
+    INVARIANT_POSITIONS queries), each query row is computed as a decode step at its
+    position computes it, whatever rows share the call (`invariant_rows`; where the
+    native kernel cannot take the blocks, as without)."""
     B, H, L, D = queries.shape
     blocks = list(blocks)
     kvh = blocks[0].kv_heads if blocks else 1
-    if row_invariant and sinks is None and observe is None:
+    if (row_invariant or L <= INVARIANT_POSITIONS) and sinks is None and observe is None:
         out = invariant_rows(queries, blocks, q_start, scale, window, tokens_major)
         if out is not None:
             return out
@@ -178,10 +183,14 @@ def invariant_rows(queries: mx.array, blocks: list, q_start: int, scale: float, 
     computes it (native/decode_attention.cpp: each row's softmax spans only the keys it
     sees, in their order; the scores and value products are per row): the queries in
     groups whose scores take at most TWO_PASS_SCORES, one native operation each. None
-    where the kernel is not built or cannot take these blocks."""
+    where the kernel is not built or cannot take these blocks, or where one position's
+    scores alone take more (the transient stays bounded: past about TWO_PASS_SCORES /
+    heads positions, rows are not computed as lone queries)."""
     B, H, L, D = queries.shape
     total = sum(b.length for b in blocks)
-    per = max(1, TWO_PASS_SCORES // max(1, B * H * total))
+    if B * H * total > TWO_PASS_SCORES:
+        return None
+    per = TWO_PASS_SCORES // (B * H * total)
     outs = []
     for g0 in range(0, L, per):
         n = min(per, L - g0)
@@ -291,14 +300,28 @@ def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.arr
 
 
 def transient_bytes(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, block_tokens: int,
-                    observed: bool = False) -> int:
+                    observed: bool = False, row_invariant: bool = False) -> int:
     """The most `blockwise_attention` holds beyond its queries and result for `rows` query
     positions over `context` keys in blocks of up to `block_tokens`, per path: few rows
     over few scores, every block's scores, their concatenation and softmax at once
     (the two-pass path); otherwise one block at a time, decoded to float32 (pieces and
     their concatenation) beside the running state, with either the native fold's keys
     transposed (CPU with the native kernel, head_dim a multiple of 16, no attention mass
-    `observed`: scores stay in tiles of a few KiB) or the block's scores and exponentials."""
+    `observed`: scores stay in tiles of a few KiB) or the block's scores and exponentials.
+    Rows computed as lone queries (`invariant_rows`: up to INVARIANT_POSITIONS, or any
+    number with `row_invariant`) hold one group's scores, at most TWO_PASS_SCORES."""
+    invariant = 0
+    if ((rows <= INVARIANT_POSITIONS or row_invariant) and not observed and rows_kernel() is not None
+            and heads * context <= TWO_PASS_SCORES):
+        group = min(rows, TWO_PASS_SCORES // (heads * context))
+        invariant = heads * group * context * 4 + 2 * heads * rows * head_dim * 4  # a group's scores; queries, result
+    return max(invariant, _blockwise_transient(rows, context, heads, kv_heads, head_dim, block_tokens, observed))
+
+
+def _blockwise_transient(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, block_tokens: int,
+                         observed: bool) -> int:
+    """`transient_bytes` of the paths other than `invariant_rows` (where the kernel
+    cannot take the blocks, those run)."""
     rep = heads // kv_heads
     if rep * rows <= DIRECT_ROWS and heads * rows * context <= TWO_PASS_SCORES:
         return 3 * heads * rows * context * 4

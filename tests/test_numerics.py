@@ -79,7 +79,8 @@ def test_attention_rows_of_a_chunk_are_lone_queries_at_their_positions(fmt, star
 def engine(request, tmp_path_factory):
     folder = write_mlx_folder(tmp_path_factory.mktemp("numerics") / request.param, request.param, head_dim=32,
                               quantize_bits=4)
-    return Engine(str(folder), config=EngineConfig(kv=KV, state_dir=str(tmp_path_factory.mktemp("states"))))
+    return Engine(str(folder), config=EngineConfig(kv=KV, deterministic=True,
+                                                   state_dir=str(tmp_path_factory.mktemp("states"))))
 
 
 TOKENS = [(11 * j) % 200 + 3 for j in range(120)]  # past sinks + hot window + a page: pages too
@@ -128,18 +129,17 @@ def test_a_batched_step_gives_each_sequence_its_lone_logits(engine):
 
 
 def test_the_choice_of_numerics(engine, monkeypatch):
-    """Asked off: fast. Without row-invariant kernels: fast by default, one row per
-    forward when asked for; a model whose chunk and steps disagree at load is not trusted."""
+    """Fast unless asked; asked: row-invariant where the kernels are and agree on the
+    model at load, else one row per forward."""
     args = (engine.model, engine.swap, engine.new_cache)
     assert numerics.choose(False, *args, paged=True).mode == "fast"
-    assert numerics.choose(None, *args, paged=False).mode == "fast"
+    assert numerics.choose(True, *args, paged=False).mode == "one-row"
     monkeypatch.setattr(numerics, "invariant_kernels", lambda: "no kernels here")
-    assert numerics.choose(None, *args, paged=True).mode == "fast"
+    assert numerics.choose(False, *args, paged=True).mode == "fast"
     one = numerics.choose(True, *args, paged=True)
     assert one.mode == "one-row" and one.deterministic and one.one_row and "no kernels here" in one.reason
     monkeypatch.setattr(numerics, "invariant_kernels", lambda: None)
     monkeypatch.setattr(numerics, "rows_agree", lambda *a: False)
-    assert numerics.choose(None, *args, paged=True).mode == "fast"
     assert "other bits" in numerics.choose(True, *args, paged=True).reason
 
 
@@ -156,3 +156,26 @@ def test_one_row_numerics_prefill_a_token_at_a_time_and_never_draft(tmp_path, mo
     cold = e.reply(TOKENS[:60], sp)
     assert cold.stats.drafted_tokens == 0
     assert e.reply(TOKENS[:60], sp).tokens == cold.tokens
+
+
+@needs_kernel
+def test_by_default_a_verified_draft_is_the_steps_it_stands_for(engine, tmp_path):
+    """The default (fast) numerics prefill on the dense forms, but a decode step's rows
+    (a draft verified with the pending token) are bitwise the single steps they replace."""
+    fast = Engine(str(engine.path), config=EngineConfig(kv=KV, state_dir=str(tmp_path)))
+    assert fast.numerics.mode == "fast"
+    prompt, fed = TOKENS[:70], TOKENS[70:87]
+
+    def after_prompt() -> list:
+        cache = fast.new_cache()
+        with fast.swap.phase("prefill"):
+            verify_step(fast.model, prompt, cache)
+        return cache
+
+    cache = after_prompt()
+    with fast.swap.phase("decode"):
+        together = np.array(verify_step(fast.model, fed, cache))
+    cache = after_prompt()
+    with fast.swap.phase("decode"):
+        steps = np.concatenate([np.array(decode_step(fast.model, [t], [cache])) for t in fed])
+    assert np.array_equal(together, steps)

@@ -190,7 +190,8 @@ class Engine:
                          self.config.kv if kv == "engine" else kv, weights, working,
                          4 if self.policy.fp32 else 2, pressed, dense_prefill,
                          limited=self.budget.bytes is not None, disk_layers=disk_layers,
-                         verify_rows=self.verify_rows if verify_rows is None else verify_rows)
+                         verify_rows=self.verify_rows if verify_rows is None else verify_rows,
+                         row_invariant=self.config.deterministic)
 
     @property
     def verify_rows(self) -> int:

@@ -8,16 +8,22 @@ greedy reply can change with a cached prefix, a chunk size, a batch or a draft.
 
 `Numerics` is how this engine computes every token, chosen once at load:
 
-- "row-invariant": every token on the decode forms, through kernels whose result for
-  a row does not depend on the rows beside it (native/: the quantized products and
-  KVExec's attention), prefill chunks cut at page flushes (kvexec.chunk_room). Any
-  chunk, batch or draft gives bitwise the logits a lone decode step gives. Checked at
-  load (`rows_agree`) on the model itself.
-- "one-row": where no such kernels run (MLX's own kernels: the MLX-only path, Metal),
-  determinism asked for computes one row per forward: prefill one token at a time, no
-  batched rows, no drafts. Same promise, far slower prefill.
-- "fast": dense prefill forms and whatever kernels are quickest; replies may differ
-  between paths in their last bits (and then, rarely, in a greedy token).
+- "fast" (the default): prefill on the dense forms, decode on the compact ones. With
+  the native kernels a row's product and attention do not depend on the rows beside it,
+  so a batched step, a verified draft, a repeat (the state trimmed back exactly,
+  kvexec.exact), preemption and a restart give the reply a lone request gives; a cached
+  prefix of another length or another prefill chunking may change its last bits (dense
+  prefill rows against the stored ones) and then, rarely, a greedy token.
+- "row-invariant" (`--deterministic` where the native kernels run): every token on the
+  decode forms through those kernels, prefill chunks cut short of page flushes
+  (kvexec.chunk_room): a prefill row is bitwise a decode step, so a reply is the same on
+  every path, a conversation's next turn resumed or computed cold included. Checked at
+  load (`rows_agree`) on the model itself. Costs prefill speed (docs/BENCHMARKS.md).
+  Holds up to TWO_PASS_SCORES / query heads positions (SmolLM2: 466,033), where one
+  position's attention scores stay a bounded transient (kvexec.attention.invariant_rows).
+- "one-row" (`--deterministic` where MLX's own kernels run: the MLX-only path, Metal):
+  one row per forward, prefill a token at a time, no batched rows, no drafts. The same
+  promise, far slower prefill.
 """
 
 from __future__ import annotations
@@ -87,18 +93,18 @@ def rows_agree(model: nn.Module, swap: PhaseSwap, new_cache: Callable[[], list])
     return bool(mx.array_equal(chunk, steps).item())
 
 
-def choose(asked: bool | None, model: nn.Module, swap: PhaseSwap, new_cache: Callable[[], list],
+def choose(deterministic: bool, model: nn.Module, swap: PhaseSwap, new_cache: Callable[[], list],
            paged: bool) -> Numerics:
-    """The engine's numerics: `asked` True (deterministic), False (fast) or None (row-
-    invariant where the kernels are, else fast: one row at a time costs too much to be
-    a default)."""
-    if asked is False:
-        return Numerics("fast", "asked for (--no-deterministic)")
+    """The engine's numerics (see the module's docstring)."""
     why_not = invariant_kernels() if paged else "the KV cache is not KVExec's (kv off)"
+    if not deterministic:
+        if why_not is None:
+            return Numerics("fast", "dense prefill: a cached prefix or another chunking may change a reply's "
+                                    "last bits; batches, drafts, repeats and restores do not")
+        return Numerics("fast", f"replies may depend on the path: {why_not}")
     if why_not is None and not rows_agree(model, swap, new_cache):
         why_not = "this model's decode forms gave other bits for a chunk than for single steps at load"
     if why_not is None:
-        return Numerics("row-invariant", "native kernels whose rows do not depend on each other, checked at load")
-    if asked:
-        return Numerics("one-row", f"asked for, computed one row per forward: {why_not}")
-    return Numerics("fast", f"replies may depend on the path: {why_not}")
+        return Numerics("row-invariant", "every token on the decode forms through native kernels whose rows do "
+                                         "not depend on each other (checked at load)")
+    return Numerics("one-row", f"one row per forward: {why_not}")

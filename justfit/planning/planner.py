@@ -62,6 +62,7 @@ class _Shape:
     chunk: int
     act_bytes: int
     dense_prefill: bool = True  # prefill on dense working copies (`working`), else on the resident forms
+    row_invariant: bool = False  # a prefill chunk's rows attend as lone queries (justfit.engine.numerics)
     # Pages held to a limit (the engine's budget): segments give back unwritten room before
     # any page steps down (kvexec.segments.release_unwritten), so pages count whole, not
     # whole segments.
@@ -181,8 +182,10 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     if s.block_tokens is None:  # mlx-lm's cache: scores and their exponentials over the whole context
         attention = chunk * s.heads * positions * 4 * 2
     else:  # KVExec: its prefill chunk's or a decode step's, whichever holds more
-        attention = max(transient_bytes(rows, positions, s.heads, s.kv_heads, s.head_dim, s.block_tokens,
-                                        s.observed) for rows in (chunk, s.verify_rows))
+        attention = max(transient_bytes(chunk, positions, s.heads, s.kv_heads, s.head_dim, s.block_tokens,
+                                        s.observed, row_invariant=s.row_invariant),
+                        transient_bytes(s.verify_rows, positions, s.heads, s.kv_heads, s.head_dim, s.block_tokens,
+                                        s.observed))
     rows = max(chunk, s.verify_rows)
     mlp = rows * s.intermediate * 3 * s.act_bytes
     hidden = rows * s.hidden * 4 * s.act_bytes
@@ -230,7 +233,8 @@ def cache_layout(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...
 def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
               act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True,
-              limited: bool = False, disk_layers: int = 0, verify_rows: int = 1) -> Footprint:
+              limited: bool = False, disk_layers: int = 0, verify_rows: int = 1,
+              row_invariant: bool = False) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
     largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
@@ -239,7 +243,8 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     counts no dense copy); `limited`: a budget holds the pages to a limit (whole pages
     counted, not whole segments); `disk_layers`: growing layers whose pages live on disk;
     `verify_rows`: the most positions a decode step feeds (1 + a draft's tokens,
-    justfit.engine.draft), each with its logits."""
+    justfit.engine.draft), each with its logits; `row_invariant`: a prefill chunk's
+    rows attend as lone queries (`--deterministic`, kvexec.attention.invariant_rows)."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -251,7 +256,7 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
                             window_layers=window_layers, dense_prefill=dense_prefill, limited=limited,
-                            disk_layers=disk_layers, verify_rows=verify_rows)
+                            disk_layers=disk_layers, verify_rows=verify_rows, row_invariant=row_invariant)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
@@ -259,7 +264,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
                      pressed: bool = False, window_layers: tuple[int, ...] = (),
                      dense_prefill: bool = True, limited: bool = False, disk_layers: int = 0,
-                     verify_rows: int = 1) -> Footprint:
+                     verify_rows: int = 1, row_invariant: bool = False) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
@@ -293,7 +298,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill, limited=limited,
         disk_layers=0 if kv is None else min(disk_layers, full_layers), page_row_max=row_max,
-        verify_rows=max(1, verify_rows),
+        verify_rows=max(1, verify_rows), row_invariant=row_invariant,
     )
     return _estimate(shape, positions)
 
