@@ -164,7 +164,10 @@ def test_drafts_verified_in_one_forward_give_the_plain_reply(model_dir, tmp_path
         engine.reset()
         seq = Sequence(engine, prompt, _greedy(), drafter=lambda p: Oracle(p, plain))
         assert collect(run_alone(engine, seq)).tokens == plain
-        assert seq.stats.drafted_tokens > seq.stats.accepted_tokens > 0
+        if engine.numerics.one_row:  # one row per forward (no row-invariant kernels here): no drafts
+            assert seq.stats.drafted_tokens == 0
+        else:
+            assert seq.stats.drafted_tokens > seq.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("sp", [_greedy(), _seeded()], ids=["greedy", "seeded"])
