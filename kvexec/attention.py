@@ -166,11 +166,7 @@ def blockwise_attention(
         if out is not None:
             return out
     if (H // kvh) * L <= DIRECT_ROWS and B * H * L * sum(b.length for b in blocks) <= TWO_PASS_SCORES:
-        if sinks is None and observe is None:  # one native operation where it can take the blocks
-            seen = [b for b in blocks if _sees(q_start, L, b.start, b.length, window)]
-            out = fused_attention(queries, seen, q_start, scale, window, tokens_major)
-            if out is not None:
-                return out
+        # (the native operation, where it takes the blocks, already ran above as `invariant_rows`)
         out = _two_pass(queries, blocks, q_start, scale, window, sinks, observe)
     else:
         out = _online(queries, blocks, q_start, scale, window, sinks, observe, block_tokens)
