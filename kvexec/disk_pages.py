@@ -8,16 +8,23 @@ layer's segments into buffers reused from step to step, so at most two layers' p
 are in memory at once, whatever the context. The bytes read are the bytes written, so
 attention over them is exactly attention over resident pages.
 
-The page file is unlinked from the moment it is made: a killed process leaves nothing
-behind, and nothing outside this process can name it. Read pages are dropped from the
-OS page cache unless `keep_cached` (the cache is memory that no process is charged
-for; a budget that only holds because of it does not hold).
+The page file is named (`kv-pages-*.bin`, mode 0600) and held under an exclusive
+`flock` for the owner's life: a stored state publishes its pages by linking that file
+into its snapshot (statetrans.snapshot), not by writing them again, and the next
+process in the folder removes the name a killed owner left (`sweep`: a lock it can take
+has no owner; a name removed never frees what a snapshot links or a process holds
+open). Each part's sha256 is taken as it is written, so a snapshot can vouch for bytes
+it did not write. Read pages are dropped from the OS page cache unless `keep_cached`
+(the cache is memory that no process is charged for; a budget that only holds because
+of it does not hold).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -29,6 +36,7 @@ import mlx.core as mx
 _ALIGN = 4096  # extents start on page boundaries (what direct I/O and readahead like)
 _SYNC_EVERY = 64 << 20  # written bytes between flushes to disk (dirty pages are memory too)
 _PART_ALIGN = 64  # a part's offset in a read slot: any dtype's view of it is aligned
+PREFIX, SUFFIX = "kv-pages-", ".bin"
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class Extent:
     offset: int
     parts: tuple[tuple[str, str, mx.Dtype, tuple[int, ...]], ...]
     nbytes: int
+    sha256: tuple[str, ...] = ()  # of each part's bytes, taken as they were written
 
 
 def _nbytes(dtype: mx.Dtype, shape: tuple[int, ...]) -> int:
@@ -54,13 +63,15 @@ def _writable(a: mx.array) -> memoryview:
 
 
 class PageFile:
-    """An unlinked, append-only file of spilled segments in `folder`. Extents are
-    written once and never change, so copies of a cache share them."""
+    """An append-only file of spilled segments in `folder`, named and locked while this
+    process owns it (see the module's note). Extents are written once and never change,
+    so copies of a cache, and snapshots linking the file, share them."""
 
     def __init__(self, folder: str | os.PathLike, keep_cached: bool = False):
         os.makedirs(folder, exist_ok=True)
-        self._file = tempfile.TemporaryFile(dir=folder, prefix="kv-pages-")
-        self.fd = self._file.fileno()
+        self.fd, self.path = tempfile.mkstemp(dir=folder, prefix=PREFIX, suffix=SUFFIX)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # held while this process lives: `sweep` leaves the file alone
+        self.owned = True
         self.keep_cached = keep_cached
         if not keep_cached and hasattr(fcntl, "F_NOCACHE"):  # macOS: no posix_fadvise, this instead
             fcntl.fcntl(self.fd, fcntl.F_NOCACHE, 1)
@@ -68,6 +79,19 @@ class PageFile:
         self.end = 0
         self._unsynced = 0
         self.bytes_written = 0
+
+    @classmethod
+    def existing(cls, path: str | os.PathLike) -> PageFile:
+        """A page file a snapshot links, opened to read (never written, never removed
+        here); OSError when `path` is not a regular file (a link is not followed)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{path} is not a regular file")
+        file = cls.__new__(cls)
+        file.fd, file.path, file.owned, file.keep_cached = fd, str(path), False, False
+        file._lock, file.end, file._unsynced, file.bytes_written = threading.Lock(), os.fstat(fd).st_size, 0, 0
+        return file
 
     def write(self, keys: dict[str, mx.array], values: dict[str, mx.array]) -> Extent:
         """Append a segment's storage (its arrays evaluated); where it went."""
@@ -78,9 +102,10 @@ class PageFile:
         with self._lock:
             offset = self.end
             self.end = -(-(offset + size) // _ALIGN) * _ALIGN
-        at = offset
+        at, digests = offset, []
         for *_, a in arrays:
             view = memoryview(a).cast("B")
+            digests.append(hashlib.sha256(view).hexdigest())
             done = 0
             while done < len(view):
                 done += os.pwrite(self.fd, view[done:], at + done)
@@ -92,7 +117,8 @@ class PageFile:
             getattr(os, "fdatasync", os.fsync)(self.fd)
             _drop_cached(self.fd, 0, 0)
             self._unsynced = 0
-        return Extent(self, offset, tuple((side, n, a.dtype, tuple(a.shape)) for side, n, a in arrays), size)
+        return Extent(self, offset, tuple((side, n, a.dtype, tuple(a.shape)) for side, n, a in arrays), size,
+                      tuple(digests))
 
     def read_into(self, extent: Extent, views: list[memoryview]) -> None:
         """Fill `views` (one per part, of evaluated arrays shaped as the parts) from `extent`."""
@@ -107,9 +133,58 @@ class PageFile:
         if not self.keep_cached:
             _drop_cached(self.fd, extent.offset, extent.nbytes)
 
+    def sync(self) -> None:
+        """Make every extent written so far durable (before a snapshot names them)."""
+        getattr(os, "fdatasync", os.fsync)(self.fd)
+
     def close(self) -> None:
-        """Free the file's space now (otherwise when the last reference goes)."""
-        self._file.close()
+        """Remove this process's name for the file and close it: its space is freed now
+        unless a snapshot links it (otherwise when the last reference goes)."""
+        if self.fd < 0:
+            return
+        if self.owned:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:  # removed by hand: the open file is ours all the same
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except (OSError, AttributeError):
+            pass
+
+
+def sweep(folder: str | os.PathLike) -> int:
+    """Remove page files in `folder` whose owner is gone (their lock can be taken);
+    how many. Only names go: a snapshot linking one keeps its pages."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(PREFIX) and n.endswith(SUFFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner runs
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -249,9 +324,19 @@ class SpilledPart:
         """The part's bytes."""
         return _nbytes(self.dtype, self.shape)
 
+    @property
+    def offset(self) -> int:
+        """Where the part starts in its page file."""
+        return self.extent.offset + sum(_nbytes(d, s) for *_, d, s in self.extent.parts[:self.index])
+
+    @property
+    def sha256(self) -> str | None:
+        """The sha256 of the part's bytes, taken when they were written (None: not known)."""
+        return self.extent.sha256[self.index] if self.extent.sha256 else None
+
     def read_into(self, buffer: memoryview, offset: int = 0) -> int:
         """Fill `buffer` with the part's bytes from `offset` on; how many were read."""
-        start = self.extent.offset + sum(_nbytes(d, s) for *_, d, s in self.extent.parts[:self.index])
+        start = self.offset
         want = min(len(buffer), self.nbytes - offset)
         got = 0
         while got < want:
@@ -287,6 +372,23 @@ def read_now(extent: Extent) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
         buffers.append(b)
     extent.file.read_into(extent, [_writable(b) for b in buffers])
     return segment_arrays(extent, buffers)
+
+
+def joined(keys: dict[str, SpilledPart], values: dict[str, SpilledPart]) -> Extent | None:
+    """One extent holding a segment's parts, where they lie back to back in one page file
+    in the order `PageFile.write` puts them (a restored snapshot's pages, read from its
+    linked file as they were spilled); None otherwise."""
+    parts = [("k", n, p) for n, p in sorted(keys.items())] + [("v", n, p) for n, p in sorted(values.items())]
+    if not parts:
+        return None
+    file, start, at = parts[0][2].extent.file, parts[0][2].offset, parts[0][2].offset
+    for _, _, p in parts:
+        if p.extent.file is not file or p.offset != at:
+            return None
+        at += p.nbytes
+    digests = tuple(p.sha256 for *_, p in parts)
+    return Extent(file, start, tuple((side, n, p.dtype, p.shape) for side, n, p in parts), at - start,
+                  digests if all(digests) else ())
 
 
 def spilled_parts(extent: Extent) -> tuple[dict[str, SpilledPart], dict[str, SpilledPart]]:

@@ -12,7 +12,7 @@ from dataclasses import asdict, fields
 import mlx.core as mx
 
 from kvexec.cache import PagedKVCache, can_trim, trim
-from kvexec.disk_pages import read_now, spilled_parts
+from kvexec.disk_pages import SpilledPart, joined, read_now, spilled_parts
 from kvexec.exact import ExactPoint
 from kvexec.formats import get_format
 from kvexec.config import KVConfig
@@ -273,9 +273,20 @@ def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
     for name in ("sink_k", "sink_v", "hot_k", "hot_v"):
         setattr(store, name, arrays.get(name))
     for i, s in enumerate(meta["segments"]):
-        seg = Segment(s["start"], s["capacity"], {p: arrays[f"seg{i}.k.{p}"] for p in s["keys"]},
-                      {p: arrays[f"seg{i}.v.{p}"] for p in s["values"]}, get_format(s["format"]), s["length"], s["score"],
-                      arrays.get(f"seg{i}.key_min"), arrays.get(f"seg{i}.key_max"))
+        keys = {p: arrays[f"seg{i}.k.{p}"] for p in s["keys"]}
+        values = {p: arrays[f"seg{i}.v.{p}"] for p in s["values"]}
+        extent = None
+        if any(isinstance(a, SpilledPart) for a in (*keys.values(), *values.values())):
+            # pages a snapshot links: the segment stays on disk where they lie whole
+            extent = joined(keys, values) if all(isinstance(a, SpilledPart) for a in
+                                                 (*keys.values(), *values.values())) else None
+            if extent is None:
+                keys, values = ({p: a.read() if isinstance(a, SpilledPart) else a for p, a in side.items()}
+                                for side in (keys, values))
+            else:
+                keys, values = {}, {}
+        seg = Segment(s["start"], s["capacity"], keys, values, get_format(s["format"]), s["length"], s["score"],
+                      arrays.get(f"seg{i}.key_min"), arrays.get(f"seg{i}.key_max"), extent)
         store.segments.append(seg)
     store.offset, store.pinned, store.evicted = meta["offset"], meta["pinned"], meta["evicted"]
     if "exact" in meta:

@@ -3,6 +3,11 @@ the format version, what the state belongs to, and the size and sha256 of the ar
 (mandatory); the arrays carry the hash of the rest of the manifest, so neither can be
 edited or swapped alone.
 
+KV pages already on disk (kvexec.disk_pages) are not written again: their page file is
+hard-linked into the snapshot (`pages-*.bin`, made durable first) and the manifest names
+each part's place there and its sha256, taken when the page was written; where a link
+cannot be made (another file system) the parts are copied into the arrays file.
+
 Publishing is atomic: a new snapshot is written into a temporary beside its
 destination, fsynced (files, then the directory), and renamed into place in one
 step; an existing snapshot is replaced by swapping its manifest (the pointer to its
@@ -27,10 +32,12 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+
+from kvexec.disk_pages import Extent, PageFile, SpilledPart
 
 from statetrans.disk import fsync_path, remove, temp_mine, temp_name, temp_owner
 from statetrans.bounded_json import bounded_loads
@@ -41,6 +48,8 @@ VERSION = 1
 ARRAYS = "arrays.safetensors"
 MANIFEST = "manifest.json"
 _ARRAYS_NAME = re.compile(r"^arrays(?:-[0-9a-f]{8,64})?\.safetensors$")
+_PAGES_NAME = re.compile(r"^pages-[0-9a-f]{8,64}\.bin$")
+MAX_PAGE_FILES = 1024  # page files one snapshot links (a state's pages sit in one or two)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 # The most a manifest (or a safetensors header) may take: token ids cost at most 11
@@ -147,10 +156,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sha256_fd(fd: int, size: int, what: str) -> str:
+def _sha256_fd(fd: int, size: int, what: str, start: int = 0) -> str:
     h = hashlib.sha256()
     for offset in range(0, size, 1 << 20):
-        h.update(_read_at(fd, min(1 << 20, size - offset), offset, what))
+        h.update(_read_at(fd, min(1 << 20, size - offset), start + offset, what))
     return h.hexdigest()
 
 
@@ -165,6 +174,9 @@ def write_files(folder: Path, arrays: dict[str, mx.array], meta: dict, arrays_na
                 manifest_name: str = MANIFEST, faults: Faults = NONE) -> None:
     """Write the arrays file and the manifest into `folder` and fsync both."""
     manifest = {"format": FORMAT, "version": VERSION, **json.loads(json.dumps(meta))}
+    pages, arrays = _link_pages(folder, arrays)
+    if pages:
+        manifest["pages"] = pages
     data = folder / arrays_name
     if all(isinstance(a, mx.array) for a in arrays.values()):
         mx.save_safetensors(str(data), arrays, metadata={"manifest_sha256": _digest(manifest)})
@@ -182,13 +194,47 @@ _CODES = {name: code for code, (name, _) in DTYPES.items()}
 _PIECE = 8 << 20  # bytes of a page part read and written at a time
 
 
+def _code(dtype) -> str:
+    return _CODES[str(dtype).rpartition(".")[2]]
+
+
+def _link_pages(folder: Path, arrays: dict) -> tuple[dict, dict]:
+    """Link the page files behind `arrays`' parts on disk into `folder`: the manifest's
+    "pages" entry (file -> array name -> offset, dtype, shape, sha256) and the arrays
+    left to write (the rest, and parts whose file could not be linked)."""
+    pages: dict[str, dict] = {}
+    rest: dict = {}
+    names: dict[int, str | None] = {}
+    for key, a in arrays.items():
+        file = getattr(getattr(a, "extent", None), "file", None)
+        if file is None or getattr(file, "path", None) is None or a.sha256 is None:
+            rest[key] = a
+            continue
+        if id(file) not in names:
+            names[id(file)] = None
+            try:
+                file.sync()  # durable before a manifest names it
+                name = f"pages-{os.urandom(8).hex()}.bin"
+                os.link(file.path, folder / name)
+                names[id(file)] = name
+            except OSError:  # another file system, the name gone: the parts are copied
+                pass
+        name = names[id(file)]
+        if name is None:
+            rest[key] = a
+            continue
+        pages.setdefault(name, {})[key] = {"offset": a.offset, "dtype": _code(a.dtype), "shape": list(a.shape),
+                                           "sha256": a.sha256}
+    return pages, rest
+
+
 def _save_streamed(path: Path, arrays: dict, metadata: dict[str, str]) -> None:
     """A safetensors file of `arrays`, arrays or parts read as they are written (objects
     with dtype, shape, nbytes and read_into(buffer, offset): kvexec.disk_pages.SpilledPart),
     through one reused buffer."""
     header, at = {"__metadata__": metadata}, 0
     for name, a in arrays.items():
-        header[name] = {"dtype": _CODES[str(a.dtype).rpartition(".")[2]], "shape": list(a.shape),
+        header[name] = {"dtype": _code(a.dtype), "shape": list(a.shape),
                         "data_offsets": [at, at + a.nbytes]}
         at += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -234,13 +280,14 @@ def save_snapshot(path: str | os.PathLike, arrays: dict[str, mx.array], meta: di
     if not dest.exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
         return publish_new(dest, arrays, meta)
-    if not dest.is_dir() or any(p.name != MANIFEST and not _ARRAYS_NAME.match(p.name) and temp_owner(p.name) is None
-                                for p in dest.iterdir()):
+    if not dest.is_dir() or any(p.name != MANIFEST and not _ARRAYS_NAME.match(p.name) and not _PAGES_NAME.match(p.name)
+                                and temp_owner(p.name) is None for p in dest.iterdir()):
         raise FileExistsError(f"{dest} exists and is not a state snapshot; not replacing it")
     # Swap the pointer: a new arrays file under its own name, then the manifest naming
     # it renamed over the old one; the old arrays file goes once the swap is durable.
     name = f"arrays-{os.urandom(6).hex()}.safetensors"
     staged = temp_name("manifest")
+    before = {p.name for p in dest.iterdir()}
     try:
         write_files(dest, arrays, meta, name, staged)
         os.rename(dest / staged, dest / MANIFEST)
@@ -248,9 +295,14 @@ def save_snapshot(path: str | os.PathLike, arrays: dict[str, mx.array], meta: di
     except BaseException:
         remove(dest / staged)
         remove(dest / name)
+        for p in dest.iterdir():  # page files linked for the new one
+            if _PAGES_NAME.match(p.name) and p.name not in before:
+                remove(p)
         raise
+    kept = {name, *_page_names(read_json_file(dest / MANIFEST, str(dest / MANIFEST)))}
     for p in dest.iterdir():
-        if p.name not in (MANIFEST, name) and (_ARRAYS_NAME.match(p.name) or temp_mine(p.name)):
+        if p.name != MANIFEST and p.name not in kept and (_ARRAYS_NAME.match(p.name) or _PAGES_NAME.match(p.name)
+                                                          or temp_mine(p.name)):
             remove(p)
     return snapshot_bytes(dest)
 
@@ -346,6 +398,7 @@ def _manifest(src: Path) -> dict:
         raise SnapshotError(f"{src}: snapshot format version {str(manifest.get('version'))[:40]}, "
                             f"this JustFit reads {VERSION}")
     _arrays_file(manifest, src)
+    _page_entries(manifest, src)
     try:
         _check_fields(manifest)
     except ValueError as e:
@@ -370,12 +423,92 @@ def _arrays_file(manifest: dict, src: Path) -> tuple[Path, int, str]:
     return src / name, info["bytes"], info["sha256"]
 
 
+def _page_names(manifest) -> list[str]:
+    pages = manifest.get("pages") if isinstance(manifest, dict) else None
+    return [n for n in pages if isinstance(n, str)] if isinstance(pages, dict) else []
+
+
+def _page_entries(manifest: dict, src: Path) -> dict[str, dict[str, tuple[int, str, tuple[int, ...], str]]]:
+    """The page files the manifest links and each part it takes from them (array name ->
+    offset, dtype, shape, sha256), checked for form (not against the files)."""
+    pages = manifest.get("pages", {})
+    if not isinstance(pages, dict) or len(pages) > MAX_PAGE_FILES:
+        raise SnapshotError(f"{src}: the manifest's 'pages' must map at most {MAX_PAGE_FILES} page files to parts")
+    out = {}
+    for name, parts in pages.items():
+        if not _PAGES_NAME.match(name):
+            raise SnapshotError(f"{src}: the manifest names an unexpected page file {name[:80]!r}")
+        if not isinstance(parts, dict) or not parts:
+            raise SnapshotError(f"{src}: page file {name} lists no parts")
+        entries = {}
+        for key, info in parts.items():
+            if len(key) > 512 or not isinstance(info, dict) or set(info) != {"offset", "dtype", "shape", "sha256"}:
+                raise SnapshotError(f"{src}: part {key[:60]!r} of {name} is malformed")
+            offset, dtype, shape, sha = info["offset"], info["dtype"], info["shape"], info["sha256"]
+            if (type(offset) is not int or not 0 <= offset < 2**62 or not isinstance(dtype, str) or dtype not in DTYPES
+                    or not isinstance(shape, list) or len(shape) > MAX_DIMS
+                    or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
+                    or not isinstance(sha, str) or not _HEX64.match(sha)):
+                raise SnapshotError(f"{src}: part {key[:60]!r} of {name} is malformed")
+            entries[key] = (offset, DTYPES[dtype][0], tuple(shape), sha)
+        out[name] = entries
+    return out
+
+
+def _part_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * next(size for name, size in DTYPES.values() if name == dtype)
+
+
+def _check_pages(src: Path, manifest: dict, header: Header, verify: bool) -> None:
+    """Add the manifest's page parts to `header`: each file regular, each part inside it,
+    none overlapping, none also in the arrays file (with `verify`, each part's sha256)."""
+    for name, parts in _page_entries(manifest, src).items():
+        path = src / name
+        try:
+            fd = _open_regular(path)
+        except FileNotFoundError:
+            raise SnapshotError(f"{src}: missing {name}", damaged=os.path.lexists(src)) from None
+        try:
+            size = os.fstat(fd).st_size
+            spans = sorted((off, off + _part_bytes(dtype, shape)) for off, dtype, shape, _ in parts.values())
+            if spans[-1][1] > size:
+                raise SnapshotError(f"{src}: {name} is truncated ({size} bytes, its parts need {spans[-1][1]})")
+            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                raise SnapshotError(f"{src}: parts of {name} overlap")
+            for key, (off, dtype, shape, sha) in parts.items():
+                if verify and _sha256_fd(fd, _part_bytes(dtype, shape), str(path), off) != sha:
+                    raise SnapshotError(f"{src}: {name} is corrupted (checksum mismatch in {key[:60]})")
+        finally:
+            os.close(fd)
+        for key, (off, dtype, shape, _) in parts.items():
+            if key in header.shapes:
+                raise SnapshotError(f"{src}: array {key[:60]!r} is given twice")
+            header.shapes[key] = (dtype, shape)
+            header.pages[key] = (name, off)
+
+
+def _page_parts(src: Path, manifest: dict) -> dict[str, SpilledPart]:
+    """The manifest's page parts as parts on disk, read when used (each file opened once)."""
+    out = {}
+    for name, parts in _page_entries(manifest, src).items():
+        try:
+            file = PageFile.existing(src / name)
+        except OSError as e:
+            raise _os_error(e, str(src / name)) from None
+        for key, (off, dtype, shape, sha) in parts.items():
+            d = getattr(mx, dtype)
+            out[key] = SpilledPart(Extent(file, off, (("", key, d, shape),), _part_bytes(dtype, shape), (sha,)), 0)
+    return out
+
+
 @dataclass
 class Header:
-    """An arrays file's safetensors header: every array's dtype and shape, and the metadata."""
+    """An arrays file's safetensors header: every array's dtype and shape (the page
+    parts a snapshot links too), and the metadata."""
 
     shapes: Shapes
     metadata: dict[str, str]
+    pages: dict[str, tuple[str, int]] = field(default_factory=dict)  # page part -> (page file, offset)
 
 
 def read_header(src: Path, manifest: dict, verify: bool = False) -> Header:
@@ -403,9 +536,11 @@ def read_header(src: Path, manifest: dict, verify: bool = False) -> Header:
     finally:
         os.close(fd)
     try:
-        return _check_header(header, size - 8 - n)
+        checked = _check_header(header, size - 8 - n)
     except ValueError as e:
         raise SnapshotError(f"{src}: damaged {data.name} header: {e}") from None
+    _check_pages(src, manifest, checked, verify)
+    return checked
 
 
 def _check_header(header, room: int) -> Header:
@@ -438,7 +573,7 @@ def _check_header(header, room: int) -> Header:
     return Header(shapes, metadata)
 
 
-def shapes_of(arrays: dict[str, mx.array]) -> Shapes:
+def shapes_of(arrays: dict) -> Shapes:
     """Every array's dtype and shape, as a header states them."""
     return {k: (str(v.dtype).rpartition(".")[2], tuple(v.shape)) for k, v in arrays.items()}
 
@@ -475,9 +610,10 @@ def load_snapshot(path: str | os.PathLike,
             arrays, metadata = mx.load(str(data), return_metadata=True)
         except (ValueError, RuntimeError, OSError) as e:
             raise SnapshotError(f"{src}: unreadable arrays ({str(e)[:200]})") from None
-        if metadata.get("manifest_sha256") != header.metadata.get("manifest_sha256") or \
-                shapes_of(arrays) != header.shapes:
+        own = {k: v for k, v in header.shapes.items() if k not in header.pages}
+        if metadata.get("manifest_sha256") != header.metadata.get("manifest_sha256") or shapes_of(arrays) != own:
             raise SnapshotError(f"{src}: {data.name} changed while it was read", damaged=False)
+        arrays.update(_page_parts(src, manifest))
     except SnapshotError as e:
         e.stamp = e.stamp or stamp
         raise

@@ -232,8 +232,8 @@ def holds(cache: list, positions: int) -> bool:
 
 
 def state_bytes(arrays: dict[str, mx.array]) -> int:
-    """Bytes the arrays hold."""
-    return sum(a.nbytes for a in arrays.values())
+    """Bytes the arrays hold in memory (parts of pages on disk hold none)."""
+    return sum(a.nbytes for a in arrays.values() if isinstance(a, mx.array))
 
 
 def trimmable_meta(layer: dict) -> bool:

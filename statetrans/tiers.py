@@ -341,7 +341,7 @@ class StateTiers:
     def arrays(self, e: Entry) -> tuple[dict[str, mx.array], list[dict]]:
         """`e`'s state as arrays and per-layer metadata, from memory or disk."""
         if e.cache is not None:
-            return capture(e.cache)
+            return capture(e.cache, lazy=True)  # pages on disk stay there (a snapshot links them)
         if e.session is not None:
             self.writer.wait((e.scope, e.session))
         arrays, manifest = load_snapshot(e.path)

@@ -17,7 +17,7 @@ from justfit.config import EngineConfig
 from justfit.errors import KVDiskFull
 from kvexec import KVConfig
 from kvexec.cache import PagedKVCache, disk_bytes, spill_layers, trim
-from kvexec.disk_pages import PageFile, PageReader
+from kvexec.disk_pages import PageFile, PageReader, sweep
 from kvexec.export import copy_layer
 from tests.tiny_models import write_mlx_folder
 
@@ -49,8 +49,8 @@ def test_attention_over_pages_on_disk_is_bitwise_the_resident_one(tmp_path, fmt,
     kv = replace(SMALL, format=fmt)
     steps = [37] * 9 + [1] * 40  # prefill chunks across segment edges, then decode steps
     resident = _run(_layers(kv), steps)
-    caches, reader = _layers(kv), PageReader()
-    assert spill_layers(caches, PageFile(tmp_path), reader, on_disk) == on_disk
+    caches, reader, page_file = _layers(kv), PageReader(), PageFile(tmp_path)
+    assert spill_layers(caches, page_file, reader, on_disk) == on_disk
     spilled = _run(caches, steps)
     assert all(mx.array_equal(a, b).item() for a, b in zip(resident, spilled))
     assert sum(1 for c in caches if c.store.spilled()) == on_disk
@@ -61,7 +61,9 @@ def test_attention_over_pages_on_disk_is_bitwise_the_resident_one(tmp_path, fmt,
         assert held <= (kv.block_tokens if c.store.spilled() else 10**9) * 2 * 2 * 64 * 2
     # two layers' reads at most at a time (the one computing, the next one read)
     reader.close()
-    assert not os.listdir(tmp_path)  # the page file is never visible: a killed process leaves nothing
+    assert sweep(tmp_path) == 0 and os.listdir(tmp_path) == [os.path.basename(page_file.path)]  # its owner runs
+    page_file.close()
+    assert not os.listdir(tmp_path)  # closed, the file is gone
 
 
 def test_trimming_into_pages_on_disk_then_going_on_matches_memory(tmp_path):

@@ -42,6 +42,7 @@ from kvexec import KVConfig
 from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
+from kvexec import disk_pages
 from statetrans.quota import default_state_disk, split_state_disk
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -134,6 +135,8 @@ class Engine:
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
                                  anonymous_disk, session_disk_limit=sessions_disk, session_keep_s=c.session_keep_s,
                                  vocab=getattr(getattr(self.model, "args", None), "vocab_size", None))  # the logits' width
+        if c.kv_disk is not None:  # page files a killed process left (a snapshot linking one keeps its pages)
+            disk_pages.sweep(c.kv_disk)
         # Queued session writes finish before the interpreter exits (the writer's thread is
         # a daemon); the engine is not kept alive for it.
         self.step_costs = StepCosts()  # decode steps' seconds by rows, measured as they run (justfit.engine.speculate)
