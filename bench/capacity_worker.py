@@ -111,8 +111,8 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
         config = replace(config, kv=KVConfig(format="calibrated", pressure=()),
                          kv_disk=tempfile.mkdtemp(prefix="justfit-bench-kv-"))
     engine = Engine(model, config=config, group=group)
-    if engine.pipeline is not None and engine.pipeline.rank > 0:
-        engine.follow()  # until rank 0 ends (or this rank's Peak ends the run)
+    if engine.runner.rank > 0:  # a pipeline's follower
+        engine.runner.follow(engine)  # until rank 0 ends (or this rank's Peak ends the run)
         os._exit(0)
     if system == "justfit-compact":  # chosen for this model's head_dim, before any request
         head_dim = engine.kv_shape[2]

@@ -68,7 +68,7 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
                              kv_disk_cached=system.endswith("-warm"))
         engine = Engine(model, config=config, group=group)
         if group is not None and group.rank() > 0:
-            engine.follow()  # until rank 0 is done; only rank 0 prints
+            engine.runner.follow(engine)  # until rank 0 is done; only rank 0 prints
             os._exit(0)
         tokens = _prompt(engine.tokenizer, context)
         sp = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
@@ -84,7 +84,7 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
             if first is None:
                 first = time.perf_counter() - start
             st = chunk.stats or st  # the last chunk carries the request's stats
-        engine.close_pipeline()
+        engine.runner.close()  # a pipeline's other ranks leave (nothing for one process)
         from bench.floor import justfit_read_bytes
 
         return {"prefill_tps": None if synthetic else st.prefill_tps, "decode_tps": st.decode_tps,

@@ -54,6 +54,8 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
         engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
                                     kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic,
                                     draft=draft)
+    if engine is None:  # a follower rank of a layer pipeline: its layers computed, nothing to print
+        return
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {template_file}")
     notice = raw_notice(engine, raw)

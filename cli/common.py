@@ -9,6 +9,9 @@ from typing import Callable
 
 import click
 
+from justfit import runtime  # loads nothing else (justfit/runtime.py)
+from justfit.pipeline.launch import launched, stop_grace, watch_launcher  # the standard library only
+
 
 class UserError(click.ClickException):
     """A problem the user can fix: printed as one `error: ...` line, exit status 1."""
@@ -149,18 +152,32 @@ def deprecated_alias(flag: str, option: str, new: str, **kwargs) -> Callable:
     return decorator
 
 
-def _relaunch(ctx: click.Context, param: click.Parameter, ranks: int) -> None:
-    """--ranks N > 1, not yet a rank: become the launcher (justfit.pipeline.launch) of this same
-    command line as N local ranks of a layer pipeline. This process turns into it (exec)
-    rather than waiting on it, so a stop signal, or a service manager watching this
-    process, reaches the launcher, and nothing is left behind when it is killed."""
-    if ranks <= 1 or "MLX_RANK" in os.environ or ctx.resilient_parsing:
-        return
-    from justfit.pipeline.launch import launched, stop_grace
+class RanksOption(click.Option):
+    """The --ranks of a command that runs as a layer pipeline (not `fit`'s, which only
+    plans one): read by `relaunch_as_ranks` before click parses anything."""
 
-    args = _without_ranks(sys.orig_argv[1:])  # the interpreter's options, the script or -m, the command
-    drain = _option_value(ctx.command, args, "drain")
-    argv = launched(ranks, [sys.executable, *args], None if drain is None else stop_grace(drain))
+
+def relaunch_as_ranks(group: click.Group, args: list[str]) -> None:
+    """`args` (the command line less the program) naming a command with --ranks N > 1,
+    in a process that is not yet a rank: become the launcher (justfit.pipeline.launch)
+    of this same command line as N local ranks of a layer pipeline. Called by the entry
+    point (cli/main.py) before click parses: the ranks parse and check the options, once
+    each. This process turns into the launcher (exec) rather than waiting on it, so a
+    stop signal, or a service manager watching this process, reaches the launcher, and
+    nothing is left behind when it is killed. Anything else returns: click parses (and
+    refuses a bad --ranks) as usual."""
+    if "MLX_RANK" in os.environ or any(a in ("-h", "--help") for a in args):
+        return
+    name = next((a for a in args if not a.startswith("-")), None)
+    command = group.get_command(click.Context(group), name) if name else None
+    if command is None or not any(isinstance(p, RanksOption) for p in command.params):
+        return
+    ranks = _option_value(command, args, "ranks")
+    if ranks is None or ranks != int(ranks) or ranks <= 1:  # one rank, or a value click will refuse
+        return
+    rank_line = _without_ranks(sys.orig_argv[1:])  # the interpreter's options, the script or -m, the command
+    drain = _option_value(command, args, "drain")  # a server's: how long the launcher waits before killing
+    argv = launched(int(ranks), [sys.executable, *rank_line], None if drain is None else stop_grace(drain))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)
@@ -200,8 +217,7 @@ def _option_value(command: click.Command, args: list[str], name: str) -> float |
 
 
 ranks_option = click.option(
-    "--ranks", type=click.IntRange(min=1), default=1, show_default=True, expose_value=False, is_eager=True,
-    callback=_relaunch,
+    "--ranks", cls=RanksOption, type=click.IntRange(min=1), default=1, show_default=True, expose_value=False,
     help="Run as a layer pipeline over N local ranks (ring backend on loopback); for several "
          "machines start the command with mlx.launch --hostfile instead.",
 )
@@ -273,7 +289,9 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
                 kv_format: str = "calibrated", policy: str = "auto", whole_process: bool = False,
                 state_disk: int | None = None, session_keep_s: float = 600.0, kv_disk: str | None = "auto",
                 kv_disk_limit: int | None = None, deterministic: bool = False, draft: str = "ngram"):
-    """Load the engine for a command (tests replace this to share one engine)."""
+    """Load the engine for a command (tests replace this to share one engine). On a
+    rank > 0 of a layer pipeline this process computes its layers for rank 0 until rank 0
+    stops, then returns None: the command has nothing more to do."""
     from justfit import Engine
     from justfit.config import EngineConfig
     from kvexec import KVConfig
@@ -286,31 +304,16 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
                                         state_disk=state_disk, session_keep_s=session_keep_s,
                                         kv_disk=kv_disk_folder(kv_disk) if kv is not None else None,
                                         kv_disk_limit=kv_disk_limit, deterministic=deterministic, draft=draft))
-    if engine.pipeline is not None:
-        if engine.pipeline.rank > 0:  # this process computes its layers for rank 0, then leaves
-            click.echo(f"rank {engine.pipeline.rank}: layers {list(engine.pipeline.split.layers(engine.pipeline.rank))}"
-                       " of the pipeline; rank 0 serves", file=sys.stderr)
-            try:
-                engine.follow()
-            except ConnectionError as e:  # rank 0, or the rank before this one, is gone
-                raise UserError(f"rank {engine.pipeline.rank}: {e}; leaving") from None
-            sys.exit(0)
-        import atexit
-
-        atexit.register(stop_followers, engine)
+    runner = engine.runner
+    if runner.rank > 0:
+        click.echo(f"rank {runner.rank}: {runner.role}", file=sys.stderr)
+        try:
+            runner.follow(engine)
+        except ConnectionError as e:  # rank 0, or the rank before this one, is gone
+            raise UserError(f"rank {runner.rank}: {e}; leaving") from None
+        return None
+    runtime.at_exit(runner.close)  # as this process leaves, whatever follows it goes too (a pipeline's ranks)
     return engine
-
-
-def stop_followers(engine) -> None:
-    """On rank 0 of a pipeline, as it leaves: tell the other ranks to leave (the
-    pipeline's STOP), once; nothing to tell when the group is lost (a rank gone)."""
-    if engine.pipeline_run.lost:
-        return
-    try:
-        engine.close_pipeline()
-    except (OSError, RuntimeError):  # a rank went meanwhile: it needs no telling
-        pass
-    engine.pipeline_run.lost = "the pipeline was stopped"
 
 
 def launch_group():
@@ -318,8 +321,6 @@ def launch_group():
     (a layer pipeline: justfit.pipeline.layers), else None."""
     if "MLX_RANK" not in os.environ:
         return None
-    from justfit.pipeline.launch import watch_launcher
-
     watch_launcher()  # under justfit.pipeline.launch: leave when it is gone
     import mlx.core as mx
 

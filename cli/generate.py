@@ -42,6 +42,8 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
                                 kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic,
                                 draft=draft)
+    if engine is None:  # a follower rank of a layer pipeline: its layers computed, nothing to print
+        return
     sampling = request_sampling(engine, max_tokens, seed, temperature, top_p)
     out, err = sys.stdout, sys.stderr
     bar = PrefillBar(err, err.isatty())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import click
 
@@ -11,7 +12,7 @@ import justfit
 from justfit import runtime
 from justfit.errors import JustFitError
 
-from .common import UserError, one_line
+from .common import UserError, one_line, relaunch_as_ranks
 
 # Subcommands, imported on first use: name -> "module:attribute", the module relative to
 # this package (cli/ in the repository, justfit.cli once installed).
@@ -35,10 +36,12 @@ def debug() -> bool:
 
 
 class JustFitGroup(click.Group):
-    def main(self, *args, **kwargs):
+    def main(self, args=None, **kwargs):
         # Before any subcommand's module loads mlx.core: OpenBLAS only binds if first.
         runtime.setup()
-        return super().main(*args, **kwargs)
+        # --ranks N: this process becomes the ranks' launcher before click parses (exec).
+        relaunch_as_ranks(self, sys.argv[1:] if args is None else list(args))
+        return super().main(args, **kwargs)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *COMMANDS})

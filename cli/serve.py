@@ -118,10 +118,13 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
                                 state_disk=parse_size(state_disk) if state_disk else None,
                                 session_keep_s=session_keep * 60, kv_disk=kv_disk, kv_disk_limit=kv_disk_limit,
                                 deterministic=deterministic, draft=draft)
+    if engine is None:  # a follower rank of a layer pipeline: its layers computed, nothing to serve
+        return
+    limit = engine.runner.max_batch  # None: as many as the budget fits
     if max_batch is None:
-        max_batch = 1 if engine.pipeline is not None else AUTO_MAX_BATCH
-    if engine.pipeline is not None and max_batch > 1:
-        raise click.UsageError("--max-batch above 1 does not run on a layer pipeline yet")
+        max_batch = AUTO_MAX_BATCH if limit is None else min(AUTO_MAX_BATCH, limit)
+    if limit is not None and max_batch > limit:
+        raise click.UsageError(f"--max-batch above {limit} does not run on {engine.runner.kind} yet")
     config = replace(config, max_batch=max_batch)
     if template is not None:
         use_chat_template(engine.tokenizer, template, f"chat template {chat_template}")

@@ -21,7 +21,7 @@ facts = {"layers": len(engine.swap.registry.layers), "kv_4096": engine.footprint
          "weights": engine.swap.registry.total_bytes()}
 die_after = int(os.environ.get("PIPELINE_DIE_AFTER", "0"))
 if group is not None and group.rank() > 0:
-    engine.follow(die_after)
+    engine.runner.follow(engine, die_after)
     if die_after:
         os._exit(0)  # a rank lost mid-request
     mx.eval(mx.distributed.send(mx.array(list(facts.values()), dtype=mx.int64), 0, group=group))
@@ -36,7 +36,7 @@ if die_after:
             list(engine.generate("The capital of France is", sp))
         except PipelineLost as e:
             errors.append(str(e))
-    print(json.dumps({"errors": errors, "lost": engine.pipeline_run.lost}))
+    print(json.dumps({"errors": errors, "lost": engine.runner.lost}))
     os._exit(0)
 prompt = "The capital of France is Paris. The capital of Italy is"
 tokens = engine.reply(prompt, sp).tokens
@@ -47,7 +47,7 @@ again = engine.reply(prompt + " Rome.", sp)  # starts afresh
 out = {"tokens": tokens, "next_turn": next_turn.tokens, "cached": next_turn.stats.cached_tokens,
        "again": again.tokens, "again_cached": again.stats.cached_tokens, "ranks": [facts]}
 if group is not None:
-    engine.close_pipeline()
+    engine.runner.close()
     other = mx.distributed.recv_like(mx.zeros((3,), dtype=mx.int64), 1, group=group).tolist()
     out["ranks"].append(dict(zip(facts, other)))
 print(json.dumps(out))

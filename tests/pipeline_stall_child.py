@@ -19,7 +19,7 @@ model, pid_file = sys.argv[1], Path(sys.argv[2])
 group = mx.distributed.init(backend="ring")
 engine = Engine(model, group=group)
 if group.rank() > 0:
-    engine.follow(3)
+    engine.runner.follow(engine, 3)
     pid_file.write_text(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGSTOP)
     os._exit(0)
@@ -39,7 +39,7 @@ scheduler = Scheduler(engine, stall_s=2.0)
 start = time.monotonic()
 events = asyncio.run(asyncio.wait_for(request(scheduler), 60))
 out = {"events": [k for k, _ in events], "error": next((t for k, t in events if k == "error"), None),
-       "seconds": round(time.monotonic() - start, 1), "lost": engine.pipeline_run.lost}
+       "seconds": round(time.monotonic() - start, 1), "lost": engine.runner.lost}
 print(json.dumps(out), flush=True)
 for _ in range(100):  # end the stopped rank, so mlx.launch returns
     if pid_file.exists() and pid_file.read_text():

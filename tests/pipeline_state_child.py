@@ -17,7 +17,7 @@ model, folder = sys.argv[1], Path(sys.argv[2])
 group = mx.distributed.init(backend="ring") if "MLX_RANK" in os.environ else None
 engine = Engine(model, group=group)
 if group is not None and group.rank() > 0:
-    engine.follow()
+    engine.runner.follow(engine)
     sys.exit()
 sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -52,5 +52,5 @@ except SnapshotError as e:
 third = engine.reply(turn + second + engine.tokenizer.encode(" and"), sp)
 out["third"], out["third_cached"] = third.tokens, third.stats.cached_tokens
 if group is not None:
-    engine.close_pipeline()
+    engine.runner.close()
 print(json.dumps(out))

@@ -10,13 +10,14 @@ from click.testing import CliRunner
 
 from cli import common
 from cli.main import main
+from justfit.engine.runner import LocalRunner
 
 
 @pytest.fixture
 def serve_ports(monkeypatch) -> list[int]:
     """`justfit serve` on a stand-in engine that does not listen: the ports it was given."""
     ports: list[int] = []
-    monkeypatch.setattr(common, "load_engine", lambda *a, **k: SimpleNamespace(pipeline=None, name="stand-in"))
+    monkeypatch.setattr(common, "load_engine", lambda *a, **k: SimpleNamespace(runner=LocalRunner(), name="stand-in"))
     monkeypatch.setattr("justfit.server.run", lambda engine, config, ready: ports.append(config.port))
     return ports
 

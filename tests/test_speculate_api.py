@@ -15,6 +15,7 @@ from cli import common
 from cli.main import main
 from justfit.server.anthropic_request import anthropic_options
 from justfit.server.schema import BadRequest, ollama_options, openai_options
+from justfit.engine.runner import LocalRunner
 from justfit.engine.stats import GenerationStats
 from tests.test_server import live, request, tiny_engine  # noqa: F401 (fixtures)
 
@@ -114,7 +115,7 @@ def loads(monkeypatch) -> list[dict]:
     def load(*args, **kwargs):
         calls.append(kwargs)
         if "session_keep_s" in kwargs:  # serve's call
-            return SimpleNamespace(pipeline=None, name="stand-in")
+            return SimpleNamespace(runner=LocalRunner(), name="stand-in")
         raise common.UserError("loaded")
 
     monkeypatch.setattr(common, "load_engine", load)

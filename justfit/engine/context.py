@@ -1,7 +1,7 @@
 """What the request path reads from an engine, as a typing protocol.
 
 The step loop (justfit.engine.batch, justfit.engine.sequence), the planner's search (justfit.planning.budget)
-and a pipeline's runner take an `EngineContext`, not the engine class: justfit.engine.facade
+and the runners (justfit.engine.runner) take an `EngineContext`, not the engine class: justfit.engine.facade
 imports them, so they never import it back (no import circle), and a test may pass
 any object with these members. `justfit.engine.facade.Engine` is the one implementation.
 """
@@ -30,7 +30,7 @@ class EngineContext(Protocol):
     swap: PhaseSwap
     states: StateTiers
     context_limit: int
-    rank_limits: list[int]  # on a layer pipeline: the positions each rank's plan holds
+    rank_limits: list[int]  # the positions each rank's plan holds, from the runner ([] for one process)
     step_costs: StepCosts  # decode steps' measured seconds by rows (what a draft must beat)
     budget: Budget  # the budget now (justfit.planning.outside: a whole-process one's share changes)
     numerics: Numerics  # how every token is computed: whether replies depend on the path

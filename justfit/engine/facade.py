@@ -1,8 +1,8 @@
 """The engine: the public facade over one loaded model, a memory budget, and the
 conversations whose computed state is kept between requests so a growing chat only
 prefills what is new. Loading is in justfit.model.loader, budget accounting and plan search
-in justfit.planning.budget, running requests in justfit.engine.batch (a pipeline's in
-justfit.engine.pipeline_runner), stored states in
+in justfit.planning.budget, running requests in the runner chosen at load
+(justfit.engine.runner: one process's batches, or a layer pipeline's), stored states in
 justfit.engine.state_io and statetrans."""
 
 from __future__ import annotations
@@ -20,26 +20,22 @@ from justfit.planning.outside import Budget, ProcessShare
 from justfit.model.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
 from justfit.model import adapter
-from justfit.errors import BudgetExceeded, PipelineLost
+from justfit.errors import BudgetExceeded
 from justfit.engine.generate import ProgressFn
 from justfit.model.loader import kv_calibration, kv_for_model, load_lazily, offload_dir
 from justfit.planning.breakdown import LoadMarks, blas_warm_up, outside_anon
 from justfit.memory import parse_size, trim_heap
 from justfit.model.models import weight_files
-from justfit.pipeline.layers import Pipeline, PipelineRun, attach
 from justfit.planning.planner import MIN_PREFILL_CHUNK, Footprint, attention_shape, choose_policy, footprint
-from justfit.engine.batch import run_alone
 from justfit.engine import numerics
 from justfit.engine.draft import MAX_DRAFT
+from justfit.engine.runner import Runner, choose_runner
 from justfit.engine.speculate import StepCosts
-from justfit.engine.pipeline_runner import run_pipeline_request
-from justfit.engine.sequence import Sequence
-from justfit.engine.state_io import (StateIO, export_state, import_state, model_identity, resume_session, save_session,
-                               state_identity, state_root)
+from justfit.engine.state_io import StateIO, model_identity, resume_session, save_session, state_identity, state_root
 from justfit.engine.stats import Chunk, Reply, collect
 import kvexec
 from kvexec import KVConfig
-from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes, predict_working_bytes
+from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 from kvexec import disk_pages
@@ -80,14 +76,9 @@ class Engine:
         self.config = replace(config, kv=kv_for_model(self.model, self.model_config, config.kv, calibration))
         if self.config.kv is not None:  # refused now, whole: a pipeline's split model's probe would cross ranks
             adapter.check(self.model)
-        self.pipeline: Pipeline | None = None  # this process's share of a layer pipeline (justfit.pipeline.layers)
-        self.pipeline_run = PipelineRun()  # rank 0: the state every rank holds, and why the pipeline stopped
-        if group is not None and group.size() > 1:
-            # Before any weight is read or counted: from here the model, the planner and
-            # PhaseSwap see only this rank's layers.
-            base = footprint(self.model, self.model_config, 1, MIN_PREFILL_CHUNK, self.config.kv, 0,
-                             predict_working_bytes(self.model), 4)
-            self.pipeline = attach(self.model, group, self.budget.bytes, self.model.args.hidden_size, base)
+        # How requests run, once: in this process, or over `group`'s ranks (the model then
+        # cut to this rank's layers, before any weight is read or counted).
+        self.runner: Runner = choose_runner(self.model, self.model_config, self.config, self.budget.bytes, group)
         trained = self.model_config.get("max_position_embeddings") or 1 << 20
         self.context_limit = self.config.context_limit or trained
         self.policy: ResidencyPolicy = get_policy(choose_policy(self.model, self.model_config, self.config.policy,
@@ -114,11 +105,10 @@ class Engine:
                                        probe=False)  # checked above, whole
         self.swap = self.adapted.swap
         self.swap.registry.strict = budget is not None  # give freed memory back at once
-        # How every token is computed (justfit.engine.numerics); a pipeline's rank holds part of the model.
-        self.numerics = (numerics.Numerics("fast", "a layer pipeline promises no row invariance")
-                         if self.pipeline is not None else
-                         numerics.choose(self.config.deterministic, self.model, self.swap, self.new_cache,
-                                         paged=self.config.kv is not None))
+        # How every token is computed (justfit.engine.numerics), unless the runner fixes it
+        # (a pipeline's rank holds part of the model: nothing to check row invariance on).
+        self.numerics = self.runner.numerics or numerics.choose(self.config.deterministic, self.model, self.swap,
+                                                                self.new_cache, paged=self.config.kv is not None)
         if budget is None:
             runtime.hold_memory(None)  # without a budget too: freed buffers go back at once, a lower whole-process peak
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
@@ -142,12 +132,10 @@ class Engine:
         self.step_costs = StepCosts()  # decode steps' seconds by rows, measured as they run (justfit.engine.speculate)
         states = weakref.ref(self.states)
         runtime.at_exit(lambda: (t := states()) is not None and t.flush())
-        self.rank_limits: list[int] = []  # on a pipeline: the positions each rank's own plan holds (-1: no budget)
-        if self.pipeline is not None:
-            from justfit.pipeline.layers import gather
-
-            own = self.footprint(1).max_positions(budget) if budget is not None else -1
-            self.rank_limits = gather(self.pipeline.group, own)
+        # The positions each rank's own plan holds (-1: no budget), extra limits for the
+        # plan search; [] for one process.
+        own = self.footprint(1).max_positions(budget) if budget is not None else -1
+        self.rank_limits: list[int] = self.runner.gather_limits(own)
 
     # -- prompts ---------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -259,13 +247,13 @@ class Engine:
     def save_state(self, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
         """Snapshot a session's state (default: the most recent one) to `path`, KV
         pages as stored; `extra` (JSON) rides along and comes back from load_state."""
-        return export_state(self, path, extra, session)
+        return self.runner.export_state(self, path, extra, session)
 
     def load_state(self, path: str, session: str | None = None) -> StateIO:
         """Resume a snapshot (as `session`, or as the latest conversation): the next
         request extending its tokens prefills only what is new. Raises
         statetrans.SnapshotError, with nothing changed, when it cannot."""
-        return import_state(self, path, session)
+        return self.runner.import_state(self, path, session)
 
     def fork(self, source: str, name: str) -> None:
         """Start session `name` from a copy of session `source`'s state."""
@@ -311,41 +299,7 @@ class Engine:
         tokens = self.encode(prompt)  # here, in the iterating thread, as before the first chunk
         if not tokens:
             raise ValueError("empty prompt")
-        if self.pipeline_run.lost:
-            raise PipelineLost(self.pipeline_run.lost)
-        try:
-            sp = sampling or self.default_sampling
-            if self.pipeline is not None:
-                yield from run_pipeline_request(self, tokens, sp, progress, session, scope)
-            else:
-                seq = Sequence(self, tokens, sp, session, scope)
-                yield from run_alone(self, seq, progress)
-        except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
-            if self.pipeline is None or not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
-                raise
-            self.pipeline_run.lost = str(e)
-            raise PipelineLost(self.pipeline_run.lost) from e
-
-    def follow(self, limit: int = 0) -> None:
-        """On ranks > 0 of a pipeline: compute this rank's layers for every forward
-        rank 0 drives, until it stops (justfit.pipeline.layers.follow; `limit`: at most that
-        many forwards, for tests of a lost rank)."""
-        from justfit.pipeline.layers import follow
-
-        if self.pipeline is None or self.pipeline.rank == 0:
-            raise RuntimeError("follow() is for ranks > 0 of a pipeline")
-        from justfit.pipeline.state import follower_op
-
-        follow(self.model, self.pipeline.link, self.new_cache, self.model.args.hidden_size,
-               mx.float32 if self.policy.fp32 else mx.float16, limit, phase=self.swap.phase,
-               on_state=lambda op, payload, cache: follower_op(self, op, payload, cache))
-
-    def close_pipeline(self) -> None:
-        """On rank 0: let the other ranks' `follow` return."""
-        from justfit.pipeline.layers import STOP, control
-
-        if self.pipeline is not None and self.pipeline.rank == 0:
-            control(self.pipeline.link, STOP)
+        yield from self.runner.generate(self, tokens, sampling or self.default_sampling, progress, session, scope)
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
         """The whole reply as one string."""

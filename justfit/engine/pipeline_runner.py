@@ -1,120 +1,145 @@
-"""A request on rank 0 of a layer pipeline (justfit.pipeline.layers): plan it, resume from the
-state every rank still holds, prefill what is new, decode with the request's own
-sampler and stops, keep the state it ends with on every rank, and report its stats.
-A pipeline runs one request at a time; a single process runs every request as a
-sequence in a batch (justfit.engine.batch)."""
+"""The runner of a layer pipeline (justfit.pipeline.layers), chosen once at load
+(justfit.engine.runner) behind the interface of one process's: rank 0 runs each request
+(justfit.engine.pipeline_request) one at a time (the scheduler's serial worker,
+justfit.engine.serial_worker), a request that stops moving bounded by a watch
+(justfit.pipeline.stall), a peer gone turned into PipelineLost for it and every later
+request; ranks > 0 `follow`. Named sessions are one process's stored states: a pipeline
+refuses them, and saves and restores the conversation every rank holds instead
+(justfit.pipeline.state)."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Iterator
 
 import mlx.core as mx
 
-from justfit.engine.context import EngineContext
 from justfit.config import SamplingParams
-from justfit.engine.generate import ProgressFn, decode, prefill, token_logprobs
-from justfit.memory import MemoryReport, memory_report, peak_rss_bytes, trimming
-from justfit.engine.sampling import keyed_sampler, logits_processors, new_rng
-from justfit.engine.stats import Chunk, GenerationStats
-from justfit.engine.stops import ReplyText
-import kvexec
-from justfit.engine import pages
-from justfit.pipeline.layers import resume
-from justfit.engine.state_io import refuse_pipeline_session
-from statetrans import holds
+from justfit.engine.context import EngineContext
+from justfit.engine.generate import ProgressFn
+from justfit.engine.numerics import Numerics
+from justfit.engine.pipeline_request import run_request
+from justfit.engine.serial_worker import work_serially
+from justfit.engine.state_io import StateIO
+from justfit.engine.stats import Chunk
+from justfit.errors import PipelineLost
+from justfit.pipeline import state as pipeline_state
+from justfit.pipeline.layers import STOP, Pipeline, PipelineRun, control, follow, gather
+from justfit.pipeline.stall import StallWatch
+from statetrans import snapshot_bytes
+
+SESSIONS_REFUSED = ("named sessions are kept by one process, not by a layer pipeline; send the request "
+                    "without a session (every rank keeps the latest conversation) or save it to a folder "
+                    "(chat: /save ./FOLDER; Engine.save_state(path))")
 
 
+@dataclass
+class PipelineRunner:
+    """This process's part of a layer pipeline: rank 0 runs the requests, ranks > 0
+    `follow` it. `run` keeps what rank 0 holds between requests (the live state, and
+    why the pipeline stopped); `lost` is non-empty once it has."""
 
-def run_pipeline_request(engine: EngineContext, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
-                session: str | None = None, scope: str = "") -> Iterator[Chunk]:
-    """Stream the reply to `tokens` (see Engine.generate): closing the iterator early
-    cancels cleanly, and the state stored then holds exactly the tokens computed."""
-    refuse_pipeline_session(engine, session)
-    offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
-    high_water = peak_rss_bytes()
-    engine.swap.offload(offloaded)
-    stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
-    # A pipeline keeps its last state on every rank (stored states are one process's).
-    reuse, engine.pipeline_run.live = resume(engine.pipeline.link, engine.pipeline_run.live, tokens), None
-    cache = reuse.cache if reuse.cache is not None else engine.new_cache()
-    budget = engine.budget.bytes
-    reader = pages.bind(engine.config, cache, request, None if budget is None else request.page_allowance(budget),
-                        len(tokens))
-    held = reuse.tokens  # exactly what `cache` holds, extended as tokens are computed
-    stats.cached_tokens, stats.restored_from, stats.restore_s = len(held), reuse.source, reuse.seconds
-    rng = new_rng(sp.seed) if sp.seed is not None else (reuse.sampler or new_rng())
-    try:
-        yield from _run(engine, tokens, cache, held, rng, sp, stats, progress, request.shape.chunk,
-                        request.shape.dense_prefill, reader)
-    finally:
-        # Also on cancel or error: what was computed is stored, once evaluated
-        # (StateTiers.put), unless an interrupt left the cache and tokens apart.
-        pages.release(cache, reader)
-        kept = bool(held) and holds(cache, len(held))  # else an interrupt left cache and tokens apart
-        engine.pipeline_run.live = (list(held), cache, rng) if kept else None
-        engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
-        stats.memory = _memory(engine, stats, cache)
-        stats.kv_formats = kvexec.page_formats(cache)
-        engine.remeasure_outside(high_water, stats.memory.mlx_peak)
+    kind: ClassVar[str] = "a layer pipeline"
+    max_batch: ClassVar[int] = 1  # one request at a time: the ranks hold one live state
+    numerics: ClassVar[Numerics] = Numerics("fast", "a layer pipeline promises no row invariance")
 
+    pipeline: Pipeline
+    run: PipelineRun = field(default_factory=PipelineRun)
 
-def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
-         stats: GenerationStats, progress: ProgressFn | None, chunk: int, dense_prefill: bool,
-         reader=None) -> Iterator[Chunk]:
-    cached = len(held)
-    # The same prompt again resumes from here (all but the last token): trimmed back
-    # exactly, it computes the reply this request computes.
-    kvexec.keep_exact(cache, len(tokens) - 1)
-    record: Callable[[list[int]], None] = held.extend
-    if engine.budget.bytes is not None:
-        record = trimming(record)
-    if sp.max_tokens == 0:
-        stats.finish_reason = "length"
-        yield Chunk("", finish_reason="length", stats=stats)
-        return
-    wrapped = (lambda done, total: progress(cached + done, len(tokens))) if progress else None
-    with engine.swap.phase("prefill", dense=dense_prefill) as phase:
-        stats.phases.append(phase)
-        stats.prefill_chunk = chunk
-        logits = prefill(engine.model, tokens[cached:], cache, chunk, wrapped, record, engine.numerics.deterministic)
-    stats.prefill_s = phase.seconds
-    sampler = keyed_sampler(sp, int(logits.shape[-1]), rng)
-    processors = logits_processors(sp, len(tokens))
-    with engine.swap.phase("decode") as phase:
-        stats.phases.append(phase)
-        tail = yield from _decode(engine, logits, tokens, cache, sp, stats, sampler, processors, record)
-    stats.memory = _memory(engine, stats, cache)  # the last chunk carries complete stats
-    stats.kv_disk = pages.disk_stats(cache, reader)
-    yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 serves)."""
+        return self.pipeline.rank
 
+    @property
+    def role(self) -> str:
+        """What this rank computes, for the command line."""
+        return f"layers {list(self.pipeline.split.layers(self.rank))} of the pipeline; rank 0 serves"
 
-def _memory(engine: EngineContext, stats: GenerationStats, cache: list) -> MemoryReport:
-    peak = max([p.peak_bytes for p in stats.phases] + [mx.get_peak_memory()])
-    states = engine.states
-    stored = states.memory_bytes - (states.last.nbytes if states.last and states.last.cache is cache else 0)
-    return memory_report(engine.swap.registry.resident_bytes(), cache, peak, stored)
+    @property
+    def lost(self) -> str:
+        """Why the pipeline stopped ("" while it runs): nothing runs until every rank restarts."""
+        return self.run.lost
 
+    def gather_limits(self, own: int) -> list[int]:
+        """Every rank's `own` (the positions its plan holds; -1: no budget), in rank
+        order: each rank calls it at load, so rank 0 refuses before any work."""
+        return gather(self.pipeline.group, own)
 
-def _decode(engine: EngineContext, logits, tokens, cache, sp, stats, sampler, processors, record):
-    """Yield a chunk per token; return the text held back at the end."""
-    reply = ReplyText(engine.tokenizer, sp, stats)
-    start = time.perf_counter()
-    seen: dict[str, tuple] = {}  # the last token's logprobs, when asked for
+    def generate(self, engine: EngineContext, tokens: list[int], sp: SamplingParams,
+                 progress: ProgressFn | None = None, session: str | None = None,
+                 scope: str = "") -> Iterator[Chunk]:
+        """Stream the reply to `tokens` (see Engine.generate); a peer gone marks the
+        pipeline lost and raises PipelineLost, as does every request after it."""
+        if self.run.lost:
+            raise PipelineLost(self.run.lost)
+        self.refuse_session(session)
+        try:
+            yield from run_request(engine, self.pipeline, self.run, tokens, sp, progress)
+        except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
+            if not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
+                raise
+            self.run.lost = str(e)
+            raise PipelineLost(self.run.lost) from e
 
-    def note(token: int, logprobs: mx.array) -> None:
-        seen["last"] = token_logprobs(token, logprobs, sp.logprobs)
+    def work(self, sched) -> None:
+        """The scheduler's worker: one request at a time."""
+        work_serially(sched)
 
-    for token in decode(engine.model, logits, cache, sampler, processors, tokens, record,
-                        note if sp.logprobs is not None else None):
-        text = reply.add(token)
-        if text is None:  # end-of-sequence
-            break
-        stats.decode_s = time.perf_counter() - start
-        logprob, top = seen.get("last", (None, None))
-        yield Chunk(text, token, logprob=logprob, top_logprobs=top)  # one per token, text may be "" (partial UTF-8)
-        if reply.reason:
-            break
-    tail = reply.end()
-    stats.decode_s = time.perf_counter() - start
-    return tail
+    def watch(self, sched, stall_s: float) -> StallWatch:
+        """A started watch that fails `sched`'s requests and marks the pipeline lost
+        once the running one has sent nothing for `stall_s` (justfit.pipeline.stall)."""
+        watch = StallWatch(sched, self.run, stall_s)
+        watch.start()
+        return watch
+
+    def health(self) -> dict:
+        """What /health adds: the ranks and why the pipeline stopped, if it has."""
+        return {"pipeline": {"ranks": self.pipeline.size, "lost": self.run.lost or None}}
+
+    def refuse_session(self, session: str | None) -> None:
+        """Named sessions are one process's state tiers: ValueError when one is named."""
+        if session:
+            raise ValueError(SESSIONS_REFUSED)
+
+    def follow(self, engine, limit: int = 0) -> None:
+        """On ranks > 0: compute this rank's layers of `engine` for every forward rank 0
+        drives, until it stops (justfit.pipeline.layers.follow; `limit`: at most that many
+        forwards, for tests of a lost rank)."""
+        if self.rank == 0:
+            raise RuntimeError("follow() is for ranks > 0 of a pipeline")
+        pipeline = self.pipeline
+        follow(engine.model, pipeline.link, engine.new_cache, engine.model.args.hidden_size,
+               mx.float32 if engine.policy.fp32 else mx.float16, limit, phase=engine.swap.phase,
+               on_state=lambda op, payload, cache: pipeline_state.follower_op(pipeline, engine.new_cache, op,
+                                                                              payload, cache))
+
+    def close(self) -> None:
+        """On rank 0, once: tell the other ranks to leave (the pipeline's STOP); nothing
+        to tell when the group is lost (a rank gone) or from another rank."""
+        if self.rank != 0 or self.run.lost:
+            return
+        try:
+            control(self.pipeline.link, STOP)
+        except (OSError, RuntimeError):  # a rank went meanwhile: it needs no telling
+            pass
+        self.run.lost = "the pipeline was stopped"
+
+    def export_state(self, engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
+        """Save the conversation every rank holds at `path`, one part per rank
+        (justfit.pipeline.state)."""
+        self.refuse_session(session)
+        start = time.perf_counter()
+        written, held = pipeline_state.save(self.pipeline, self.run, path,
+                                            {**engine.states.identity, "extra": extra or {}})
+        return StateIO(str(path), len(self.run.live[0]), held, written, time.perf_counter() - start)
+
+    def import_state(self, engine, path: str, session: str | None = None) -> StateIO:
+        """Restore the conversation saved at `path` on every rank or on none."""
+        start = time.perf_counter()
+        self.refuse_session(session)
+        manifest, held = pipeline_state.load(self.pipeline, self.run, engine.new_cache, path, engine.states.identity)
+        return StateIO(str(path), manifest["positions"], held, snapshot_bytes(Path(path).expanduser() / "rank0"),
+                       time.perf_counter() - start, manifest.get("extra") or {})

@@ -1,27 +1,24 @@
 """One worker thread runs requests on the engine in arrival order, one at a time or,
 with `max_batch` > 1, several at once (justfit.engine.batch: decode steps shared, prefill
 chunks interleaved, admitted while their plans fit the budget together); the rest wait
-in a bounded queue. The HTTP side talks to it through `Job`s: events
-come back on the job's asyncio queue, and setting `cancel` stops the request within
-one decode step (or between prefill chunks), leaving the engine's state consistent."""
+in a bounded queue. How the worker runs them is the engine's runner's
+(justfit.engine.runner: `work`, and `watch`, a bound on a stalled request's wait).
+The HTTP side talks to it through `Job`s: events come back on the job's asyncio queue,
+and setting `cancel` stops the request within one decode step (or between prefill
+chunks), leaving the engine's state consistent."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from justfit import runtime
-from justfit.engine.batch_worker import work_batched
 from justfit.config import SamplingParams
 from justfit.errors import JustFitError, ServerStopping
 from justfit.engine.tickets import Tickets
-
-log = logging.getLogger("justfit.scheduler")
 
 
 # A ticket lapses when its client has not retried within this many Retry-After
@@ -36,10 +33,6 @@ class QueueFull(JustFitError):
         self.waiting, self.retry_after, self.ticket = waiting, retry_after, ticket
         super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s"
                          " with the ticket to keep your place")
-
-
-class _Cancelled(Exception):
-    pass
 
 
 @dataclass
@@ -59,7 +52,7 @@ class Job:
     generated: int = 0  # tokens generated so far
     route: str = ""  # the API it came through, for the status page
     phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
-    last_event: float = field(default_factory=time.monotonic)  # for justfit.pipeline.stall
+    last_event: float = field(default_factory=time.monotonic)  # for a runner's watch (justfit.pipeline.stall)
     stopping: bool = False  # cancelled by the server's stop, not by its client
 
     def stop(self) -> None:
@@ -97,7 +90,9 @@ class Job:
 
 
 class Scheduler:
-    """The engine's worker thread and the bounded queue of jobs waiting for it."""
+    """The engine's worker thread and the bounded queue of jobs waiting for it; the
+    engine's runner (`engine.runner`, justfit.engine.runner) works the queue and, given
+    `stall_s`, may watch for a request that stops moving."""
 
     def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None,
                  max_batch: int = 1, preempt: bool = True, stall_s: float | None = None):
@@ -113,17 +108,11 @@ class Scheduler:
         self.batch = None  # the BatchRunner its worker steps (justfit.engine.batch_worker)
         self.last_stats = None  # the stats of the request that finished last
         self.tickets = Tickets()  # places kept for clients turned away (touched on the server's loop only)
-        # Every request runs as a sequence in the worker's batch (one at a time with
-        # max_batch 1); a layer pipeline runs one request at a time on rank 0's engine.
-        work = self._work_pipeline if engine.pipeline is not None else self._work_batched
-        self._thread = threading.Thread(target=work, name="justfit-engine", daemon=True)
+        runner = engine.runner
+        self._thread = threading.Thread(target=runner.work, args=(self,), name="justfit-engine", daemon=True)
         self._thread.start()
-        self.watch = None  # a layer pipeline's bounded wait (justfit.pipeline.stall), with `stall_s`
-        if stall_s is not None:
-            from justfit.pipeline.stall import StallWatch
-
-            self.watch = StallWatch(self, stall_s)
-            self.watch.start()
+        # The runner's bound on a request that stops moving, or None where it needs none.
+        self.watch = runner.watch(self, stall_s) if stall_s is not None else None
 
     @property
     def running(self) -> Job | None:
@@ -206,7 +195,7 @@ class Scheduler:
     def close(self) -> None:
         """Cancel the running jobs and stop the worker thread once what is queued is done."""
         if self.watch is not None:
-            self.watch.stopped.set()
+            self.watch.stop()
         for job in list(self.active):
             job.cancel.set()
         self._put(None)
@@ -239,58 +228,3 @@ class Scheduler:
             self.last_stats = stats
             if self.on_done:
                 self.on_done(stats)
-
-    def _work_pipeline(self) -> None:
-        runtime.setup()  # this thread computes on the shared execution stream
-        while True:
-            with self._arrived:
-                while not self._queue:
-                    self._arrived.wait()
-                job = self._queue.popleft()
-            if job is None:
-                return
-            if job.cancel.is_set():  # its client left while it waited
-                self.cancelled += 1
-                job.ended_by_stop()
-                job.emit("done", None)
-                continue
-            self.active, job.started = [job], time.monotonic()
-            job.last_event = job.started  # its wait in the queue is no stall
-            try:
-                self._run(job)
-            finally:
-                self.active = []
-
-    def _work_batched(self) -> None:
-        work_batched(self)
-
-    def _run(self, job: Job) -> None:
-        def progress(done: int, total: int) -> None:
-            if job.cancel.is_set():
-                raise _Cancelled
-            job.processed = done
-            job.emit("progress", (done, total, time.monotonic() - job.started))
-
-        gen = self.engine.generate(job.tokens, job.sampling, progress, session=job.session, scope=job.scope)
-        failed, stats = False, None
-        try:
-            for chunk in gen:
-                job.generated += chunk.token is not None
-                stats = chunk.stats or stats
-                job.emit("chunk", chunk)
-                if job.cancel.is_set():
-                    break
-        except _Cancelled:
-            pass
-        except Exception as e:  # JustFitError: the client's to fix; others: logged, a clean 500
-            if not isinstance(e, JustFitError):
-                log.exception("request failed")
-            failed = True
-            job.emit("error", e)
-        finally:
-            gen.close()  # stores the state computed so far
-            outcome = "failed" if failed else "cancelled" if job.cancel.is_set() else "completed"
-            self.finished(job, outcome, stats)
-            if not failed:
-                job.ended_by_stop()
-            job.emit("done", stats)

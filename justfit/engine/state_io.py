@@ -1,4 +1,6 @@
-"""Save and restore an engine's stored states as StateTrans snapshots."""
+"""Save and restore an engine's stored states as StateTrans snapshots (one process's:
+a layer pipeline's runner saves its own, justfit.engine.pipeline_runner), and name
+sessions."""
 
 from __future__ import annotations
 
@@ -59,16 +61,8 @@ def state_identity(engine, cache_dir: Path | None = None) -> dict:
 
 
 def export_state(engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
-    """Save the latest conversation's state (or `session`'s) as a snapshot at `path`
-    (a pipeline's: one part per rank, justfit.pipeline.state)."""
+    """Save the latest conversation's state (or `session`'s) as a snapshot at `path`."""
     states = engine.states
-    refuse_pipeline_session(engine, session)
-    if engine.pipeline is not None:
-        from justfit.pipeline.state import save
-
-        start = time.perf_counter()
-        written, held = save(engine, path, {**states.identity, "extra": extra or {}})
-        return StateIO(str(path), len(engine.pipeline_run.live[0]), held, written, time.perf_counter() - start)
     if session is not None and session not in states.sessions:
         raise KeyError(f"no session {session!r}")
     entry = states.entries[states.sessions[session]] if session is not None else states.last
@@ -84,33 +78,18 @@ def export_state(engine, path: str, extra: dict | None = None, session: str | No
 
 def import_state(engine, path: str, session: str | None = None) -> StateIO:
     """Store the snapshot's state as the latest conversation (or `session`'s); on any
-    error nothing changes (a pipeline's: on every rank or on none)."""
+    error nothing changes."""
     start = time.perf_counter()
-    refuse_pipeline_session(engine, session)
-    if engine.pipeline is not None:
-        from justfit.pipeline.state import load
-
-        manifest, held = load(engine, path, engine.states.identity)
-        return StateIO(str(path), manifest["positions"], held, snapshot_bytes(Path(path).expanduser() / "rank0"),
-                       time.perf_counter() - start, manifest.get("extra") or {})
     cache, manifest, held = engine.states.read(path)
     engine.states.put([int(t) for t in manifest["tokens"]], cache, session, manifest.get("sampler"))
     return StateIO(str(path), len(manifest["tokens"]), held, snapshot_bytes(path),
                    time.perf_counter() - start, manifest.get("extra") or {})
 
 
-def refuse_pipeline_session(engine, session: str | None) -> None:
-    """Named sessions are one process's state tiers: on a layer pipeline, ValueError."""
-    if session and getattr(engine, "pipeline", None) is not None:
-        raise ValueError("named sessions are kept by one process, not by a layer pipeline; send the request "
-                         "without a session (every rank keeps the latest conversation) or save it to a folder "
-                         "(chat: /save ./FOLDER; Engine.save_state(path))")
-
-
 def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
     """Name the latest conversation `name`: a session, written through to the state
     directory now and at every later turn of it; `extra` (JSON) is kept beside it."""
-    refuse_pipeline_session(engine, name)
+    engine.runner.refuse_session(name)
     states = engine.states
     entry = states.session_entry(name) if states.last is None else states.last
     if entry is None or not entry.tokens:
@@ -128,7 +107,7 @@ def save_session(engine, name: str, extra: dict | None = None) -> StateIO:
 def resume_session(engine, name: str) -> StateIO | None:
     """Session `name` from the state directory (the next request naming it prefills
     only what is new), with what was kept beside it; None if there is none."""
-    refuse_pipeline_session(engine, name)
+    engine.runner.refuse_session(name)
     start = time.perf_counter()
     entry = engine.states.session_entry(name)
     if entry is None:

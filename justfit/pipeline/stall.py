@@ -14,21 +14,26 @@ from justfit.errors import PipelineLost
 
 
 class StallWatch(threading.Thread):
-    """Watches `scheduler`'s running job (see the module's docstring)."""
+    """Watches `scheduler`'s running job and marks `pipeline_run` (a
+    justfit.pipeline.layers.PipelineRun) lost (see the module's docstring)."""
 
-    def __init__(self, scheduler, stall_s: float, every: float = 0.25):
+    def __init__(self, scheduler, pipeline_run, stall_s: float, every: float = 0.25):
         super().__init__(name="justfit-stall-watch", daemon=True)
-        self.scheduler, self.stall_s, self.every = scheduler, stall_s, every
+        self.scheduler, self.pipeline_run, self.stall_s, self.every = scheduler, pipeline_run, stall_s, every
         self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Stop watching (the scheduler is closing)."""
+        self.stopped.set()
 
     def run(self) -> None:
         """Until stopped, or until it has marked the group lost."""
         while not self.stopped.wait(self.every):
-            job, engine = self.scheduler.running, self.scheduler.engine
-            if job is None or engine.pipeline_run.lost or time.monotonic() - job.last_event < self.stall_s:
+            job, run = self.scheduler.running, self.pipeline_run
+            if job is None or run.lost or time.monotonic() - job.last_event < self.stall_s:
                 continue
-            engine.pipeline_run.lost = f"no answer from the layer pipeline for {self.stall_s:g} s"
-            error = PipelineLost(engine.pipeline_run.lost)
+            run.lost = f"no answer from the layer pipeline for {self.stall_s:g} s"
+            error = PipelineLost(run.lost)
             for waiting in [job, *self.scheduler.queued()]:
                 waiting.cancel.set()  # should the thread ever come back, it drops them
                 waiting.emit("error", error)

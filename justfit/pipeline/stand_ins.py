@@ -72,6 +72,21 @@ class WindowPosition(Position):
         """The shadow ring's arrays."""
         return [a for a in (self._ring.keys, self._ring.values) if a is not None]
 
+    @property
+    def place(self) -> tuple[int, list[int]]:
+        """Where the shadow ring is, for a snapshot: its length, and its offset, keep,
+        max_size and write index. Read through mlx-lm's public `state`, which in the
+        pinned range (mlx-lm 0.32) carries the arrays and those four numbers."""
+        keys, _, *numbers = self._ring.state
+        return (0 if keys is None else keys.shape[2]), [int(n) for n in numbers]
+
+    def restore(self, size: int, numbers: list[int]) -> None:
+        """Put the shadow ring where `place` said (`size` placeholder positions: only
+        their count matters to the masks)."""
+        dummy = mx.zeros((1, 1, size, 1), dtype=mx.float16) if size else None
+        self._ring.state = (dummy, dummy, *numbers)
+        self.offset = self._ring.offset
+
 
 def shadow(cache) -> Position:
     """The stand-in for a layer whose own cache would be `cache`."""

@@ -69,9 +69,8 @@ def capture_share(cache: list) -> tuple[dict[str, mx.array], dict]:
     shadows = {}
     for i, c in enumerate(cache):
         if isinstance(c, WindowPosition):
-            r = c._ring
-            shadows[i] = {"offset": c.offset, "size": 0 if r.keys is None else r.keys.shape[2],
-                          "ring": [r.offset, r.keep, r.max_size, r._idx]}
+            size, ring = c.place
+            shadows[i] = {"offset": c.offset, "size": size, "ring": ring}
         elif isinstance(c, Position):
             shadows[i] = {"offset": c.offset}
     return arrays, {"held": held, "layers": layers, "shadows": shadows}
@@ -90,11 +89,9 @@ def rebuild_share(arrays: dict[str, mx.array], share: dict, fresh: list) -> list
         c = cache[int(key)]
         if not isinstance(c, Position):
             raise SnapshotError(f"the part lacks layer {key}, which this rank holds")
-        c.offset = s["offset"]
         if isinstance(c, WindowPosition):
-            dummy = mx.zeros((1, 1, s["size"], 1), dtype=mx.float16) if s["size"] else None
-            c._ring.keys, c._ring.values = dummy, dummy
-            c._ring.offset, c._ring.keep, c._ring.max_size, c._ring._idx = s["ring"]
+            c.restore(s["size"], s["ring"])
+        c.offset = s["offset"]
     return cache
 
 
@@ -104,14 +101,15 @@ def _write_part(folder: Path, cache: list, meta: dict) -> int:
     return state_bytes(arrays)
 
 
-def save(engine, path: str, meta: dict) -> tuple[int, int]:
-    """Rank 0: write the pipeline's live state at `path` on every rank; (bytes written
-    here, state bytes here). Raises OSError naming the ranks that could not write (the
-    previous generation stays whole)."""
-    if engine.pipeline_run.live is None:
+def save(pipeline, run, path: str, meta: dict) -> tuple[int, int]:
+    """Rank 0 of `pipeline` (justfit.pipeline.layers.Pipeline): write `run`'s live state
+    (a PipelineRun's) at `path` on every rank; (bytes written here, state bytes here).
+    Raises OSError naming the ranks that could not write (the previous generation stays
+    whole)."""
+    if run.live is None:
         raise ValueError("nothing to save: the conversation holds no state yet")
-    held, cache, sampler = engine.pipeline_run.live
-    link, starts = engine.pipeline.link, list(engine.pipeline.split.starts)
+    held, cache, sampler = run.live
+    link, starts = pipeline.link, list(pipeline.split.starts)
     gen = os.urandom(6).hex()
     common = {**meta, "positions": len(held), "pipeline": {"starts": starts, "generation": gen}}
     announce(link, SAVE, {"path": str(path), "meta": common})
@@ -137,20 +135,21 @@ def _commit(link, path: str, keep: str | None, drop: str | None) -> None:
     _answers(link, True)
 
 
-def load(engine, path: str, identity: dict) -> tuple[dict, int]:
-    """Rank 0: restore the state saved at `path` on every rank or on none; the manifest
+def load(pipeline, run, new_cache, path: str, identity: dict) -> tuple[dict, int]:
+    """Rank 0 of `pipeline`: restore the state saved at `path` on every rank or on none
+    (`run.live` then holds it; `new_cache()` makes this rank's fresh cache); the manifest
     of rank 0's part and its state bytes. Raises SnapshotError saying which part is
     wrong."""
     arrays, manifest = load_snapshot(_part(path, 0))
     pipe = manifest.get("pipeline") or {}
-    starts = list(engine.pipeline.split.starts)
+    starts = list(pipeline.split.starts)
     if pipe.get("starts") != starts:
         raise SnapshotError(f"{path}: saved by a pipeline split at layers {pipe.get('starts')}, "
                             f"this one splits at {starts}")
     if {k: manifest.get(k) for k in identity} != identity:
         raise SnapshotError(f"{path}: saved for another model or KV settings")
-    cache = rebuild_share(arrays, manifest["share"], engine.new_cache())
-    link = engine.pipeline.link
+    cache = rebuild_share(arrays, manifest["share"], new_cache())
+    link = pipeline.link
     announce(link, LOAD, {"path": str(path), "generation": pipe["generation"], "parts": manifest["parts"],
                            "starts": starts, "identity": identity})
     answers = _answers(link, True)
@@ -158,13 +157,14 @@ def load(engine, path: str, identity: dict) -> tuple[dict, int]:
     if failed:
         raise SnapshotError(f"{path}: the part of rank(s) {failed} is missing, damaged or from another "
                             "save; no rank's state changed")
-    engine.pipeline_run.live = ([int(t) for t in manifest["tokens"]], cache, manifest.get("sampler") or {})
+    run.live = ([int(t) for t in manifest["tokens"]], cache, manifest.get("sampler") or {})
     return manifest, state_bytes(arrays)
 
 
-def follower_op(engine, op: int, payload: dict, cache: list) -> list:
-    """Rank r > 0: carry out rank 0's state operation; the cache to go on with."""
-    link, rank = engine.pipeline.link, engine.pipeline.rank
+def follower_op(pipeline, new_cache, op: int, payload: dict, cache: list) -> list:
+    """Rank r > 0 of `pipeline`: carry out rank 0's state operation (`new_cache()` makes
+    this rank's fresh cache); the cache to go on with."""
+    link, rank = pipeline.link, pipeline.rank
     path = payload["path"]
     if op == COMMIT:  # drop this rank's other generations (or the failed one)
         for p in Path(path).expanduser().glob(f"rank{rank}-*"):
@@ -188,10 +188,10 @@ def follower_op(engine, op: int, payload: dict, cache: list) -> list:
         if _manifest_digest(folder).hex() != payload["parts"].get(str(rank)):
             raise SnapshotError("another save's part")
         arrays, manifest = load_snapshot(folder)
-        if manifest["pipeline"]["starts"] != payload["starts"] or list(engine.pipeline.split.starts) != \
+        if manifest["pipeline"]["starts"] != payload["starts"] or list(pipeline.split.starts) != \
                 payload["starts"] or {k: manifest.get(k) for k in payload["identity"]} != payload["identity"]:
             raise SnapshotError("another split or model")
-        loaded = rebuild_share(arrays, manifest["share"], engine.new_cache())
+        loaded = rebuild_share(arrays, manifest["share"], new_cache())
     except Exception:  # noqa: BLE001  (any failure: every rank keeps its state)
         loaded = None
     answers = _answers(link, loaded is not None)

@@ -98,8 +98,10 @@ def check_fits(engine: EngineContext, prompt_tokens: int, max_tokens: int) -> tu
     if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
         raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
     positions = prompt_tokens + max_tokens
-    others = [(n, r) for r, n in enumerate(getattr(engine, "rank_limits", []) or []) if r and 0 <= n < positions]
-    if others:  # a pipeline rank's own budget holds fewer (rank 0's is checked below, with its plan)
+    # Extra limits, as data: the positions each other rank's own plan holds (the engine's
+    # runner gathered them at load; none for one process). Rank 0's is checked below, with its plan.
+    others = [(n, r) for r, n in enumerate(engine.rank_limits) if r and 0 <= n < positions]
+    if others:
         n, r = min(others)
         raise ContextTooLong(prompt_tokens, max_tokens, n, f"positions rank {r} of the layer pipeline holds in its "
                              f"budget (per rank: {engine.rank_limits})")

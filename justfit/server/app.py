@@ -25,7 +25,6 @@ from justfit import runtime
 from justfit.planning.breakdown import process_breakdown
 from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerStopping
 from justfit.engine.scheduler import Job, QueueFull, Scheduler
-from justfit.engine.state_io import refuse_pipeline_session
 from justfit.engine.tickets import TICKET_HEADER
 from justfit.server import connections, keys, status_page
 from justfit.server.metrics import Metrics, acceptance_rate, memory, prometheus
@@ -55,7 +54,7 @@ class ServerConfig:
     default_max_tokens: int = 1024
     model_name: str | None = None  # the id clients use; default: the engine's model name
     keepalive_s: float = 1.0  # a stream silent this long (a long prefill chunk) gets a comment or ping
-    rank_timeout_s: float = 300.0  # a layer pipeline silent this long mid-request is lost (justfit.pipeline.stall)
+    rank_timeout_s: float = 300.0  # a request silent this long is lost, where the runner watches (a layer pipeline)
     drain_s: float = 10.0  # on a stop signal: how long running requests get to finish (justfit.server.lifecycle)
     write_wait_s: float = 60.0  # how long a response waits for its session's write before saying it is not stored
     # A connection's read timeouts and the connection limit (justfit.server.connections):
@@ -73,10 +72,9 @@ class Server:
         self.engine, self.config = engine, config or ServerConfig()
         self.tokenizing = TokenizerThread()
         self.metrics = Metrics()
-        piped = getattr(engine, "pipeline", None) is not None
         self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record,
                                    max_batch=self.config.max_batch, preempt=self.config.preempt,
-                                   stall_s=self.config.rank_timeout_s if piped else None)
+                                   stall_s=self.config.rank_timeout_s)
         self.model_id = self.config.model_name or _short_name(str(engine.name))
         self.created = int(time.time())
         self.draining = False  # a stop signal came: new requests get 503 (justfit.server.lifecycle)
@@ -133,11 +131,11 @@ class Server:
         if self.draining:
             raise BadRequest(str(ServerStopping()), None, 503, "server_error", "server_stopping",
                              {"retry_after": 5, "ticket": ""})
-        if self.engine.pipeline_run.lost:  # nothing can run until every rank is restarted
-            raise BadRequest(str(PipelineLost(self.engine.pipeline_run.lost)), None, 503, "server_error",
-                             "pipeline_degraded")
+        runner = self.engine.runner
+        if runner.lost:  # nothing can run until every rank is restarted
+            raise BadRequest(str(PipelineLost(runner.lost)), None, 503, "server_error", "pipeline_degraded")
         try:
-            refuse_pipeline_session(self.engine, opts.session)
+            runner.refuse_session(opts.session)
         except ValueError as e:
             raise BadRequest(str(e), "session", 400, "invalid_request_error", "session_unsupported") from None
         job = Job(tokens, opts.sampling, asyncio.get_running_loop(), session=opts.session, route=route,
@@ -248,16 +246,16 @@ class Server:
 
     # -- operations -----------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: ok (degraded once a pipeline rank is gone), and the model served."""
-        lost, pipeline = self.engine.pipeline_run.lost, getattr(self.engine, "pipeline", None)
+        """GET /health: ok (degraded once the runner is lost: a pipeline rank gone), the
+        model served, and what the runner adds (a pipeline's ranks)."""
+        runner = self.engine.runner
         states = getattr(self.engine, "states", None)
         failing = states.degraded() if states is not None else ""
-        status = "stopping" if self.draining else "degraded" if lost or failing else "ok"
+        status = "stopping" if self.draining else "degraded" if runner.lost or failing else "ok"
         body = {"status": status, "model": self.model_id}
         if failing:  # the newest session write failed (e.g. a full disk): said here, details in the log
             body["reason"] = "session writes are failing: the latest turns are held in memory only"
-        if pipeline is not None:
-            body["pipeline"] = {"ranks": pipeline.size, "lost": lost or None}
+        body.update(runner.health())
         return web.json_response(body, status=503 if self.draining else 200)
 
     async def prometheus(self, request: web.Request) -> web.Response:
