@@ -459,15 +459,21 @@ def _part_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * next(size for name, size in DTYPES.values() if name == dtype)
 
 
+def _open_file_of(src: Path, path: Path) -> int:
+    """A read descriptor on the file `path` of the snapshot at `src`; SnapshotError when
+    it is missing (damage, unless the snapshot itself is gone) or not a regular file."""
+    try:
+        return _open_regular(path)
+    except FileNotFoundError:
+        raise SnapshotError(f"{src}: missing {path.name}", damaged=os.path.lexists(src)) from None
+
+
 def _check_pages(src: Path, manifest: dict, header: Header, verify: bool) -> None:
     """Add the manifest's page parts to `header`: each file regular, each part inside it,
     none overlapping, none also in the arrays file (with `verify`, each part's sha256)."""
     for name, parts in _page_entries(manifest, src).items():
         path = src / name
-        try:
-            fd = _open_regular(path)
-        except FileNotFoundError:
-            raise SnapshotError(f"{src}: missing {name}", damaged=os.path.lexists(src)) from None
+        fd = _open_file_of(src, path)
         try:
             size = os.fstat(fd).st_size
             spans = sorted((off, off + _part_bytes(dtype, shape)) for off, dtype, shape, _ in parts.values())
@@ -517,10 +523,7 @@ def read_header(src: Path, manifest: dict, verify: bool = False) -> Header:
     its sha256 too), and every array lies inside it with none overlapping, so loading
     it allocates at most its size. Raises SnapshotError."""
     data, size, sha = _arrays_file(manifest, src)
-    try:
-        fd = _open_regular(data)
-    except FileNotFoundError:
-        raise SnapshotError(f"{src}: missing {data.name}", damaged=os.path.lexists(src)) from None
+    fd = _open_file_of(src, data)
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
