@@ -31,7 +31,7 @@ defaults: calibrated pages stepping down the ladder as the budget tightens), jus
 calibrated pages, ladder off, the pages the budget cannot hold on disk and read back just
 in time: kvexec/disk_pages.py), justfit-compact (the
 fewest bytes per position), justfit-retention (at most `--retain` positions kept); any
-JustFit system with `+resident` keeps every weight in memory (EngineConfig.stream_weights
+JustFit system with `+resident` keeps every weight in memory (EngineConfig.offload_weights
 False: no layer streamed from disk at the budget's edge, as the others keep theirs).
 JustFit rows carry `kv_formats`, `fidelity` (bench/fidelity.py) and
 `past_trained_context`; headline ratios use only rows at top-1 >= 99%.

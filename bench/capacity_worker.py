@@ -96,7 +96,7 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
 
         group = mx.distributed.init()
     config = EngineConfig(context_limit=limit, budget_bytes=budget, budget_covers_process=True,
-                          stream_weights=not resident)
+                          offload_weights=not resident)
     if system == "justfit-retention":
         config = replace(config, kv=KVConfig(max_positions=retain, pin_prompt=False))
     elif system == "justfit-lossless":  # q8c pages only: no page ever steps down

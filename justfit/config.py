@@ -63,9 +63,9 @@ class EngineConfig:
 
     budget_bytes: int | None = None
     budget_covers_process: bool = False  # the budget includes what the process holds outside MLX
-    # Under a budget, layers (then the head) may stay on disk and stream in as each is
-    # needed; False keeps every weight resident and refuses what would need streaming.
-    stream_weights: bool = True
+    # Under a budget, layers (then the head) may be offloaded: left on disk and read in as
+    # each is needed; False keeps every weight resident and refuses what would need it.
+    offload_weights: bool = True
     policy: str = "auto"
     prefill_chunk: int = 512
     gguf_bits: int | str = "native"  # see justfit.model.gguf.convert

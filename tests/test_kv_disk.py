@@ -112,7 +112,7 @@ ENGINE_KV = KVConfig(format="q8c", page_size=16, hot_window=16, block_tokens=32)
 
 
 def _config(tmp_path, **kw) -> EngineConfig:
-    return EngineConfig(policy="cpu", kv=kw.pop("kv", ENGINE_KV), prefill_chunk=16, stream_weights=False,
+    return EngineConfig(policy="cpu", kv=kw.pop("kv", ENGINE_KV), prefill_chunk=16, offload_weights=False,
                         state_dir=str(tmp_path / "state"), **kw)
 
 

@@ -202,7 +202,7 @@ def test_a_session_on_disk_resumes_after_a_restart_from_its_linked_pages(tiny_ll
     kv = KVConfig(format="q8c", page_size=16, hot_window=16, block_tokens=32)
 
     def config(state: Path, **kw) -> EngineConfig:
-        return EngineConfig(policy="cpu", kv=kv, prefill_chunk=16, stream_weights=False, state_dir=str(state),
+        return EngineConfig(policy="cpu", kv=kv, prefill_chunk=16, offload_weights=False, state_dir=str(state),
                             **kw)
 
     disk = config(tmp_path / "state", kv_disk=str(tmp_path / "kv"), kv_disk_layers=99, state_memory=0)

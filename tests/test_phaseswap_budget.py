@@ -19,7 +19,7 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
     # just short, every weight resident and prefill on them (no dense working copy, no drafts)
     budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False, verify_rows=1).total - 1024
     del free
-    resident = EngineConfig(policy="cpu", stream_weights=False)
+    resident = EngineConfig(policy="cpu", offload_weights=False)
     with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
         Engine(str(q8_dir), budget=weights // 2, config=resident)
     streaming = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))
@@ -55,17 +55,17 @@ def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, 
 
 
 def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir):
-    """The load-time check of stream_weights=False counts the smallest prefill the
+    """The load-time check of offload_weights=False counts the smallest prefill the
     planner takes (resident forms, the smallest chunk), not a dense working copy."""
     free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
     edge = free.edge_footprint()
     assert edge.working < free.footprint(1, chunk=MIN_PREFILL_CHUNK).working  # no dense copy
     budget = edge.total + 4096
     del free
-    eng = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu", stream_weights=False))
+    eng = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu", offload_weights=False))
     assert eng.edge_footprint().total <= budget
     with pytest.raises(BudgetExceeded):
-        Engine(str(q8_dir), budget=edge.total - 64 * 1024, config=EngineConfig(policy="cpu", stream_weights=False))
+        Engine(str(q8_dir), budget=edge.total - 64 * 1024, config=EngineConfig(policy="cpu", offload_weights=False))
 
 
 def test_refused_when_even_offloading_cannot_fit(q8_dir):

@@ -91,7 +91,7 @@ class Engine:
             # What the smallest request needs besides weights; the rest may hold weights.
             need = self._footprint(1, 0, 0, verify_rows=1)
             weight_limit = budget - need.total
-            if not self.config.stream_weights:  # every weight resident, or nothing can run
+            if not self.config.offload_weights:  # every weight resident, or nothing can run
                 dtype = mx.float32 if self.policy.fp32 else None
                 need = self._footprint(1, predict_resident_bytes(self.model, self.policy.resident, dtype),
                                        predict_prefill_bytes(self.model), chunk=MIN_PREFILL_CHUNK, dense_prefill=False,

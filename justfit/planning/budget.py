@@ -40,7 +40,7 @@ def _moves(engine: EngineContext, positions: int) -> list[str | None]:
     names) and growing layers' pages (None, one layer each). Either costs one byte read
     per byte of memory it frees, per token decoded and per prefill chunk, so the larger
     unit goes first: fewer reads for the same room. Pages move only with a KV folder."""
-    weights = engine.swap.offload_order() if engine.config.stream_weights else []
+    weights = engine.swap.offload_order() if engine.config.offload_weights else []
     sizes = [(engine.swap.registry.components[n].nbytes, n) for n in weights]
     kv = engine.config.kv
     if engine.config.kv_disk is not None and kv is not None and engine.config.kv_disk_layers is None:
