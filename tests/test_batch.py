@@ -134,7 +134,7 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=2**30, budget_covers_process=True))
     calls = []
     measure = engine.remeasure_outside
-    engine.remeasure_outside = lambda *a: (calls.append(a), measure(*a))
+    engine.remeasure_outside = lambda *a, **k: (calls.append(k), measure(*a, **k))
 
     async def both():
         loop = asyncio.get_running_loop()
@@ -150,3 +150,4 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
 
     asyncio.run(both())
     assert calls and engine.budget.bytes < 2**30  # the engine's share is what the outside leaves
+    assert any(k.get("seen", 0) > 0 for k in calls)  # with what the batch held besides MLX while it ran

@@ -2,6 +2,7 @@
 after a spike and quiet requests the engine's share recovers; a sustained rise stays."""
 
 import math
+import time
 
 import pytest
 
@@ -61,7 +62,7 @@ def tiny_dir(tmp_path_factory):
 
 def test_engine_share_recovers_after_a_spike_and_honours_a_rise(tiny_dir, monkeypatch):
     outside = {"now": 64 * MiB}
-    monkeypatch.setattr(outside_module, "measure_outside", lambda high_water=0, mlx_peak=0: outside["now"])
+    monkeypatch.setattr(outside_module, "measure_outside", lambda high_water=0, mlx_peak=0, seen=0: outside["now"])
     prompt, sp = list(range(3, 103)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     need = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).footprint(len(prompt) + sp.max_tokens).total
     slack = 4 * MiB
@@ -96,3 +97,28 @@ def test_engine_share_recovers_after_a_spike_and_honours_a_rise(tiny_dir, monkey
     for _ in range(3):
         engine.complete(prompt, sp)
         assert engine.budget.bytes == share - 3 * MiB
+
+
+def test_a_peak_outside_mlx_under_an_earlier_high_water_mark_still_counts(tiny_dir):
+    """Once an earlier, larger peak set the kernel's lifetime mark, a request's own peak
+    besides MLX no longer shows in it; the watch sampling while the request runs does."""
+    from justfit.memory import peak_rss_bytes
+
+    earlier = b"\x01" * (256 * MiB)  # touched: the process's lifetime mark goes above what follows
+    del earlier
+    engine = Engine(str(tiny_dir), budget=1 << 30, config=EngineConfig(policy="cpu", budget_covers_process=True))
+    prompt, sp = list(range(3, 103)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.complete(prompt, sp)
+    quiet = engine.budget.bytes
+    held = []
+
+    def progress(done, total):  # mid-request, 48 MiB besides MLX for a while, then gone
+        if not held:
+            held.append(b"\x01" * (48 * MiB))
+            time.sleep(0.1)
+            held[0] = None
+
+    mark = peak_rss_bytes()
+    list(engine.generate(prompt, sp, progress=progress))
+    assert peak_rss_bytes() == mark  # the kernel's mark could not have shown it
+    assert engine.budget.bytes <= quiet - 40 * MiB

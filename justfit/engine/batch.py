@@ -215,6 +215,7 @@ def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None 
     steps, the state computed so far stored."""
     runner = BatchRunner(engine, max_batch=1)
     high_water = peak_rss_bytes()
+    watch = engine.watch_outside()
     runner.admit(seq)
     try:
         if progress:
@@ -228,7 +229,8 @@ def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None 
     finally:
         if seq in runner.running or seq in runner.parked:  # cancelled or failed: stored as computed
             runner.leave(seq)
-        engine.remeasure_outside(high_water, seq.stats.memory.mlx_peak if seq.stats.memory else 0)
+        engine.remeasure_outside(high_water, seq.stats.memory.mlx_peak if seq.stats.memory else 0,
+                                 watch.stop() if watch is not None else 0)
 
 
 def run_all(runner: BatchRunner, seqs: list[Sequence]) -> Iterator[tuple[Sequence, Chunk | None]]:

@@ -38,20 +38,27 @@ class _Worker:
         return bool(self.runner.running or self.runner.parked)
 
     def run(self) -> None:
-        was_busy = False
-        while True:
-            busy = self.busy
-            if was_busy and not busy:
-                # The batch drained: what the process holds besides MLX is measured again
-                # (a whole-process budget's outside share).
-                self.runner.engine.remeasure_outside()
-            was_busy = busy
-            closing = self._admit(block=not busy)
-            if closing and not self.busy:
-                return
-            self._drop_cancelled()
-            if self.busy:
-                self._step()
+        was_busy, watch = False, None
+        try:
+            while True:
+                busy = self.busy
+                if was_busy and not busy:
+                    # The batch drained: what the process holds besides MLX is measured again
+                    # (a whole-process budget's outside share), its peak while it ran too.
+                    self.runner.engine.remeasure_outside(seen=watch.stop() if watch is not None else 0)
+                    watch = None
+                was_busy = busy
+                closing = self._admit(block=not busy)
+                if closing and not self.busy:
+                    return
+                self._drop_cancelled()
+                if self.busy:
+                    if watch is None:
+                        watch = self.runner.engine.watch_outside()
+                    self._step()
+        finally:
+            if watch is not None:
+                watch.stop()
 
     def _admit(self, block: bool) -> bool:
         """Start jobs from the head of the queue while the batch has a free row and

@@ -57,5 +57,8 @@ class EngineContext(Protocol):
     def state_allowance(self, request: Footprint) -> int | None:
         """What the budget leaves for stored states while `request` runs."""
 
-    def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
+    def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the engine's share."""
+
+    def watch_outside(self) -> Any:
+        """A started OutsideWatch while requests run (None without a whole-process budget)."""

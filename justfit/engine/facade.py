@@ -16,7 +16,7 @@ import psutil
 
 from justfit import blas, runtime
 from justfit.planning.budget import check_fits, plan
-from justfit.planning.outside import Budget, ProcessShare
+from justfit.planning.outside import Budget, OutsideWatch, ProcessShare
 from justfit.model.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
 from justfit.model import adapter
@@ -168,10 +168,15 @@ class Engine:
         self.swap.registry.strict = True
         runtime.hold_memory(self.budget.bytes)
 
-    def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0) -> None:
+    def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the
         engine's share (justfit.planning.outside.Budget.remeasure); nothing otherwise."""
-        self.budget.remeasure(high_water, mlx_peak)
+        self.budget.remeasure(high_water, mlx_peak, seen)
+
+    def watch_outside(self) -> OutsideWatch | None:
+        """A started watch of what the process holds besides MLX while requests run
+        (under a whole-process budget; None otherwise): its `stop()` is `seen` above."""
+        return self.budget.watch()
 
     def _footprint(self, positions: int, weights: int | None, working: int,
                    kv: KVConfig | None | str = "engine", chunk: int | None = None,

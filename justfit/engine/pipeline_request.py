@@ -31,6 +31,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
     and the state kept then holds exactly the tokens computed."""
     offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
     high_water = peak_rss_bytes()
+    watch = engine.watch_outside()
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     # A pipeline keeps its last state on every rank (stored states are one process's).
@@ -54,7 +55,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
-        engine.remeasure_outside(high_water, stats.memory.mlx_peak)
+        engine.remeasure_outside(high_water, stats.memory.mlx_peak, watch.stop() if watch is not None else 0)
 
 
 def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,

@@ -2,6 +2,11 @@
 (interpreter, libraries, tokenizer, BLAS buffers, Python objects), measured after
 each request and kept as a decaying maximum over recent requests.
 
+The peak of a request counts, not only what is left after it: while requests run, a
+thread (`OutsideWatch`) samples the process's resident set less MLX's active bytes every
+10 ms, since the kernel's high-water mark, once an earlier request set it, no longer
+says what a later one held besides MLX at its peak.
+
 A lifetime maximum would be a ratchet: one spike (a huge prompt's tokenization, a
 burst of objects) would shrink the engine's share for good. Here a sample above the
 estimate is taken at once (a sustained rise is honoured from its first request);
@@ -15,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
+import psutil
 
 from justfit.memory import peak_rss_bytes, rss_bytes, trim_heap
 
@@ -38,14 +44,40 @@ def decayed_max(estimate: int, sample: int, decay: OutsideDecay = OutsideDecay()
     return sample + int((estimate - sample) * 0.5 ** (1 / decay.half_life))
 
 
-def measure_outside(high_water: int = 0, mlx_peak: int = 0) -> int:
-    """What the process holds besides MLX now, after a heap trim; and, when the request
-    just run raised the process's high-water mark above `high_water` (the mark before
-    it), the larger of that and the mark less the request's MLX peak `mlx_peak`. A
-    request that stays below an earlier mark shows only the first: the kernel keeps
-    one lifetime mark, which JustFit does not reset (benchmarks read it)."""
+class OutsideWatch:
+    """The most the process held besides MLX at any moment while it ran: its resident
+    set less MLX's active bytes, sampled every `every_s` by a thread until `stop`."""
+
+    def __init__(self, every_s: float = 0.01):
+        self.most = 0
+        self._every = every_s
+        self._stop = threading.Event()
+        self._process = psutil.Process()
+        self._thread = threading.Thread(target=self._run, name="justfit-outside-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            rss = self._process.memory_info().rss  # first: a buffer MLX allocates between the reads is not counted twice
+            self.most = max(self.most, rss - mx.get_active_memory())
+            if self._stop.wait(self._every):
+                return
+
+    def stop(self) -> int:
+        """Stop sampling; the most seen (bytes)."""
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def measure_outside(high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> int:
+    """What the process holds besides MLX now, after a heap trim; the most an
+    `OutsideWatch` saw while the request ran (`seen`); and, when the request raised the
+    process's high-water mark above `high_water` (the mark before it), the mark less the
+    request's MLX peak `mlx_peak`: the largest of these. (The kernel keeps one lifetime
+    mark, which JustFit does not reset: benchmarks read it.)"""
     trim_heap()
-    outside = rss_bytes() - mx.get_active_memory()
+    outside = max(rss_bytes() - mx.get_active_memory(), seen)
     peak = peak_rss_bytes()
     if mlx_peak and peak > high_water:
         outside = max(outside, peak - mlx_peak)
@@ -60,10 +92,10 @@ class ProcessShare:
     process_budget: int
     outside: int = 0
 
-    def remeasure(self, high_water: int = 0, mlx_peak: int = 0) -> int:
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> int:
         """Measure the outside share again (after a request: `high_water`, `mlx_peak`,
-        see `measure_outside`); return the engine's share now."""
-        self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak))
+        `seen`, see `measure_outside`); return the engine's share now."""
+        self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak, seen))
         return self.process_budget - self.outside
 
 
@@ -94,12 +126,18 @@ class Budget:
         with self._lock:
             self._bytes, self._share = nbytes, None
 
-    def remeasure(self, high_water: int = 0, mlx_peak: int = 0) -> None:
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the
         engine's share again (`ProcessShare.remeasure`); nothing otherwise."""
         with self._lock:
             if self._share is not None:
-                self._bytes = self._share.remeasure(high_water, mlx_peak)
+                self._bytes = self._share.remeasure(high_water, mlx_peak, seen)
+
+    def watch(self) -> OutsideWatch | None:
+        """Under a whole-process budget, a started watch of what the process holds
+        besides MLX while requests run (its `stop()` goes to `remeasure` as `seen`);
+        None otherwise (nothing to measure it for)."""
+        return OutsideWatch() if self._share is not None else None
 
     @contextlib.contextmanager
     def trial(self, nbytes: int | None):
