@@ -153,7 +153,7 @@ class PageFile:
     def __del__(self):
         try:
             self.close()
-        except (OSError, AttributeError):
+        except Exception:  # noqa: BLE001 - at interpreter exit `os` may already be gone
             pass
 
 
