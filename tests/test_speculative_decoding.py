@@ -48,6 +48,24 @@ class Oracle:
         self.verifies += 1
 
 
+class _FlatCosts:
+    """Step costs equal whatever the rows: a draft always pays. How much is drafted then
+    does not hang on how long this machine's steps happened to take, which the identity
+    tested here does not depend on (draft_length itself: tests/test_speculate.py)."""
+
+    def cost(self, rows: int) -> float:
+        return 1.0
+
+
+@pytest.fixture
+def drafts_always_pay(monkeypatch):
+    import justfit.engine.sequence as sequence_module
+
+    real = sequence_module.draft_length
+    monkeypatch.setattr(sequence_module, "draft_length", lambda proposed, acceptance, costs:
+                        real(proposed, acceptance, _FlatCosts()))
+
+
 def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
@@ -68,6 +86,7 @@ def engine(request, tiny_llama_dir, tiny_gemma3_dir):
 PROMPT = [(11 * j) % 240 + 3 for j in range(45)]
 
 
+@pytest.mark.usefixtures("drafts_always_pay")
 def test_drafted_greedy_reply_equals_plain_and_stores_the_same_state(engine):
     engine.reset()
     plain, _, _ = _run(engine, PROMPT, _greedy(40, speculate=False))
@@ -92,6 +111,7 @@ def test_speculate_false_turns_drafting_off(engine):
     engine.reset()
 
 
+@pytest.mark.usefixtures("drafts_always_pay")
 def test_a_reply_ending_inside_a_draft_keeps_only_what_plain_decoding_fed(engine):
     engine.reset()
     plain, text, _ = _run(engine, PROMPT, _greedy(30, speculate=False))
@@ -111,6 +131,7 @@ def test_a_reply_ending_inside_a_draft_keeps_only_what_plain_decoding_fed(engine
     engine.reset()
 
 
+@pytest.mark.usefixtures("drafts_always_pay")
 def test_drafts_in_a_batch_through_preemption_to_disk(tiny_llama_dir, tmp_path):
     from tests.test_batch_preempt import NEW, PROMPTS, _alone, _two_long
 
@@ -127,6 +148,7 @@ def test_drafts_in_a_batch_through_preemption_to_disk(tiny_llama_dir, tmp_path):
     assert runner.preemptions > 0 and sum(s.stats.accepted_tokens for s in seqs) > 0
 
 
+@pytest.mark.usefixtures("drafts_always_pay")
 def test_sampled_replies_keep_their_distribution(tiny_llama_dir, monkeypatch):
     """The third token over many RNG seeds, drafted (a greedy guess, often wrong) and not:
     two samples of one distribution (two-sample chi-square, p = 0.001). Drafts run for
