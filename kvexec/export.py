@@ -275,16 +275,14 @@ def restore_store(arrays: dict[str, mx.array], meta: dict) -> PageStore:
     for i, s in enumerate(meta["segments"]):
         keys = {p: arrays[f"seg{i}.k.{p}"] for p in s["keys"]}
         values = {p: arrays[f"seg{i}.v.{p}"] for p in s["values"]}
-        extent = None
-        if any(isinstance(a, SpilledPart) for a in (*keys.values(), *values.values())):
-            # pages a snapshot links: the segment stays on disk where they lie whole
-            extent = joined(keys, values) if all(isinstance(a, SpilledPart) for a in
-                                                 (*keys.values(), *values.values())) else None
-            if extent is None:
-                keys, values = ({p: a.read() if isinstance(a, SpilledPart) else a for p, a in side.items()}
-                                for side in (keys, values))
-            else:
-                keys, values = {}, {}
+        # Pages a snapshot links stay on disk where they lie whole; parts that do not are read.
+        on_disk = all(isinstance(a, SpilledPart) for a in (*keys.values(), *values.values()))
+        extent = joined(keys, values) if on_disk else None
+        if extent is not None:
+            keys, values = {}, {}
+        else:
+            keys, values = ({p: a.read() if isinstance(a, SpilledPart) else a for p, a in side.items()}
+                            for side in (keys, values))
         seg = Segment(s["start"], s["capacity"], keys, values, get_format(s["format"]), s["length"], s["score"],
                       arrays.get(f"seg{i}.key_min"), arrays.get(f"seg{i}.key_max"), extent)
         store.segments.append(seg)
