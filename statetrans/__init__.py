@@ -9,7 +9,8 @@ sequence's state aside on disk and take it back (preemption).
 
 from statetrans.memory_tier import Reuse
 from statetrans.parking import Parked, keep_parked, park, unpark
-from statetrans.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_bytes
+from statetrans.publish import save_snapshot
+from statetrans.snapshot import SnapshotError, load_snapshot, snapshot_bytes
 from statetrans.state import capture, holds, rebuild, state_bytes
 from statetrans.tiers import StateTiers
 

@@ -20,7 +20,8 @@ from statetrans.identity import peek
 from statetrans.memory_tier import Entry
 from statetrans.quarantine import quarantine, scannable
 from statetrans.schema import Expect
-from statetrans.snapshot import SnapshotError, publish_new, read_manifest, snapshot_bytes
+from statetrans.publish import publish_new
+from statetrans.snapshot import SnapshotError, read_manifest, snapshot_bytes
 from statetrans.state import trimmable_meta
 
 log = logging.getLogger("justfit.statetrans")

@@ -28,7 +28,8 @@ from statetrans.memory_tier import Entry
 from statetrans.quarantine import quarantine, scannable
 from statetrans.quota import Usage
 from statetrans.schema import Expect
-from statetrans.snapshot import SnapshotError, read_json_file, snapshot_bytes, write_files
+from statetrans.publish import write_files
+from statetrans.snapshot import SnapshotError, read_json_file, snapshot_bytes
 from statetrans.state import trimmable_meta
 
 SESSIONS = "sessions"
