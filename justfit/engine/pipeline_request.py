@@ -56,6 +56,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
         engine.remeasure_outside(high_water, stats.memory.mlx_peak, watch.stop() if watch is not None else 0)
+        engine.remeasure_reserve(request, len(held), stats.memory.mlx_peak, stats.memory.states)
 
 
 def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
