@@ -69,12 +69,12 @@ def test_after_requests_the_reserve_is_the_measured_excess_and_plans_use_it(tiny
     measure = engine.remeasure_reserve
     engine.remeasure_reserve = lambda *a: (seen.append(a), measure(*a))
     reply = engine.reply(prompt, sp)
-    (plan, positions, peak, states), = seen
+    (plan, positions, peak, states, besides), = seen
     assert plan.shape.chunk == reply.stats.prefill_chunk and peak == reply.stats.memory.mlx_peak
     assert positions in (len(prompt) + sp.max_tokens - 1, len(prompt) + sp.max_tokens)  # the length it reached
     reserve = engine.budget.reserve
     assert reserve.measured and reserve.requests == 1 and reserve.floor == 0
-    assert reserve.share == reserve_sample(plan.at(positions), peak, states)  # the measured excess, not 2%
+    assert reserve.share == reserve_sample(plan.at(positions), peak, states, besides)  # the measured excess, not 2%
     after = engine.footprint(len(prompt) + sp.max_tokens)
     assert after.reserve == int(reserve.share * after.terms) and after.terms == before.terms
     assert after.reserve != before.reserve and after.as_dict()["reserve_measured"]

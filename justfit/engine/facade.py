@@ -173,13 +173,20 @@ class Engine:
         engine's share (justfit.planning.outside.Budget.remeasure); nothing otherwise."""
         self.budget.remeasure(high_water, mlx_peak, seen)
 
-    def remeasure_reserve(self, plan: Footprint, positions: int, mlx_peak: int, states: int = 0) -> None:
+    def remeasure_reserve(self, plan: Footprint, positions: int, mlx_peak: int, states: int = 0,
+                          besides: int = 0) -> None:
         """Under a budget, after a request planned as `plan` that reached `positions`:
-        measure the planner's reserve again from its MLX peak (`mlx_peak`, `states` of
-        it stored states) against `plan` at those positions, at the chunk it used
+        measure the planner's reserve again from its MLX peak (`mlx_peak`; `states` of
+        it stored states, `besides` what `mlx_besides` said when it began) against
+        `plan` at those positions, at the chunk it used
         (justfit.planning.outside.Budget.remeasure_reserve)."""
         if positions > 0:
-            self.budget.remeasure_reserve(plan.at(positions), mlx_peak, states)
+            self.budget.remeasure_reserve(plan.at(positions), mlx_peak, states, besides)
+
+    def mlx_besides(self) -> int:
+        """MLX's active bytes besides this engine's resident weights and stored states
+        (another engine's, arrays a caller holds): not the engine's, though in its MLX peaks."""
+        return max(0, mx.get_active_memory() - self.swap.registry.resident_bytes() - self.states.memory_bytes)
 
     def watch_outside(self) -> OutsideWatch | None:
         """A started watch of what the process holds besides MLX while requests run

@@ -52,12 +52,13 @@ def decayed_max(estimate: int | float, sample: int | float, decay: OutsideDecay 
     return sample + (int(excess) if isinstance(estimate, int) and isinstance(sample, int) else excess)
 
 
-def reserve_sample(predicted: Footprint, mlx_peak: int, states: int = 0) -> float:
+def reserve_sample(predicted: Footprint, mlx_peak: int, states: int = 0, besides: int = 0) -> float:
     """The share of `predicted`'s terms (a request's footprint at its own length and
     chunk, the reserve left out) by which its MLX peak `mlx_peak`, less the stored
-    states `states` MLX held beside it, exceeded them; 0 when the peak stayed within."""
+    states `states` and what else MLX held when it began (`besides`: not the engine's,
+    e.g. another engine in the process), exceeded them; 0 when the peak stayed within."""
     terms = predicted.terms
-    return max(0, mlx_peak - states - terms) / terms if terms > 0 else 0.0
+    return max(0, mlx_peak - states - besides - terms) / terms if terms > 0 else 0.0
 
 
 class OutsideWatch:
@@ -134,14 +135,14 @@ class Budget:
         measured = self._reserve
         return measured if measured is not None and self._bytes is not None else PRIOR_RESERVE
 
-    def remeasure_reserve(self, predicted: Footprint, mlx_peak: int, states: int = 0) -> None:
+    def remeasure_reserve(self, predicted: Footprint, mlx_peak: int, states: int = 0, besides: int = 0) -> None:
         """Under a budget, after a request: how far its MLX peak went past `predicted`
         (its footprint at the length it reached and the chunk it used, `reserve_sample`),
         kept as a decaying maximum over requests; the first measurement replaces the
         prior. Nothing without a budget or a peak (a request that computed nothing)."""
         if self._bytes is None or mlx_peak <= 0 or predicted.terms <= 0:
             return
-        sample = reserve_sample(predicted, mlx_peak, states)
+        sample = reserve_sample(predicted, mlx_peak, states, besides)
         with self._lock:
             last = self._reserve
             share = sample if last is None else decayed_max(last.share, sample, self._decay)
