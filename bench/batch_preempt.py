@@ -18,11 +18,15 @@ from bench.common import prompt_tokens
 
 
 def _engine(args):
-    from justfit import Engine
+    from justfit import Engine, SamplingParams
     from justfit.config import EngineConfig
 
     # A loose budget first, so the policy is the one a budget picks; then the budget for two.
     engine = Engine(args.model, config=EngineConfig(policy=args.policy, budget_bytes=8 << 30))
+    # One request first: the planner's reserve measured, as the batches' requests plan with it.
+    engine.reply(prompt_tokens(engine.tokenizer, args.context), SamplingParams(temperature=0, max_tokens=args.tokens,
+                                                                              ignore_eos=True))
+    engine.reset()
     one = engine.footprint(args.context + args.tokens)
     engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
     return engine

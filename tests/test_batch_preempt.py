@@ -27,6 +27,8 @@ def _greedy(n: int) -> SamplingParams:
 def _two_long(path, state_dir) -> Engine:
     """An engine whose budget holds two sequences at PROMPT + NEW positions, not three."""
     engine = Engine(str(path), config=EngineConfig(budget_bytes=1 << 30, prefill_chunk=32, state_dir=str(state_dir)))
+    engine.reply(PROMPTS[0], _greedy(NEW))  # the planner's reserve measured, as the requests below plan with it
+    engine.reset()
     one = engine.footprint(PROMPT + NEW)
     engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
     return engine

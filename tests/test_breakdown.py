@@ -79,3 +79,18 @@ def test_fit_shows_the_breakdown(tiny_gguf):
     _check_sum(report["process"])
     text = runner.invoke(main, ["fit", "--model", str(tiny_gguf)])
     assert text.exit_code == 0 and "outside MLX" in text.output and "blas" in text.output
+
+
+def test_bench_plan_breakdown_checks_the_parts_against_rss(tiny_gguf):
+    from bench.plan import breakdown_table, breakdown_worker, check_breakdown
+
+    row = breakdown_worker(str(tiny_gguf), 4, 64)
+    for b in (row["load"], row["after_request"]):
+        assert b["measured_sum"] + b["parts"]["unaccounted"] == b["rss"]
+        assert b["gap"] == abs(b["rss"] - b["measured_sum"]) / b["rss"] and b["within"] == (b["gap"] <= TOLERANCE)
+    assert row["within"] and row["after_request"]["parts"]["pages"] + row["after_request"]["parts"]["hot_window"] > 0
+    text = "\n".join(breakdown_table(row))
+    assert "measured sum" in text and "RSS" in text and "within 5% of RSS" in text
+    far = {"parts": {"weights": 90, "unaccounted": 10}, "rss": 100, "outside_mlx": 0, "peaks": {}}
+    assert check_breakdown(far)["gap"] == pytest.approx(0.1) and not check_breakdown(far)["within"]
+    assert check_breakdown(far, tolerance=0.1)["within"]

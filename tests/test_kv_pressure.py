@@ -173,9 +173,11 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     paged = engine.states.last.cache
     grown = [c.store for c in paged if isinstance(c, kvexec.PagedKVCache) and c.store.window is None]
     assert grown and all(s.page_bytes() <= s.page_limit for s in grown)
-    # the planner's capacity at this budget counts the ladder's last step
-    wide_cap = engine.footprint(positions, chunk=fp.shape.chunk, dense_prefill=fp.shape.dense_prefill).max_positions(budget)
-    assert fp.max_positions(budget) > wide_cap
+    # the planner's capacity at this budget counts the ladder's last step (both with the
+    # reserve the request measured)
+    way = dict(chunk=fp.shape.chunk, dense_prefill=fp.shape.dense_prefill)
+    wide_cap = engine.footprint(positions, **way).max_positions(budget)
+    assert engine.footprint(positions, pressed=True, **way).max_positions(budget) > wide_cap
 
 
 def test_justfit_fit_reports_the_ladder(tiny_gemma3_dir):

@@ -12,7 +12,7 @@ import time
 import pytest
 from aiohttp import ClientSession, ClientTimeout
 
-from justfit import Engine
+from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from tests.server_harness import LiveServer, request
 
@@ -121,6 +121,8 @@ def test_four_clients_outgrowing_the_budget_get_their_replies_with_preemption(ti
                                                              state_dir=str(tmp_path)))
     longest = max(len(engine.encode(p)) for p in prompts) + 48
     assert longest < 400
+    engine.reply(prompts[0], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))  # the reserve measured
+    engine.reset()
     one, early = engine.footprint(longest), engine.footprint(longest - 40)
     # three join while their replies are short, and no longer fit together as they grow
     engine.set_budget(one.weights + one.working + one.transient + 3 * early.kv + one.reserve)

@@ -214,7 +214,7 @@ def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None 
     total)` after each prefill chunk. Closing the iterator early stops it between
     steps, the state computed so far stored."""
     runner = BatchRunner(engine, max_batch=1)
-    high_water = peak_rss_bytes()
+    high_water, besides = peak_rss_bytes(), engine.mlx_besides()
     watch = engine.watch_outside()
     runner.admit(seq)
     try:
@@ -229,8 +229,10 @@ def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None 
     finally:
         if seq in runner.running or seq in runner.parked:  # cancelled or failed: stored as computed
             runner.leave(seq)
-        engine.remeasure_outside(high_water, seq.stats.memory.mlx_peak if seq.stats.memory else 0,
-                                 watch.stop() if watch is not None else 0)
+        memory = seq.stats.memory
+        engine.remeasure_outside(high_water, memory.mlx_peak if memory else 0, watch.stop() if watch is not None else 0)
+        if memory is not None:  # the planner's reserve: what MLX peaked at against the plan at the length reached
+            engine.remeasure_reserve(seq.plan, len(seq.held), memory.mlx_peak, memory.states, besides)
 
 
 def run_all(runner: BatchRunner, seqs: list[Sequence]) -> Iterator[tuple[Sequence, Chunk | None]]:

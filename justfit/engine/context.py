@@ -60,5 +60,12 @@ class EngineContext(Protocol):
     def remeasure_outside(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> None:
         """Under a whole-process budget, take what the process holds besides MLX off the engine's share."""
 
+    def remeasure_reserve(self, plan: Footprint, positions: int, mlx_peak: int, states: int = 0,
+                          besides: int = 0) -> None:
+        """Under a budget, measure the planner's reserve again from a request's MLX peak against its plan."""
+
+    def mlx_besides(self) -> int:
+        """MLX's active bytes besides the engine's resident weights and stored states."""
+
     def watch_outside(self) -> Any:
         """A started OutsideWatch while requests run (None without a whole-process budget)."""

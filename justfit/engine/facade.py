@@ -172,6 +172,21 @@ class Engine:
         engine's share (justfit.planning.outside.Budget.remeasure); nothing otherwise."""
         self.budget.remeasure(high_water, mlx_peak, seen)
 
+    def remeasure_reserve(self, plan: Footprint, positions: int, mlx_peak: int, states: int = 0,
+                          besides: int = 0) -> None:
+        """Under a budget, after a request planned as `plan` that reached `positions`:
+        measure the planner's reserve again from its MLX peak (`mlx_peak`; `states` of
+        it stored states, `besides` what `mlx_besides` said when it began) against
+        `plan` at those positions, at the chunk it used
+        (justfit.planning.outside.Budget.remeasure_reserve)."""
+        if positions > 0:
+            self.budget.remeasure_reserve(plan.at(positions), mlx_peak, states, besides)
+
+    def mlx_besides(self) -> int:
+        """MLX's active bytes besides this engine's resident weights and stored states
+        (another engine's, arrays a caller holds): not the engine's, though in its MLX peaks."""
+        return max(0, mx.get_active_memory() - self.swap.registry.resident_bytes() - self.states.memory_bytes)
+
     def watch_outside(self) -> OutsideWatch | None:
         """A started watch of what the process holds besides MLX while requests run
         (under a whole-process budget; None otherwise): its `stop()` is `seen` above."""
@@ -186,7 +201,7 @@ class Engine:
                          4 if self.policy.fp32 else 2, pressed, dense_prefill,
                          limited=self.budget.bytes is not None, disk_layers=disk_layers,
                          verify_rows=self.verify_rows if verify_rows is None else verify_rows,
-                         row_invariant=self.config.deterministic)
+                         row_invariant=self.config.deterministic, reserve=self.budget.reserve)
 
     @property
     def verify_rows(self) -> int:

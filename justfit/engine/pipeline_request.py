@@ -30,7 +30,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
     resuming from and leaving `run.live`: closing the iterator early cancels cleanly,
     and the state kept then holds exactly the tokens computed."""
     offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
-    high_water = peak_rss_bytes()
+    high_water, besides = peak_rss_bytes(), engine.mlx_besides()
     watch = engine.watch_outside()
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
@@ -56,6 +56,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
         engine.remeasure_outside(high_water, stats.memory.mlx_peak, watch.stop() if watch is not None else 0)
+        engine.remeasure_reserve(request, len(held), stats.memory.mlx_peak, stats.memory.states, besides)
 
 
 def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,

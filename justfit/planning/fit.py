@@ -188,7 +188,7 @@ def format_fit(r: dict) -> str:
                   f"({format_size(fp['total'])} of {format_size(r['budget'])})",
                   f"  weights {format_size(fp['weights'])} + working copy {format_size(fp['working'])} + "
                   f"KV {format_size(fp['kv'])} + transient {format_size(fp['transient'])} + "
-                  f"reserve {format_size(fp['reserve'])}",
+                  f"reserve {format_size(fp['reserve'])} ({fp['reserve_from']})",
                   f"  prefill: {plan['prefill']}, {plan['prefill_chunk']} tokens per chunk; "
                   f"decode: {plan['decode']}",
                   f"  KV pages: {plan['pages']}; offloaded from disk: {_names(plan['offloaded'])}"]

@@ -210,5 +210,5 @@ def format_config_fit(r: dict) -> str:
         lines += ["", f"plan for {plan['positions']:,} positions: {verdict} ({format_size(fp['total'])} of "
                   f"{format_size(r['budget'])}{beyond})",
                   f"  weights {format_size(fp['weights'])} + KV {format_size(fp['kv'])} + transient "
-                  f"{format_size(fp['transient'])} + reserve {format_size(fp['reserve'])}"]
+                  f"{format_size(fp['transient'])} + reserve {format_size(fp['reserve'])} ({fp['reserve_from']})"]
     return "\n".join(lines)

@@ -7,6 +7,12 @@ thread (`OutsideWatch`) samples the process's resident set less MLX's active byt
 10 ms, since the kernel's high-water mark, once an earlier request set it, no longer
 says what a later one held besides MLX at its peak.
 
+The planner's reserve is measured the same way, under any budget: after each request,
+the share by which MLX's peak exceeded what the planner predicted for it (its
+footprint's terms at the request's own length and chunk: allocator rounding, transients
+the terms leave out), kept as a decaying maximum (`Budget.remeasure_reserve`); the
+planner's prior (2% + 256 KiB) until a request has run.
+
 A lifetime maximum would be a ratchet: one spike (a huge prompt's tokenization, a
 burst of objects) would shrink the engine's share for good. Here a sample above the
 estimate is taken at once (a sustained rise is honoured from its first request);
@@ -23,6 +29,7 @@ import mlx.core as mx
 import psutil
 
 from justfit.memory import peak_rss_bytes, rss_bytes, trim_heap
+from justfit.planning.planner import PRIOR_RESERVE, Footprint, Reserve
 
 
 @dataclass(frozen=True)
@@ -36,12 +43,22 @@ class OutsideDecay:
             raise ValueError(f"half_life must be > 0 requests, not {self.half_life}")
 
 
-def decayed_max(estimate: int, sample: int, decay: OutsideDecay = OutsideDecay()) -> int:
+def decayed_max(estimate: int | float, sample: int | float, decay: OutsideDecay = OutsideDecay()) -> int | float:
     """The next estimate: `sample` when it is higher, else `sample` plus the previous
-    excess over it, decayed by one request."""
+    excess over it, decayed by one request (whole bytes when both are ints)."""
     if sample >= estimate:
         return sample
-    return sample + int((estimate - sample) * 0.5 ** (1 / decay.half_life))
+    excess = (estimate - sample) * 0.5 ** (1 / decay.half_life)
+    return sample + (int(excess) if isinstance(estimate, int) and isinstance(sample, int) else excess)
+
+
+def reserve_sample(predicted: Footprint, mlx_peak: int, states: int = 0, besides: int = 0) -> float:
+    """The share of `predicted`'s terms (a request's footprint at its own length and
+    chunk, the reserve left out) by which its MLX peak `mlx_peak`, less the stored
+    states `states` and what else MLX held when it began (`besides`: not the engine's,
+    e.g. another engine in the process), exceeded them; 0 when the peak stayed within."""
+    terms = predicted.terms
+    return max(0, mlx_peak - states - besides - terms) / terms if terms > 0 else 0.0
 
 
 class OutsideWatch:
@@ -105,9 +122,31 @@ class Budget:
     requests. The engine builds one and keeps it; the value changes here, under a lock,
     never the engine's configuration (which keeps the budget given at load)."""
 
-    def __init__(self, nbytes: int | None, share: ProcessShare | None = None):
+    def __init__(self, nbytes: int | None, share: ProcessShare | None = None, decay: OutsideDecay = OutsideDecay()):
         self._lock = threading.Lock()
         self._bytes, self._share = nbytes, share
+        self._decay = decay
+        self._reserve: Reserve | None = None  # measured after requests under a budget (None: none yet)
+
+    @property
+    def reserve(self) -> Reserve:
+        """What plans keep back beyond their terms: under a budget, once a request ran,
+        the measured share (`remeasure_reserve`); the planner's prior otherwise."""
+        measured = self._reserve
+        return measured if measured is not None and self._bytes is not None else PRIOR_RESERVE
+
+    def remeasure_reserve(self, predicted: Footprint, mlx_peak: int, states: int = 0, besides: int = 0) -> None:
+        """Under a budget, after a request: how far its MLX peak went past `predicted`
+        (its footprint at the length it reached and the chunk it used, `reserve_sample`),
+        kept as a decaying maximum over requests; the first measurement replaces the
+        prior. Nothing without a budget or a peak (a request that computed nothing)."""
+        if self._bytes is None or mlx_peak <= 0 or predicted.terms <= 0:
+            return
+        sample = reserve_sample(predicted, mlx_peak, states, besides)
+        with self._lock:
+            last = self._reserve
+            share = sample if last is None else decayed_max(last.share, sample, self._decay)
+            self._reserve = Reserve(share, 0, True, (last.requests if last else 0) + 1)
 
     @property
     def bytes(self) -> int | None:

@@ -23,8 +23,9 @@ from kvexec.segments import allocated_positions
 from phaseswap.policy import default_policy, get_policy
 from phaseswap.predict import predict_resident_bytes, predict_working_bytes
 
-# Allocator slack and small temporaries the terms below do not model: a share of them
-# plus a floor that matters only for tiny models (masks, RoPE tables, small arrays).
+# The reserve before any request has measured one (`Reserve`): allocator slack and small
+# temporaries the terms below do not model, as a share of them plus a floor that matters
+# only for tiny models (masks, RoPE tables, small arrays).
 RESERVE = 0.02
 RESERVE_FLOOR = 1 << 18
 # Of the budget, what the pressure ladder leaves unused (see Footprint.page_allowance).
@@ -34,6 +35,38 @@ PAGE_MARGIN = 0.04
 # below glibc's mmap threshold (256 KiB under a budget) and fragment the heap, which
 # costs more outside MLX at the peak than the smaller transient saves.
 MIN_PREFILL_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What a footprint keeps back beyond its terms (weights, working copy, KV,
+    transient): `share` of them plus `floor` bytes. Before any request the prior
+    (RESERVE, RESERVE_FLOOR); under a budget, once requests ran, the measured share by
+    which MLX's peak exceeded the terms predicted at each request's own length and chunk
+    (justfit.planning.outside.Budget.remeasure_reserve), no floor."""
+
+    share: float = RESERVE
+    floor: int = RESERVE_FLOOR
+    measured: bool = False
+    requests: int = 0  # requests measured (0: the prior)
+
+    def __post_init__(self) -> None:
+        if self.share < 0 or self.floor < 0:
+            raise ValueError(f"a reserve is never below zero: share {self.share}, floor {self.floor}")
+
+    def bytes(self, terms: int) -> int:
+        """The reserve for a footprint whose terms sum to `terms` bytes."""
+        return int(self.share * terms) + self.floor
+
+    def describe(self) -> str:
+        """Where it comes from, for the footprint's text."""
+        if self.measured:
+            return (f"measured: {100 * self.share:.2f}% of the terms, MLX's peak over the prediction "
+                    f"in recent requests ({self.requests} measured)")
+        return f"prior: {100 * self.share:g}% of the terms + {self.floor >> 10} KiB, none measured yet"
+
+
+PRIOR_RESERVE = Reserve()
 
 
 @dataclass(frozen=True)
@@ -72,6 +105,7 @@ class _Shape:
     disk_layers: int = 0
     page_row_max: float = 0.0  # the largest layer's page_row (what one read buffer holds)
     verify_rows: int = 1  # the most positions one decode step feeds (speculative decoding's verify)
+    reserve: Reserve = PRIOR_RESERVE  # kept back beyond the terms (the prior, or the budget's measured one)
 
     @property
     def bytes_per_position(self) -> float:
@@ -95,12 +129,18 @@ class Footprint:
     @property
     def total(self) -> int:
         """Every kind together, the reserve included."""
-        return self.weights + self.working + self.kv + self.transient + self.reserve
+        return self.terms + self.reserve
+
+    @property
+    def terms(self) -> int:
+        """The predicted kinds without the reserve: what a request's MLX peak is measured against."""
+        return self.weights + self.working + self.kv + self.transient
 
     @property
     def reserve(self) -> int:
-        """What is kept back for the allocator and the terms the estimate leaves out."""
-        return int(RESERVE * (self.weights + self.working + self.kv + self.transient)) + RESERVE_FLOOR
+        """What is kept back for the allocator and the transients the terms leave out
+        (`shape.reserve`: the prior, or measured under a budget)."""
+        return self.shape.reserve.bytes(self.terms)
 
     def at(self, positions: int) -> Footprint:
         """The same request's footprint at `positions` retained positions."""
@@ -124,13 +164,14 @@ class Footprint:
         PAGE_MARGIN of it. Pages given the whole slack would put the request at the
         budget's edge, where the first-order terms above err by a few MiB; the margin
         costs only how many pages stay in the wider formats, not capacity."""
-        return self.pages + int(max(0, budget * (1 - PAGE_MARGIN) - self.total) / (1 + RESERVE))
+        return self.pages + int(max(0, budget * (1 - PAGE_MARGIN) - self.total) / (1 + self.shape.reserve.share))
 
-    def as_dict(self) -> dict[str, int]:
-        """The figures by name, for JSON."""
+    def as_dict(self) -> dict[str, int | bool | str]:
+        """The figures by name, for JSON (`reserve_from`: the reserve measured or the prior, in words)."""
         return {"positions": self.positions, "weights": self.weights, "working": self.working, "kv": self.kv,
                 "transient": self.transient, "reserve": self.reserve, "total": self.total,
-                "disk_layers": self.shape.disk_layers, "disk": self.disk}
+                "disk_layers": self.shape.disk_layers, "disk": self.disk,
+                "reserve_measured": self.shape.reserve.measured, "reserve_from": self.shape.reserve.describe()}
 
 
 def _layer_kv(s: _Shape, held: int, full_tokens: int | None = None, sliding: bool = False) -> tuple[float, float]:
@@ -234,7 +275,7 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
               kv: KVConfig | None = None, weights: int | None = None, working: int = 0,
               act_bytes: int | None = None, pressed: bool = False, dense_prefill: bool = True,
               limited: bool = False, disk_layers: int = 0, verify_rows: int = 1,
-              row_invariant: bool = False) -> Footprint:
+              row_invariant: bool = False, reserve: Reserve = PRIOR_RESERVE) -> Footprint:
     """What `positions` retained positions need; `kv` None means mlx-lm's own cache.
     `weights` defaults to every parameter the model holds; `working` is PhaseSwap's
     largest lease; `act_bytes` the activation width (4 for fp32 compute); `pressed`:
@@ -244,7 +285,8 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
     counted, not whole segments); `disk_layers`: growing layers whose pages live on disk;
     `verify_rows`: the most positions a decode step feeds (1 + a draft's tokens,
     justfit.engine.draft), each with its logits; `row_invariant`: a prefill chunk's
-    rows attend as lone queries (`--deterministic`, kvexec.attention.invariant_rows)."""
+    rows attend as lone queries (`--deterministic`, kvexec.attention.invariant_rows);
+    `reserve`: what is kept back beyond the terms (`Reserve`; the engine's budget measures it)."""
     arg = _arg_reader(model, config)
     hidden = arg("hidden_size")
     heads, kv_heads, head_dim = attention_shape(model, config)
@@ -256,7 +298,8 @@ def footprint(model: nn.Module, config: dict, positions: int, chunk: int = 512,
                             weights=weight_bytes(model) if weights is None else weights, working=working,
                             chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed,
                             window_layers=window_layers, dense_prefill=dense_prefill, limited=limited,
-                            disk_layers=disk_layers, verify_rows=verify_rows, row_invariant=row_invariant)
+                            disk_layers=disk_layers, verify_rows=verify_rows, row_invariant=row_invariant,
+                            reserve=reserve)
 
 
 def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ...], state_bytes: int, heads: int,
@@ -264,7 +307,8 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
                      working: int, chunk: int, kv: KVConfig | None, act_bytes: int,
                      pressed: bool = False, window_layers: tuple[int, ...] = (),
                      dense_prefill: bool = True, limited: bool = False, disk_layers: int = 0,
-                     verify_rows: int = 1, row_invariant: bool = False) -> Footprint:
+                     verify_rows: int = 1, row_invariant: bool = False,
+                     reserve: Reserve = PRIOR_RESERVE) -> Footprint:
     """`footprint` from layer counts and sizes alone, no model: what `justfit fit
     --config` plans a model with before its weights are downloaded. `window_layers`:
     the attention-layer indices of the sliding layers, where `kv` has per-layer formats
@@ -298,7 +342,7 @@ def layers_footprint(positions: int, *, full_layers: int, windows: tuple[int, ..
         intermediate=intermediate, vocab=vocab,
         chunk=chunk, act_bytes=act_bytes, dense_prefill=dense_prefill, limited=limited,
         disk_layers=0 if kv is None else min(disk_layers, full_layers), page_row_max=row_max,
-        verify_rows=max(1, verify_rows), row_invariant=row_invariant,
+        verify_rows=max(1, verify_rows), row_invariant=row_invariant, reserve=reserve,
     )
     return _estimate(shape, positions)
 
