@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import justfit.blas as blas
 
 log = logging.getLogger("justfit.runtime")
-MMAP_THRESHOLD = 1 << 18  # glibc: blocks this large and up are mapped alone, unmapped on free
 NATIVE_ENV = "JUSTFIT_NATIVE"  # "0": run without JustFit's native kernels (read by justfit_native)
 
 
@@ -127,20 +126,20 @@ def current() -> Runtime | None:
 
 
 def hold_memory(budget: int | None) -> None:
-    """Make freed memory go back to the system at once: glibc's mmap threshold and, on
-    the CPU, no MLX buffer cache (its buffers are plain process memory the planner does
-    not count and a whole-process peak does). On Metal, under a budget, MLX's own limits
-    held to it. Process-wide, so only here."""
+    """Make freed memory go back to the system at once: glibc's mmap threshold (under a
+    budget) and, on the CPU, no MLX buffer cache (its buffers are plain process memory
+    the planner does not count and a whole-process peak does). On Metal, under a
+    budget, MLX's own limits held to it. Process-wide, so only here."""
     import mlx.core as mx
 
     from justfit.memory import glibc
 
     libc = glibc()
-    if libc is not None:
+    if budget is not None and libc is not None:
         # By default glibc keeps raising its mmap threshold and recycles freed blocks in
         # its heap, so RSS stays at past transients' high-water mark; 256 KiB and up go
-        # back on free instead (MLX's CPU buffers, the tokenizer's temporaries).
-        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+        # back on free instead (a lower peak for slightly slower steps).
+        libc.mallopt(-3, 1 << 18)  # M_MMAP_THRESHOLD
     if not (mx.default_device() == mx.gpu and mx.metal.is_available()):
         mx.set_cache_limit(0)
         return

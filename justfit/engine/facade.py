@@ -54,7 +54,6 @@ class Engine:
     def __init__(self, model: str | None = None, budget: int | str | None = None,
                  config: EngineConfig | None = None, group=None):
         runtime.setup()  # idempotent: the shared exec stream for this thread (and OpenBLAS, if still in time)
-        runtime.hold_memory(None)  # before loading: the tokenizer's and conversion's temporaries go back when freed
         before_load = outside_anon()  # the interpreter and modules: the breakdown's first measured part
         config = config or EngineConfig()
         if budget is not None:
@@ -110,6 +109,8 @@ class Engine:
         # (a pipeline's rank holds part of the model: nothing to check row invariance on).
         self.numerics = self.runner.numerics or numerics.choose(self.config.deterministic, self.model, self.swap,
                                                                 self.new_cache, paged=self.config.kv is not None)
+        if budget is None:
+            runtime.hold_memory(None)  # without a budget too: freed buffers go back at once, a lower whole-process peak
         mx.clear_cache()  # the conversion's transients go back to the system, not MLX's cache
         trim_heap()  # and what converting the weights freed outside MLX
         self.load_marks = LoadMarks(before_load, loaded.tokenizer_bytes,
