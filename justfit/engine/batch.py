@@ -22,9 +22,9 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from justfit.engine.context import EngineContext
+from justfit.engine.context import EngineContext, measure_request
 from justfit.engine.generate import ProgressFn
-from justfit.memory import peak_rss_bytes, trim_heap
+from justfit.memory import trim_heap
 from justfit.engine.sequence import Sequence
 from justfit.engine.stats import Chunk
 from kvexec.batch_cache import batch_caches
@@ -214,8 +214,7 @@ def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None 
     total)` after each prefill chunk. Closing the iterator early stops it between
     steps, the state computed so far stored."""
     runner = BatchRunner(engine, max_batch=1)
-    high_water, besides = peak_rss_bytes(), engine.mlx_besides()
-    watch = engine.watch_outside()
+    measure = measure_request(engine)
     runner.admit(seq)
     try:
         if progress:
@@ -229,10 +228,7 @@ def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None 
     finally:
         if seq in runner.running or seq in runner.parked:  # cancelled or failed: stored as computed
             runner.leave(seq)
-        memory = seq.stats.memory
-        engine.remeasure_outside(high_water, memory.mlx_peak if memory else 0, watch.stop() if watch is not None else 0)
-        if memory is not None:  # the planner's reserve: what MLX peaked at against the plan at the length reached
-            engine.remeasure_reserve(seq.plan, len(seq.held), memory.mlx_peak, memory.states, besides)
+        measure.done(seq.plan, len(seq.held), seq.stats.memory)
 
 
 def run_all(runner: BatchRunner, seqs: list[Sequence]) -> Iterator[tuple[Sequence, Chunk | None]]:

@@ -8,12 +8,14 @@ any object with these members. `justfit.engine.facade.Engine` is the one impleme
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.nn as nn
 
 from justfit.config import EngineConfig
 from justfit.engine.numerics import Numerics
+from justfit.memory import MemoryReport, peak_rss_bytes
 from justfit.planning.outside import Budget
 from justfit.planning.planner import Footprint
 from justfit.engine.speculate import StepCosts
@@ -69,3 +71,28 @@ class EngineContext(Protocol):
 
     def watch_outside(self) -> Any:
         """A started OutsideWatch while requests run (None without a whole-process budget)."""
+
+
+@dataclass(frozen=True)
+class RequestMeasure:
+    """What a request is measured by for the budget, taken as it begins
+    (`measure_request`); `done` when it ends measures the outside share and the
+    planner's reserve again."""
+
+    engine: EngineContext
+    high_water: int  # the process's high-water mark before the request
+    besides: int  # MLX's bytes that were not the engine's (EngineContext.mlx_besides)
+    watch: Any  # an OutsideWatch while it runs, or None
+
+    def done(self, plan: Footprint, positions: int, memory: MemoryReport | None) -> None:
+        """After the request planned as `plan`, which reached `positions` and reported
+        `memory` (None: it failed before any)."""
+        mlx_peak = memory.mlx_peak if memory is not None else 0
+        self.engine.remeasure_outside(self.high_water, mlx_peak, self.watch.stop() if self.watch is not None else 0)
+        if memory is not None:  # the planner's reserve: what MLX peaked at against the plan at the length reached
+            self.engine.remeasure_reserve(plan, positions, mlx_peak, memory.states, self.besides)
+
+
+def measure_request(engine: EngineContext) -> RequestMeasure:
+    """Start measuring a request on `engine` (call before it allocates anything)."""
+    return RequestMeasure(engine, peak_rss_bytes(), engine.mlx_besides(), engine.watch_outside())

@@ -11,10 +11,10 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from justfit.engine.context import EngineContext
+from justfit.engine.context import EngineContext, measure_request
 from justfit.config import SamplingParams
 from justfit.engine.generate import ProgressFn, decode, prefill, token_logprobs
-from justfit.memory import MemoryReport, memory_report, peak_rss_bytes, trimming
+from justfit.memory import MemoryReport, memory_report, trimming
 from justfit.engine.sampling import keyed_sampler, logits_processors, new_rng
 from justfit.engine.stats import Chunk, GenerationStats
 from justfit.engine.stops import ReplyText
@@ -30,8 +30,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
     resuming from and leaving `run.live`: closing the iterator early cancels cleanly,
     and the state kept then holds exactly the tokens computed."""
     offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
-    high_water, besides = peak_rss_bytes(), engine.mlx_besides()
-    watch = engine.watch_outside()
+    measure = measure_request(engine)
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     # A pipeline keeps its last state on every rank (stored states are one process's).
@@ -55,8 +54,7 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
         engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
-        engine.remeasure_outside(high_water, stats.memory.mlx_peak, watch.stop() if watch is not None else 0)
-        engine.remeasure_reserve(request, len(held), stats.memory.mlx_peak, stats.memory.states, besides)
+        measure.done(request, len(held), stats.memory)
 
 
 def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
