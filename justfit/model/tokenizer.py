@@ -1,5 +1,6 @@
-"""The tokenizer of a model JustFit converted from GGUF: the `tokenizers` library and a
-sandboxed Jinja chat template, without `transformers`.
+"""The tokenizer of a model JustFit converted from GGUF: the `tokenizers` library (or, for
+a SentencePiece-style vocabulary, justfit.model.sentencepiece's arrays) and a sandboxed
+Jinja chat template, without `transformers`.
 
 mlx-lm's TokenizerWrapper wraps a transformers tokenizer, and importing transformers
 holds tens of MiB resident (more with the wrapper's Python-side vocabulary): under a
@@ -20,37 +21,69 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer as RustTokenizer
-from tokenizers.decoders import DecodeStream
+from justfit.model.sentencepiece import FILE_NAME as SENTENCEPIECE_FILE, SentencePieceBPE
+
+
+class LibraryTokenizer:
+    """A tokenizer.json read by the `tokenizers` library, behind SentencePieceBPE's methods."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of the token `text`, if any."""
+        return self._tokenizer.token_to_id(text)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id, every token."""
+        return self._tokenizer.get_vocab()
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size()
 
 
 class StreamingText:
     """One reply's tokens to text, a piece at a time (the detokenizer interface of
     mlx-lm: `reset`, `add_token`, `finalize`, `last_segment`). A character split
-    across tokens comes out whole, once its last byte arrived."""
+    across tokens comes out whole, once its last byte arrived: the text of the tokens
+    since the last piece let out is decoded with the piece before them as context,
+    and let out when it grew and does not end inside a character."""
 
-    def __init__(self, tokenizer: RustTokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, decode):
+        self._decode = decode
         self.reset()
 
     def reset(self) -> None:
         """Start a new reply."""
-        self._stream = DecodeStream(skip_special_tokens=False)
         self.tokens: list[int] = []
+        self._context, self._read = 0, 0  # token offsets: the decoding context's start; what was let out
         self._shown, self._pending = 0, ""  # characters let out so far; text not yet read
 
     def add_token(self, token: int) -> None:
         """Take the reply's next token; its text (if a whole character) waits in `last_segment`."""
         self.tokens.append(token)
-        piece = self._stream.step(self._tokenizer, token)
-        if piece:
+        before = self._decode(self.tokens[self._context:self._read])
+        now = self._decode(self.tokens[self._context:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            piece = now[len(before):]
             self._pending += piece
             self._shown += len(piece)
+            self._context, self._read = self._read, len(self.tokens)
 
     def finalize(self) -> None:
         """Let out what the stream still holds (bytes of an unfinished character, as
         U+FFFD: the reply ended inside it)."""
-        text = self._tokenizer.decode(self.tokens, skip_special_tokens=False)
+        text = self._decode(self.tokens)
         self._pending += text[self._shown:]
         self._shown = len(text)
 
@@ -65,7 +98,9 @@ class GGUFTokenizer:
     """A converted GGUF model's tokenizer (see the module doc)."""
 
     def __init__(self, folder: Path, eos_token_ids: list[int] | None = None):
-        self._tokenizer = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        compact = folder / SENTENCEPIECE_FILE
+        self._tokenizer = (SentencePieceBPE(compact) if compact.exists()
+                           else LibraryTokenizer(folder / "tokenizer.json"))
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.chat_template: str | None = config.get("chat_template")
         self.special_tokens = {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -79,7 +114,7 @@ class GGUFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens`: the BOS the model's GGUF asks for."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`."""
@@ -91,12 +126,12 @@ class GGUFTokenizer:
         return self._tokenizer.get_vocab()
 
     def __len__(self) -> int:
-        return self._tokenizer.get_vocab_size()
+        return len(self._tokenizer)
 
     @property
     def detokenizer(self) -> StreamingText:
         """A fresh streaming detokenizer (each caller its own)."""
-        return StreamingText(self._tokenizer)
+        return StreamingText(self._tokenizer.decode)
 
     def apply_chat_template(self, conversation: list[dict], tools: list | None = None,
                             add_generation_prompt: bool = False, tokenize: bool = True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 
 
 class UnsupportedModel(ValueError):

@@ -1,0 +1,272 @@
+"""A SentencePiece-style BPE tokenizer (GGUF's `llama` vocabularies, Gemma's among them)
+held in a few flat arrays instead of per-piece objects.
+
+The `tokenizers` library keeps such a vocabulary as two hash maps of strings plus a map
+of every implied merge: about 96 MiB resident for Gemma 3's 262,144 pieces. Here the
+pieces are one UTF-8 byte string with offsets, their scores and types two arrays, and a
+piece is found through an open-addressing table of its hash (about 10 MiB in all); the
+merges are not stored, they follow from the scores.
+
+The encoding is the one justfit.model.gguf.tokenizer builds for `tokenizers` (and llama.cpp
+checks): control and user-defined pieces are matched verbatim in the raw text first
+(leftmost, longest); each stretch between them has its spaces replaced by U+2581 (a
+prefix added when the vocabulary asks for one), then starts as one symbol a character
+(a character with no piece becomes its UTF-8 byte pieces) and repeatedly merges the
+adjacent pair whose joined text is a normal piece, best score first, ties by the pair's
+ids then by position. Merges never join a piece across a point where U+2581 follows
+another character unless some piece spans such a point, so a stretch is cut there and
+its parts (mostly words) are encoded once each and remembered.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from array import array
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"
+FILE_NAME = "tokenizer.spm.npz"
+_WORD_START = re.compile(f"(?<=[^{SPACE}])(?={SPACE})")  # where U+2581 follows another character
+_REMEMBERED_PARTS = 16384
+
+
+class BadVocabulary(ValueError):
+    """A vocabulary file that is not one this module wrote (truncated, altered, or another format)."""
+    pass
+
+
+def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
+    """Store a GGUF `llama` vocabulary (its pieces, scores, types and flags) at `path`."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    encoded = [t.encode("utf-8") for t in tokens]
+    offsets = np.zeros(len(tokens) + 1, np.int64)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+
+    def token_id(key: str) -> int:
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return -1 if value is None else int(value)
+
+    flags = [int(bool(meta.get("tokenizer.ggml.add_space_prefix", True))),
+             int(bool(meta.get("tokenizer.ggml.add_bos_token", False))), token_id("bos"), token_id("unknown")]
+    with open(path, "wb") as f:
+        np.savez(f, pieces=np.frombuffer(b"".join(encoded), np.uint8), offsets=offsets,
+                 scores=np.asarray(meta["tokenizer.ggml.scores"], np.float32),
+                 types=np.asarray(types, np.uint8), flags=np.asarray(flags, np.int64))
+
+
+class SentencePieceBPE:
+    """The tokenizer of one stored vocabulary (see the module doc)."""
+
+    def __init__(self, path: Path):
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                blob, offsets = z["pieces"].tobytes(), z["offsets"]
+                scores, types, flags = z["scores"], z["types"], z["flags"]
+        except Exception as e:
+            raise BadVocabulary(f"{path}: not a readable vocabulary ({e}); delete its folder to convert "
+                                f"the model again") from e
+        n = len(types)
+        if (len(offsets) != n + 1 or len(scores) != n or flags.shape != (4,) or offsets[0] != 0
+                or offsets[-1] != len(blob) or len(blob) >= 1 << 31 or np.any(np.diff(offsets) < 0)):
+            raise BadVocabulary(f"{path}: its arrays do not describe one vocabulary; delete its folder to "
+                                f"convert the model again")
+        self._blob = blob
+        self._offsets = array("i", offsets.astype(np.int32).tobytes())
+        self._scores = array("f", scores.astype(np.float32).tobytes())
+        self._types = bytes(types.astype(np.uint8))
+        self.add_prefix, self.add_bos = bool(flags[0]), bool(flags[1])
+        self.bos_id = int(flags[2]) if 0 <= flags[2] < n else None
+        self.unk_id = int(flags[3]) if 0 <= flags[3] < n else None
+        self._size = n
+        try:
+            self._index_pieces()
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BadVocabulary(f"{path}: a piece is not UTF-8 text ({e}); delete its folder to convert "
+                                f"the model again") from e
+        self._part = lru_cache(maxsize=_REMEMBERED_PARTS)(self._merge)
+
+    def _index_pieces(self) -> None:
+        """The hash table, the verbatim pieces by first character, the byte pieces and
+        the pieces that span a word start (U+2581 after another character)."""
+        n = self._size
+        slots = 1 << max(4, (n * 4 // 3).bit_length())
+        self._mask = slots - 1
+        self._slot_id = array("i", [-1]) * slots
+        self._slot_hash = array("q", [0]) * slots
+        self._verbatim: dict[str, list[int]] = {}  # first character -> lengths, longest first
+        self._verbatim_ids: dict[str, int] = {}
+        self._byte_id = [-1] * 256
+        bridges = []
+        for i in range(n):
+            piece = self.piece(i)
+            h = hash(piece)
+            j = h & self._mask
+            while self._slot_id[j] >= 0:
+                if self._slot_hash[j] == h and self.piece(self._slot_id[j]) == piece:
+                    break  # a duplicate piece keeps its first id, as a vocabulary map does
+                j = (j + 1) & self._mask
+            else:
+                self._slot_id[j], self._slot_hash[j] = i, h
+            kind = self._types[i]
+            if kind in (CONTROL, USER_DEFINED) and piece:
+                self._verbatim_ids.setdefault(piece, i)
+                self._verbatim.setdefault(piece[0], []).append(len(piece))
+            elif kind == BYTE and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                self._byte_id[int(piece[3:5], 16)] = i
+            if SPACE in piece[1:]:
+                bridges += [(piece, k) for k in range(1, len(piece)) if piece[k] == SPACE and piece[k - 1] != SPACE]
+        self._verbatim = {c: sorted(set(lengths), reverse=True) for c, lengths in self._verbatim.items()}
+        self._bridges = tuple(bridges)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def piece(self, token: int) -> str:
+        """The text of piece `token` as stored (U+2581 for spaces; "<0x41>" for a byte)."""
+        return self._blob[self._offsets[token]:self._offsets[token + 1]].decode("utf-8")
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of the piece whose text is `text`, if any."""
+        h = hash(text)
+        j = h & self._mask
+        while (i := self._slot_id[j]) >= 0:
+            if self._slot_hash[j] == h and self.piece(i) == text:
+                return i
+            j = (j + 1) & self._mask
+        return None
+
+    def get_vocab(self) -> dict[str, int]:
+        """Piece text -> id, every piece (built on each call: large)."""
+        vocab: dict[str, int] = {}
+        for i in range(self._size):
+            vocab.setdefault(self.piece(i), i)
+        return vocab
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens`: the BOS the vocabulary asks for."""
+        ids = [self.bos_id] if add_special_tokens and self.add_bos and self.bos_id is not None else []
+        start = 0
+        for at, token in self._verbatim_matches(text):
+            ids += self._stretch(text[start:at])
+            ids.append(self._verbatim_ids[token])
+            start = at + len(token)
+        ids += self._stretch(text[start:])
+        return ids
+
+    def _verbatim_matches(self, text: str):
+        """(position, piece) of each control or user-defined piece in `text`: leftmost
+        first, the longest where several start at one position, none overlapping."""
+        i, end = 0, len(text)
+        while i < end:
+            lengths = self._verbatim.get(text[i])
+            if lengths:
+                for length in lengths:
+                    if text[i:i + length] in self._verbatim_ids:
+                        yield i, text[i:i + length]
+                        i += length
+                        break
+                else:
+                    i += 1
+            else:
+                i += 1
+
+    def _stretch(self, text: str) -> list[int]:
+        """Ids of text between verbatim pieces, cut into parts at word starts."""
+        if not text:
+            return []
+        text = text.replace(" ", SPACE)
+        if self.add_prefix:
+            text = SPACE + text
+        ids: list[int] = []
+        start = 0
+        for m in _WORD_START.finditer(text):
+            at = m.start()
+            if not any(text[at - k:at - k + len(p)] == p for p, k in self._bridges):
+                ids += self._part(text[start:at])
+                start = at
+        ids += self._part(text[start:])
+        return ids
+
+    def _mergeable(self, left: int, right: int, text: str, heap: list, position: int) -> None:
+        merged = self.token_to_id(text)
+        if merged is not None and self._types[merged] == NORMAL:
+            heapq.heappush(heap, (-self._scores[merged], left, right, position, merged))
+
+    def _merge(self, text: str) -> tuple[int, ...]:
+        """Ids of one part: characters merged pairwise, best-scoring merge first."""
+        symbols: list[int] = []  # a piece id, or -1 - byte for a byte fallback
+        for ch in text:
+            token = self.token_to_id(ch)
+            if token is not None:
+                symbols.append(token)
+            else:
+                symbols += [-1 - b for b in ch.encode("utf-8")]
+        count = len(symbols)
+        texts = [self.piece(s) if s >= 0 else "" for s in symbols]
+        after = list(range(1, count + 1))
+        before = list(range(-1, count - 1))
+        heap: list = []
+        for i in range(count - 1):
+            if symbols[i] >= 0 and symbols[i + 1] >= 0:
+                self._mergeable(symbols[i], symbols[i + 1], texts[i] + texts[i + 1], heap, i)
+        while heap:
+            _, left, right, i, merged = heapq.heappop(heap)
+            j = after[i]
+            if symbols[i] != left or j >= count or symbols[j] != right:
+                continue  # a stale pair: one side merged since
+            symbols[i], texts[i] = merged, texts[i] + texts[j]
+            symbols[j] = None
+            after[i] = after[j]
+            if after[j] < count:
+                before[after[j]] = i
+            if before[i] >= 0 and symbols[before[i]] is not None and symbols[before[i]] >= 0:
+                p = before[i]
+                self._mergeable(symbols[p], merged, texts[p] + texts[i], heap, p)
+            if after[i] < count and symbols[after[i]] >= 0:
+                self._mergeable(merged, symbols[after[i]], texts[i] + texts[after[i]], heap, i)
+        out: list[int] = []
+        for s in symbols:
+            if s is None:
+                continue
+            if s >= 0:
+                out.append(s)
+            elif self._byte_id[-1 - s] >= 0:
+                out.append(self._byte_id[-1 - s])
+            elif self.unk_id is not None and not (out and out[-1] == self.unk_id):
+                out.append(self.unk_id)  # no byte piece: unknown, consecutive ones fused
+        return tuple(out)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (ids outside the vocabulary are dropped; a run of byte pieces
+        that is not UTF-8 gives U+FFFD a byte)."""
+        out: list[str] = []
+        pending = bytearray()
+        for token in ids:
+            if not 0 <= token < self._size or (skip_special_tokens and self._types[token] == CONTROL):
+                continue
+            piece = self.piece(token)
+            if self._types[token] == BYTE and len(piece) == 6 and piece.startswith("<0x"):
+                pending.append(int(piece[3:5], 16))
+                continue
+            if pending:
+                out.append(_bytes_text(pending))
+                pending.clear()
+            out.append(piece.replace(SPACE, " "))
+        if pending:
+            out.append(_bytes_text(pending))
+        text = "".join(out)
+        return text[1:] if self.add_prefix and text.startswith(" ") else text
+
+
+def _bytes_text(data: bytearray) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(data)
