@@ -159,6 +159,23 @@ def to_dense(mod: nn.Module, dtype: mx.Dtype = mx.float32) -> nn.Module:
     return dense
 
 
+class DenseWhileUsed(nn.Module):
+    """A linear's dense working copy made when it is called and dropped with its
+    product, which is evaluated at once: a layer's prefill then holds one dense weight
+    at a time. Held copies (`to_dense`) of every linear in a layer would all exist
+    together, since MLX evaluates them before the first product. Same products, bit for
+    bit, as the held copy."""
+
+    def __init__(self, mod: nn.Module):
+        super().__init__()
+        self.__dict__["stored"] = mod  # not a child module: the lease's parameters are none of its own
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = to_dense(self.__dict__["stored"])(x)
+        mx.eval(y)
+        return y
+
+
 def _dense_rows(mod: nn.Module, start: int, end: int) -> mx.array:
     """Rows start:end of the [out, in] weight, fp32, dequantizing only those rows."""
     if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):

@@ -148,11 +148,13 @@ class PhaseSwap:
         return self.registry.layers[::-1] + (["head"] if "head" in self.registry.components else [])
 
     def working_bytes(self, offloaded: tuple[str, ...] | list[str] = (), dense: bool = True) -> int:
-        """Largest transient a lease adds: a dense working copy (unless prefill runs on the
-        resident forms, `dense` False: then what their products dequantize), an offloaded component."""
+        """Largest transient a lease adds: a dense working copy, one linear at a time (unless
+        prefill runs on the resident forms, `dense` False: then what their products
+        dequantize), an offloaded component."""
         worst = 0
         for name, comp in self.registry.components.items():
-            dense_copy = comp.dense_nbytes if dense and self.prefill_forms.get(name) == "dense" else comp.prefill_nbytes
+            dense_copy = (comp.dense_held_nbytes if dense and self.prefill_forms.get(name) == "dense"
+                          else comp.prefill_nbytes)
             worst = max(worst, dense_copy + (comp.nbytes if name in offloaded else 0))
         return worst
 

@@ -53,9 +53,10 @@ def split_head(form: str, embed: nn.Module) -> bool:
 
 
 def predict_working_bytes(model: nn.Module) -> int:
-    """The largest dense working copy of one layer (what a prefill lease adds)."""
-    return max((sum(dense_bytes(m) for _, m in layer.named_modules() if is_linear(m))
-                for layer in model_body(model).layers), default=0)
+    """The largest dense working copy a prefill lease holds at once: one linear's
+    (a lease dequantizes its layer's linears one at a time, forms.DenseWhileUsed)."""
+    return max((dense_bytes(m) for layer in model_body(model).layers
+                for _, m in layer.named_modules() if is_linear(m)), default=0)
 
 
 def resident_prefill_bytes(linears) -> int:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from phaseswap.forms import (Q8T_GROUP, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
+from phaseswap.forms import (Q8T_GROUP, DenseWhileUsed, TiedEmbedding, dense_bytes, get_module, is_linear, module_bytes,
                              set_module, to_dense, to_grouped, to_q8t)
 
 from phaseswap.native import eligible, is_native, join_siblings, to_native
@@ -49,7 +49,8 @@ class Component:
     state: Residency = Residency.RESIDENT
     disk: Path | None = None  # its arrays in resident form, written on first offload
     nbytes: int = 0  # resident bytes
-    dense_nbytes: int = 0  # bytes of its dense working copy
+    dense_nbytes: int = 0  # bytes of its dense working copy, all its linears
+    dense_held_nbytes: int = 0  # the most of it held at once: its largest linear (forms.DenseWhileUsed)
     prefill_nbytes: int = 0  # what prefill on its resident form holds (predict.resident_prefill_bytes)
 
     @property
@@ -139,6 +140,7 @@ class Registry:
         comp.nbytes = module_bytes(comp.module)
         linears = [get_module(comp.module, p) for p in comp.linears()]
         comp.dense_nbytes = sum(dense_bytes(m) for m in linears)
+        comp.dense_held_nbytes = max((dense_bytes(m) for m in linears), default=0)
         if comp.kind == "layer":
             comp.prefill_nbytes = resident_prefill_bytes(linears)
 
@@ -212,7 +214,7 @@ class Registry:
             for path in comp.linears():
                 mod = get_module(comp.module, path)
                 stash.append((path, mod))
-                self._swap(comp, path, to_dense(mod))
+                self._swap(comp, path, DenseWhileUsed(mod))
             comp.state = Residency.MATERIALIZED
             self.counters.materialized_bytes += comp.dense_nbytes
         elif form != "resident":

@@ -9,6 +9,7 @@ import pytest
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from phaseswap import POLICIES, PhaseSwap, Residency, TransposedQuantizedLinear
+from phaseswap.forms import DenseWhileUsed, get_module, set_module, to_dense
 
 
 def _swap(path, policy="cpu", tmp=None):
@@ -39,16 +40,54 @@ def test_dense_lease_materializes_and_release_gives_memory_back(q8_dir):
     _, swap = _swap(q8_dir)
     reg = swap.registry
     comp = reg.components["layer.1"]
+    x = mx.random.normal((1, 16, 64), key=mx.random.key(1))
+    stash = {p: get_module(comp.module, p) for p in comp.linears()}
+    for p, mod in stash.items():  # the layer with every linear's dense copy held together
+        set_module(comp.module, p, to_dense(mod))
+    expected = comp.module(x, None, None)
+    mx.eval(expected)
+    for p, mod in stash.items():
+        set_module(comp.module, p, mod)
     before = _settled_active()
     with reg.lease("layer.1", "dense") as layer:
-        assert type(layer.mlp.up_proj).__name__ == "Linear" and layer.mlp.up_proj.weight.dtype == mx.float32
-        mx.eval(layer.parameters())
+        assert isinstance(layer.mlp.up_proj, DenseWhileUsed)
         assert comp.state == Residency.MATERIALIZED
-        assert mx.get_active_memory() - before >= comp.dense_nbytes
+        out = layer(x, None, None)
+        mx.eval(out)
+    assert mx.array_equal(out, expected).item()  # the same products, bit for bit
     assert comp.state == Residency.RESIDENT
     assert isinstance(comp.module.mlp.up_proj, TransposedQuantizedLinear)
-    assert _settled_active() == before
+    assert _settled_active() == before + out.nbytes  # the working copies went with the lease
     assert reg.counters.materialized_bytes == reg.counters.released_bytes == comp.dense_nbytes
+
+
+def test_a_dense_lease_holds_one_linear_at_a_time():
+    import mlx.nn as nn
+
+    def quantized(n_in, n_out, seed):
+        layer = nn.Linear(n_in, n_out, bias=False)
+        layer.weight = mx.random.normal((n_out, n_in), key=mx.random.key(seed))
+        q = nn.QuantizedLinear.from_linear(layer, group_size=32, bits=4)
+        mx.eval(q.parameters())
+        return q
+
+    gate, up, down = quantized(256, 1024, 1), quantized(256, 1024, 2), quantized(1024, 256, 3)
+    x = mx.random.normal((1, 8, 256), key=mx.random.key(4))
+    mx.eval(x)
+    peaks, outs = [], []
+    for make in (to_dense, DenseWhileUsed):
+        g, u, d = make(gate), make(up), make(down)
+        mx.synchronize()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        outs.append(d(nn.silu(g(x)) * u(x)))
+        mx.eval(outs[-1])
+        peaks.append(mx.get_peak_memory() - before)
+        del g, u, d
+    one = 256 * 1024 * 4  # one dense weight
+    assert peaks[0] >= 3 * one and peaks[1] < 2 * one  # held together, against one (and a product) at a time
+    assert mx.array_equal(*outs).item()
 
 
 def test_offloaded_layer_holds_no_memory_and_computes_the_same(q8_dir, tmp_path):

@@ -16,8 +16,9 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
     weights = free.swap.registry.total_bytes()
     prompt = "x " * 200
     positions = len(free.encode(prompt)) + 50
-    # just short, every weight resident and prefill on them (no dense working copy, no drafts)
-    budget = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False, verify_rows=1).total - 1024
+    # just short, every weight resident, prefilled the cheapest way (the smallest chunk, no drafts)
+    budget = min(free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=dense, verify_rows=1).total
+                 for dense in (False, True)) - 1024
     del free
     resident = EngineConfig(policy="cpu", offload_weights=False)
     with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
@@ -34,7 +35,7 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
     assert list(eng.generate("hi", SamplingParams(temperature=0, max_tokens=1)))  # what fits still runs
 
 
-def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, tmp_path, monkeypatch):
+def test_a_tight_budget_prefills_at_the_smallest_chunk_before_streaming(q8_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path))
     prompt, sp = "x " * 200, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
@@ -42,24 +43,28 @@ def test_a_tight_budget_prefills_on_the_resident_forms_before_streaming(q8_dir, 
     want = reply.tokens
     assert any(p.materialized_bytes for p in reply.stats.phases)  # dense working copies, unconstrained
     positions = len(free.encode(prompt)) + 20
+    wide = free.footprint(positions)
     dense = free.footprint(positions, chunk=MIN_PREFILL_CHUNK)
     resident = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
-    assert resident.working < dense.working  # what the products dequantize, not a whole layer
+    # a dense lease holds one linear's copy at a time; the resident products dequantize two
+    assert dense.working < resident.working and dense.total < wide.total
     del free
-    eng = Engine(str(q8_dir), budget=(dense.total + resident.total) // 2, config=EngineConfig(policy="cpu"))
+    eng = Engine(str(q8_dir), budget=dense.total + 4096, config=EngineConfig(policy="cpu"))
     offloaded, fp = eng.plan(positions)
-    assert offloaded == () and not fp.shape.dense_prefill and fp.shape.chunk == MIN_PREFILL_CHUNK
+    assert offloaded == () and fp.shape.dense_prefill and fp.shape.chunk == MIN_PREFILL_CHUNK
     reply = eng.reply(prompt, sp)
     assert reply.tokens == want and reply.stats.prefill_chunk == MIN_PREFILL_CHUNK
-    assert not any(p.materialized_bytes or p.disk_loads for p in reply.stats.phases)  # nothing made or read
+    assert not any(p.disk_loads for p in reply.stats.phases)  # nothing read from disk
 
 
 def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir):
     """The load-time check of offload_weights=False counts the smallest prefill the
-    planner takes (resident forms, the smallest chunk), not a dense working copy."""
+    planner takes (the smallest chunk, on the resident forms or one dense linear at a
+    time, whichever holds less), not a wider chunk."""
     free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
     edge = free.edge_footprint()
-    assert edge.working < free.footprint(1, chunk=MIN_PREFILL_CHUNK).working  # no dense copy
+    ways = [free.footprint(1, chunk=MIN_PREFILL_CHUNK, dense_prefill=d, verify_rows=1).total for d in (False, True)]
+    assert edge.total == min(ways) < free.footprint(1).total
     budget = edge.total + 4096
     del free
     eng = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu", offload_weights=False))

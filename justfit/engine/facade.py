@@ -35,7 +35,7 @@ from justfit.engine.state_io import StateIO, model_identity, resume_session, sav
 from justfit.engine.stats import Chunk, Reply, collect
 import kvexec
 from kvexec import KVConfig
-from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes
+from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resident_bytes, predict_working_bytes
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 from kvexec import disk_pages
@@ -93,9 +93,11 @@ class Engine:
             weight_limit = budget - need.total
             if not self.config.offload_weights:  # every weight resident, or nothing can run
                 dtype = mx.float32 if self.policy.fp32 else None
+                working, dense = predict_prefill_bytes(self.model), False  # the cheaper prefill, as edge_footprint
+                if not self.config.deterministic and predict_working_bytes(self.model) < working:
+                    working, dense = predict_working_bytes(self.model), True
                 need = self._footprint(1, predict_resident_bytes(self.model, self.policy.resident, dtype),
-                                       predict_prefill_bytes(self.model), chunk=MIN_PREFILL_CHUNK, dense_prefill=False,
-                                       verify_rows=1)
+                                       working, chunk=MIN_PREFILL_CHUNK, dense_prefill=dense, verify_rows=1)
             if weight_limit <= 0 or need.total > budget:
                 raise BudgetExceeded(need.total, budget, 0, need.positions)
         # everything that changes how mlx-lm's modules run, in its order (justfit/model/adapter.py)
@@ -228,10 +230,13 @@ class Engine:
     def edge_footprint(self, offloaded: tuple[str, ...] = (), kv: KVConfig | None | str = "engine",
                        pressed: bool = False, disk_layers: int = 0) -> Footprint:
         """`footprint` at one position, prefilled the cheapest way a tight budget's plan
-        takes (the smallest chunk, on the resident forms, no drafts: justfit.planning.budget.plan):
-        what a budget holds is its `max_positions`."""
-        return self.footprint(1, offloaded, kv, MIN_PREFILL_CHUNK, pressed, dense_prefill=False,
-                              disk_layers=disk_layers, verify_rows=1)
+        takes (the smallest chunk, on the resident forms or one dense linear at a time,
+        whichever holds less; no drafts: justfit.planning.budget.plan): what a budget
+        holds is its `max_positions`."""
+        dense = (False, True) if not (self.numerics.deterministic or self.numerics.one_row) else (False,)
+        return min((self.footprint(1, offloaded, kv, MIN_PREFILL_CHUNK, pressed, dense_prefill=d,
+                                   disk_layers=disk_layers, verify_rows=1) for d in dense),
+                   key=lambda fp: fp.total)
 
     def plan(self, positions: int) -> tuple[tuple[str, ...], Footprint]:
         """Components on disk and the footprint that fit `positions` (justfit.planning.budget.plan)."""

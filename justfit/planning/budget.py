@@ -19,8 +19,9 @@ from justfit.planning.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
 def prefill_ways(chunk: int, budget: int | None, numerics: Numerics) -> Iterator[tuple[int, bool]]:
     """(prefill chunk, on dense working copies) to try, cheapest first: a smaller chunk
     shrinks the transient (scores, activations) at little cost; at the smallest, prefill
-    on the resident forms drops the dense copy of a layer (as fast as dense at the
-    smallest chunks, slower at larger ones). Both come before offloading layers.
+    on the resident forms (no dense copy; their products may dequantize two weights side
+    by side where a dense lease holds one, so the planner takes whichever fits first).
+    Both come before offloading layers.
     Deterministic numerics prefill on the decode (resident) forms only; one row at a
     time, in chunks of one."""
     if numerics.one_row:

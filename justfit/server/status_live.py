@@ -38,8 +38,9 @@ def kv_bytes_by_format(cache: list | None) -> dict[str, int]:
 
 
 def materialized_bytes(engine) -> int:
-    """Dense working copies PhaseSwap holds right now (a layer leased for prefill)."""
-    return sum(c.dense_nbytes for c in list(engine.swap.registry.components.values())
+    """Dense working copies PhaseSwap holds right now (a layer leased for prefill: at most
+    its largest linear's)."""
+    return sum(c.dense_held_nbytes for c in list(engine.swap.registry.components.values())
                if c.state == Residency.MATERIALIZED)
 
 
