@@ -149,7 +149,7 @@ def kv_label(kv: KVConfig) -> str:
 def _forms(forms: dict[str, str]) -> str:
     kinds = sorted(set(forms.values()))
     if kinds == ["dense"]:
-        return "each layer materialized dense (fp32) just in time, released after its chunk"
+        return "each linear materialized dense (fp32) just in time, one at a time, released after its product"
     if kinds == ["resident"]:
         return "resident weights"
     return ", ".join(f"{n}: {f}" for n, f in forms.items())
@@ -176,7 +176,8 @@ def format_fit(r: dict) -> str:
     ]
     lines += format_rows(r, "(* the format in use; bytes/pos summed over layers, hot window and sinks excluded; "
                             "transient at the trained context and the configured chunk; max positions at the "
-                            "smallest chunk, prefill on the resident weights; positions past the trained context "
+                            "smallest chunk, prefilled the cheaper way (resident forms, or one dense linear at a "
+                            "time); positions past the trained context "
                             f"{r['context_limit']:,} need a model that extrapolates. {COMPARISON_NOTE})")
     plan = r.get("plan")
     if plan:

@@ -1,7 +1,7 @@
 """What a request will need in memory, before it runs.
 
 A first-order model: resident weights + the largest working copy a PhaseSwap lease adds
-(a layer materialized dense, a streamed layer read from disk) + KV bytes per retained
+(one linear materialized dense, a streamed layer read from disk) + KV bytes per retained
 position (pages in their format, the hot window and sinks in full precision;
 sliding-window layers stop at their window) + the largest transient of one prefill
 chunk or decode step: attention's (kvexec.attention.transient_bytes; scores over the
