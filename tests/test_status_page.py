@@ -68,9 +68,13 @@ def test_live_document_follows_a_request(tiny_engine):
         assert request(live, "GET", "/v1/justfit/live")[0] == 401
         thread = in_background(live, "/v1/completions", {**LONG, "session": "s1"})
         wait_running(live)
-        time.sleep(0.3)
-        doc = json.loads(request(live, "GET", "/v1/justfit/live", headers=key)[2])
-        running = doc["running"]
+        deadline = time.monotonic() + 30
+        while True:  # until its first chunk is in (a loaded machine may take seconds)
+            doc = json.loads(request(live, "GET", "/v1/justfit/live", headers=key)[2])
+            running = doc["running"]
+            if running and running["processed"] > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert running["prompt_tokens"] > 2000 and running["phase"] in ("prefill", "decode")
         assert running["route"] == "openai" and doc["queued"] == []
         assert sum(doc["now"]["kv"].values()) > 0  # the running request's pages are counted
