@@ -86,7 +86,8 @@ def test_a_dense_lease_holds_one_linear_at_a_time():
         peaks.append(mx.get_peak_memory() - before)
         del g, u, d
     one = 256 * 1024 * 4  # one dense weight
-    assert peaks[0] >= 3 * one and peaks[1] < 2 * one  # held together, against one (and a product) at a time
+    # held together, against one at a time (with its product and, on MLX's own kernels, a temporary)
+    assert peaks[0] >= 3 * one and peaks[1] < 2.5 * one
     assert mx.array_equal(*outs).item()
 
 
