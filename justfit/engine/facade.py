@@ -94,8 +94,9 @@ class Engine:
             if not self.config.offload_weights:  # every weight resident, or nothing can run
                 dtype = mx.float32 if self.policy.fp32 else None
                 working, dense = predict_prefill_bytes(self.model), False  # the cheaper prefill, as edge_footprint
-                if not self.config.deterministic and predict_working_bytes(self.model) < working:
-                    working, dense = predict_working_bytes(self.model), True
+                one_linear = predict_working_bytes(self.model)
+                if not self.config.deterministic and one_linear < working:
+                    working, dense = one_linear, True
                 need = self._footprint(1, predict_resident_bytes(self.model, self.policy.resident, dtype),
                                        working, chunk=MIN_PREFILL_CHUNK, dense_prefill=dense, verify_rows=1)
             if weight_limit <= 0 or need.total > budget:
