@@ -29,7 +29,9 @@ from kvexec.selection import select_pages
 
 
 def _cat(a: mx.array | None, b: mx.array) -> mx.array:
-    return b if a is None else mx.concatenate([a, b], axis=-2)
+    # `b` is a slice of a whole chunk's keys or values: held as a view it would keep
+    # that chunk's buffer alive for as long as the sinks (a copy holds only its rows)
+    return mx.contiguous(b) if a is None else mx.concatenate([a, b], axis=-2)
 
 
 @dataclass
