@@ -5,6 +5,7 @@ and where a model's offloaded components are kept on disk."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 from pathlib import Path
@@ -78,7 +79,11 @@ def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[
             context = probe.config.get("text_config", probe.config).get("max_position_embeddings")
             return cached_calibration(probe.model, probe.tokenizer, name, cache_dir, candidates, tolerance, context)
     finally:
-        del probe
+        # the probe's modules and its swap registry refer to each other: only the cycle
+        # collector frees them, and it may not run for a long while
+        del probe, adapted, phase
+        gc.collect()
+        mx.clear_cache()
         trim_heap()
 
 
