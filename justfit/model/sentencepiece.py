@@ -29,24 +29,20 @@ from typing import Any
 
 import numpy as np
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+from justfit.model.vocabulary import BYTE, CONTROL, NORMAL, USER_DEFINED, BadVocabulary, StoredVocabulary, piece_arrays
+
+__all__ = ["FILE_NAME", "BadVocabulary", "SentencePieceBPE", "write_vocabulary", "NORMAL", "CONTROL", "USER_DEFINED",
+           "BYTE"]
+
 SPACE = "\u2581"
 FILE_NAME = "tokenizer.spm.npz"
 _WORD_START = re.compile(f"(?<=[^{SPACE}])(?={SPACE})")  # where U+2581 follows another character
 _REMEMBERED_PARTS = 16384
 
 
-class BadVocabulary(ValueError):
-    """A vocabulary file that is not one this module wrote (truncated, altered, or another format)."""
-    pass
-
-
 def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
     """Store a GGUF `llama` vocabulary (its pieces, scores, types and flags) at `path`."""
     tokens = list(meta["tokenizer.ggml.tokens"])
-    encoded = [t.encode("utf-8") for t in tokens]
-    offsets = np.zeros(len(tokens) + 1, np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
     types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
 
     def token_id(key: str) -> int:
@@ -56,126 +52,45 @@ def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
     flags = [int(bool(meta.get("tokenizer.ggml.add_space_prefix", True))),
              int(bool(meta.get("tokenizer.ggml.add_bos_token", False))), token_id("bos"), token_id("unknown")]
     with open(path, "wb") as f:
-        np.savez(f, pieces=np.frombuffer(b"".join(encoded), np.uint8), offsets=offsets,
-                 scores=np.asarray(meta["tokenizer.ggml.scores"], np.float32),
+        np.savez(f, **piece_arrays(tokens), scores=np.asarray(meta["tokenizer.ggml.scores"], np.float32),
                  types=np.asarray(types, np.uint8), flags=np.asarray(flags, np.int64))
 
 
-class SentencePieceBPE:
+class SentencePieceBPE(StoredVocabulary):
     """The tokenizer of one stored vocabulary (see the module doc)."""
 
     def __init__(self, path: Path):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                blob, offsets = z["pieces"].tobytes(), z["offsets"]
-                scores, types, flags = z["scores"], z["types"], z["flags"]
-        except Exception as e:
-            raise BadVocabulary(f"{path}: not a readable vocabulary ({e}); delete its folder to convert "
-                                f"the model again") from e
-        n = len(types)
-        if (len(offsets) != n + 1 or len(scores) != n or flags.shape != (4,) or offsets[0] != 0
-                or offsets[-1] != len(blob) or len(blob) >= 1 << 31 or np.any(np.diff(offsets) < 0)):
-            raise BadVocabulary(f"{path}: its arrays do not describe one vocabulary; delete its folder to "
-                                f"convert the model again")
-        self._blob = blob
-        self._offsets = array("i", offsets.astype(np.int32).tobytes())
+        self._byte_id = [-1] * 256
+        self._bridges: list[tuple[str, int]] = []  # (piece, where U+2581 follows another character in it)
+        super().__init__(path)
+        self._bridges = tuple(self._bridges)
+        self._part = lru_cache(maxsize=_REMEMBERED_PARTS)(self._merge)
+
+    def _read(self, arrays: dict[str, np.ndarray], n: int) -> bool:
+        scores, flags = arrays.get("scores"), arrays.get("flags")
+        if scores is None or flags is None or len(scores) != n or flags.shape != (4,):
+            return False
         self._scores = array("f", scores.astype(np.float32).tobytes())
-        self._types = bytes(types.astype(np.uint8))
         self.add_prefix, self.add_bos = bool(flags[0]), bool(flags[1])
         self.bos_id = int(flags[2]) if 0 <= flags[2] < n else None
         self.unk_id = int(flags[3]) if 0 <= flags[3] < n else None
-        self._size = n
-        try:
-            self._index_pieces()
-        except (UnicodeDecodeError, ValueError) as e:
-            raise BadVocabulary(f"{path}: a piece is not UTF-8 text ({e}); delete its folder to convert "
-                                f"the model again") from e
-        self._part = lru_cache(maxsize=_REMEMBERED_PARTS)(self._merge)
+        return True
 
-    def _index_pieces(self) -> None:
-        """The hash table, the verbatim pieces by first character, the byte pieces and
-        the pieces that span a word start (U+2581 after another character)."""
-        n = self._size
-        slots = 1 << max(4, (n * 4 // 3).bit_length())
-        self._mask = slots - 1
-        self._slot_id = array("i", [-1]) * slots
-        self._slot_hash = array("q", [0]) * slots
-        self._verbatim: dict[str, list[int]] = {}  # first character -> lengths, longest first
-        self._verbatim_ids: dict[str, int] = {}
-        self._byte_id = [-1] * 256
-        bridges = []
-        for i in range(n):
-            piece = self.piece(i)
-            h = hash(piece)
-            j = h & self._mask
-            while self._slot_id[j] >= 0:
-                if self._slot_hash[j] == h and self.piece(self._slot_id[j]) == piece:
-                    break  # a duplicate piece keeps its first id, as a vocabulary map does
-                j = (j + 1) & self._mask
-            else:
-                self._slot_id[j], self._slot_hash[j] = i, h
-            kind = self._types[i]
-            if kind in (CONTROL, USER_DEFINED) and piece:
-                self._verbatim_ids.setdefault(piece, i)
-                self._verbatim.setdefault(piece[0], []).append(len(piece))
-            elif kind == BYTE and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                self._byte_id[int(piece[3:5], 16)] = i
-            if SPACE in piece[1:]:
-                bridges += [(piece, k) for k in range(1, len(piece)) if piece[k] == SPACE and piece[k - 1] != SPACE]
-        self._verbatim = {c: sorted(set(lengths), reverse=True) for c, lengths in self._verbatim.items()}
-        self._bridges = tuple(bridges)
-
-    def __len__(self) -> int:
-        return self._size
-
-    def piece(self, token: int) -> str:
-        """The text of piece `token` as stored (U+2581 for spaces; "<0x41>" for a byte)."""
-        return self._blob[self._offsets[token]:self._offsets[token + 1]].decode("utf-8")
-
-    def token_to_id(self, text: str) -> int | None:
-        """The id of the piece whose text is `text`, if any."""
-        h = hash(text)
-        j = h & self._mask
-        while (i := self._slot_id[j]) >= 0:
-            if self._slot_hash[j] == h and self.piece(i) == text:
-                return i
-            j = (j + 1) & self._mask
-        return None
-
-    def get_vocab(self) -> dict[str, int]:
-        """Piece text -> id, every piece (built on each call: large)."""
-        vocab: dict[str, int] = {}
-        for i in range(self._size):
-            vocab.setdefault(self.piece(i), i)
-        return vocab
+    def _note(self, token: int, piece: str, kind: int) -> None:
+        if kind == BYTE and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            self._byte_id[int(piece[3:5], 16)] = token
+        if SPACE in piece[1:]:
+            self._bridges += [(piece, k) for k in range(1, len(piece)) if piece[k] == SPACE and piece[k - 1] != SPACE]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens`: the BOS the vocabulary asks for."""
         ids = [self.bos_id] if add_special_tokens and self.add_bos and self.bos_id is not None else []
-        start = 0
-        for at, token in self._verbatim_matches(text):
-            ids += self._stretch(text[start:at])
-            ids.append(self._verbatim_ids[token])
-            start = at + len(token)
-        ids += self._stretch(text[start:])
-        return ids
-
-    def _verbatim_matches(self, text: str):
-        """(position, piece) of each control or user-defined piece in `text`: leftmost
-        first, the longest where several start at one position, none overlapping."""
-        i, end = 0, len(text)
-        while i < end:
-            lengths = self._verbatim.get(text[i])
-            if lengths:
-                for length in lengths:
-                    if text[i:i + length] in self._verbatim_ids:
-                        yield i, text[i:i + length]
-                        i += length
-                        break
-                else:
-                    i += 1
+        for part, token in self._verbatim_split(text):
+            if token is None:
+                ids += self._stretch(part)
             else:
-                i += 1
+                ids.append(token)
+        return ids
 
     def _stretch(self, text: str) -> list[int]:
         """Ids of text between verbatim pieces, cut into parts at word starts."""

@@ -1,6 +1,7 @@
-"""The tokenizer of a model JustFit converted from GGUF: the `tokenizers` library (or, for
-a SentencePiece-style vocabulary, justfit.model.sentencepiece's arrays) and a sandboxed
-Jinja chat template, without `transformers`.
+"""The tokenizer of a model JustFit converted from GGUF: its vocabulary held in arrays
+(justfit.model.sentencepiece, justfit.model.bytelevel; the `tokenizers` library for a
+folder converted before they existed) and a sandboxed Jinja chat template, without
+`transformers`.
 
 mlx-lm's TokenizerWrapper wraps a transformers tokenizer, and importing transformers
 holds tens of MiB resident (more with the wrapper's Python-side vocabulary): under a
@@ -21,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from justfit.model.sentencepiece import FILE_NAME as SENTENCEPIECE_FILE, SentencePieceBPE
+from justfit.model import bytelevel, sentencepiece
 
 
 class LibraryTokenizer:
@@ -98,9 +99,12 @@ class GGUFTokenizer:
     """A converted GGUF model's tokenizer (see the module doc)."""
 
     def __init__(self, folder: Path, eos_token_ids: list[int] | None = None):
-        compact = folder / SENTENCEPIECE_FILE
-        self._tokenizer = (SentencePieceBPE(compact) if compact.exists()
-                           else LibraryTokenizer(folder / "tokenizer.json"))
+        if (folder / sentencepiece.FILE_NAME).exists():
+            self._tokenizer = sentencepiece.SentencePieceBPE(folder / sentencepiece.FILE_NAME)
+        elif (folder / bytelevel.FILE_NAME).exists():
+            self._tokenizer = bytelevel.ByteLevelBPE(folder / bytelevel.FILE_NAME)
+        else:
+            self._tokenizer = LibraryTokenizer(folder / "tokenizer.json")
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.chat_template: str | None = config.get("chat_template")
         self.special_tokens = {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")

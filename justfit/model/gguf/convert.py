@@ -30,7 +30,7 @@ from justfit.model.gguf.blocks import EXACT_TYPES, GROUP, to_mlx_affine
 from justfit.model.gguf.options import CONVERTER_VERSION, RequantOptions, UnsupportedModel
 from justfit.model.gguf.file import GGUFTensor, read_gguf
 from justfit.model.gguf.tokenizer import build_tokenizer, tokenizer_config
-from justfit.model.sentencepiece import FILE_NAME as SENTENCEPIECE_FILE, write_vocabulary
+from justfit.model import bytelevel, sentencepiece
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 _NATIVE = (QT.Q4_0, QT.Q4_1, QT.Q8_0)  # what mx.load reads natively
@@ -216,8 +216,11 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, opts: Requ
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         build_tokenizer(meta).save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
-        if meta.get("tokenizer.ggml.model") == "llama":  # JustFit loads this, not tokenizer.json
-            write_vocabulary(tmp / SENTENCEPIECE_FILE, meta)
+        # JustFit loads these compact forms, not tokenizer.json (kept for mlx-lm's loader)
+        if meta.get("tokenizer.ggml.model") == "llama":
+            sentencepiece.write_vocabulary(tmp / sentencepiece.FILE_NAME, meta)
+        elif meta.get("tokenizer.ggml.model") == "gpt2":
+            bytelevel.write_vocabulary(tmp / bytelevel.FILE_NAME, meta)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

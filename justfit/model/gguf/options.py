@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 
 
 class UnsupportedModel(ValueError):

@@ -15,16 +15,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, processors
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+from justfit.model.bytelevel import PRE_TOKENIZERS
+from justfit.model.vocabulary import CONTROL, NORMAL, USER_DEFINED
 
 
 class UnsupportedTokenizer(ValueError):
@@ -32,29 +24,14 @@ class UnsupportedTokenizer(ValueError):
     pass
 
 
-def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
 def _gpt2_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt-2", "gpt2", "starcoder", "refact"):
-        return byte_level
-    if pre == "smollm":
-        # SmolLM splits every digit, then applies the GPT-2 regex.
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    if pre in ("llama-bpe", "llama3", "falcon3", "smaug-bpe"):
-        return _split_then_bytes(_LLAMA3_SPLIT)
-    if pre in ("qwen2", "deepseek-r1-qwen", "qwen35"):
-        return _split_then_bytes(_QWEN2_SPLIT)
-    raise UnsupportedTokenizer(f"unsupported GGUF pre-tokenizer {pre!r}")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedTokenizer(f"unsupported GGUF pre-tokenizer {pre!r}")
+    pattern, digits = PRE_TOKENIZERS[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []  # SmolLM isolates every digit first
+    steps += [pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    return pre_tokenizers.Sequence(steps)
 
 
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int]):
