@@ -11,6 +11,7 @@ import pytest
 from justfit.model.bytelevel import FILE_NAME, PRE_TOKENIZERS, ByteLevelBPE, write_vocabulary
 from justfit.model.gguf.tokenizer import build_tokenizer
 from justfit.model.vocabulary import BadVocabulary
+from justfit.server.prompt_bytes import longest_token_bytes
 from tests.test_tokenizer import _meta
 from tests.tiny_models import gpt2_vocab
 
@@ -42,6 +43,7 @@ def test_same_ids_and_text_as_the_tokenizers_library(tmp_path, pre, add_bos):
     fixed = ["", " ", "the", " the cat", "  5  x\n\n\n  y", "it's I'LL 'd", "<|im_start|>the<|im_end|>x",
              "x²³ Ⅷ ٣ 一", "é 🚀 中", "a\r\n\r\nb"]
     _same(ours, theirs, fixed + _texts(11, 300))
+    assert ours.longest_token_bytes() == longest_token_bytes(theirs)  # the server's size bound, unchanged
     assert ours.token_to_id("Ġthe") == v["tokens"].index("Ġthe") and ours.token_to_id("zzz") is None
     assert len(ours) == len(v["tokens"]) and ours.get_vocab()["he"] == v["tokens"].index("he")
 
@@ -105,3 +107,4 @@ def test_smollm2_vocabulary_matches_the_library_in_a_fraction_of_the_memory(smol
         ids = [rng.randrange(len(ours)) for _ in range(rng.randrange(1, 12))]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False), ids
     assert isinstance(GGUFTokenizer(folder)._tokenizer, ByteLevelBPE)  # what a converted SmolLM2 loads
+    assert longest_token_bytes(GGUFTokenizer(folder)) == longest_token_bytes(theirs) > 4

@@ -12,6 +12,7 @@ import pytest
 
 from justfit.model.gguf.tokenizer import build_tokenizer
 from justfit.model.sentencepiece import FILE_NAME, NORMAL, BadVocabulary, SentencePieceBPE, write_vocabulary
+from justfit.server.prompt_bytes import longest_token_bytes
 from tests.test_tokenizer import _meta
 from tests.tiny_models import spm_vocab
 
@@ -50,6 +51,7 @@ def test_same_ids_and_text_as_the_tokenizers_library(tmp_path, prefix, vocab):
     ours, theirs = SentencePieceBPE(tmp_path / FILE_NAME), build_tokenizer(meta)
     fixed = ["", " ", "the", " the cat", "a b", "aa bb", "a  b", "<bos>the<eos>x", "\n\nthe\n", "é 🚀 中"]
     _same(ours, theirs, fixed + _texts(7, 300, ALPHABET))
+    assert ours.longest_token_bytes() == longest_token_bytes(theirs)  # the server's size bound, unchanged
     assert ours.encode("a b", False) == ours.encode("a b", False)  # remembered parts give the same ids
 
 
@@ -109,3 +111,4 @@ def test_gemma3_vocabulary_matches_the_library_in_a_tenth_of_the_memory(gemma3_g
     texts += ["".join(chr(rng.randrange(32, 0x3000)) for _ in range(200)) for _ in range(20)]
     _same(ours, theirs, texts)
     assert isinstance(GGUFTokenizer(folder)._tokenizer, SentencePieceBPE)  # what a converted Gemma loads
+    assert longest_token_bytes(GGUFTokenizer(folder)) == longest_token_bytes(theirs) > 4

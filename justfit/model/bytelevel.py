@@ -142,6 +142,16 @@ class ByteLevelBPE(StoredVocabulary):
                 self._merge_key[j], self._merge_rank[j], self._merge_id[j] = key, rank, merged
         del self._merges  # what merging needs is in the table now
 
+    def _keeps_text(self) -> bool:
+        # As the library's check: no unknown token swallows text. A byte with no piece is
+        # dropped (SmolLM2 has none for the bytes UTF-8 never uses and six control characters),
+        # so a prompt made of those could be refused by size though it encodes to little.
+        return True
+
+    def _text_bytes(self, piece: str) -> int:
+        chars = self._char_byte
+        return len(piece) if all(c in chars for c in piece) else len(piece.encode("utf-8"))  # a byte a character
+
     def _pair(self, left: int, right: int) -> tuple[int, int] | None:
         """(rank, merged id) of the merge of `left` then `right`, if any."""
         key = left * self._size + right

@@ -82,6 +82,9 @@ class SentencePieceBPE(StoredVocabulary):
         if SPACE in piece[1:]:
             self._bridges += [(piece, k) for k in range(1, len(piece)) if piece[k] == SPACE and piece[k - 1] != SPACE]
 
+    def _keeps_text(self) -> bool:
+        return all(b >= 0 for b in self._byte_id)  # a character without a piece falls back to its bytes
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens`: the BOS the vocabulary asks for."""
         ids = [self.bos_id] if add_special_tokens and self.add_bos and self.bos_id is not None else []

@@ -116,6 +116,22 @@ class StoredVocabulary:
             vocab.setdefault(self.piece(i), i)
         return vocab
 
+    def longest_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token stands for (at least 4, a character);
+        None when some text may become no token or an unknown one of any length (then a
+        text's size bounds nothing: justfit.server.prompt_bytes)."""
+        if not self._keeps_text():
+            return None
+        return max(4, max((self._text_bytes(self.piece(i)) for i in range(self._size)), default=1))
+
+    def _keeps_text(self) -> bool:
+        """Whether every character of any text becomes at least one token."""
+        return False
+
+    def _text_bytes(self, piece: str) -> int:
+        """UTF-8 bytes of the text `piece` stands for (at most)."""
+        return len(piece.encode("utf-8"))
+
     def _verbatim_split(self, text: str) -> list[tuple[str, int | None]]:
         """`text` cut around its control and user-defined pieces: (stretch, None) for the
         text between them, (piece, id) for each; leftmost first, the longest where

@@ -32,7 +32,13 @@ SPLITTERS = ("Split", "Punctuation")  # drop nothing unless their behavior is "r
 def longest_token_bytes(tokenizer) -> int | None:
     """The most UTF-8 bytes of prompt text one token can stand for (the longest token,
     scaled by what normalization can shrink); None when the tokenizer may drop text
-    (module doc) or is not a `tokenizers` one."""
+    (module doc) or is neither JustFit's own nor a `tokenizers` one."""
+    own = getattr(getattr(tokenizer, "_tokenizer", None), "longest_token_bytes", None)
+    if own is not None:  # a vocabulary held as arrays (justfit.model.vocabulary) answers itself
+        longest = own()
+        if longest is None:
+            log.info("prompt size check off: this tokenizer may drop text, so size says nothing of length")
+        return longest
     rust = _rust_tokenizer(tokenizer)
     if rust is None:
         log.info("prompt size check off: the tokenizer is not a `tokenizers` one")
