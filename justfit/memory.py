@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 import resource
 import sys
@@ -13,6 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import psutil
 from mlx.utils import tree_flatten
+
+from justfit import runtime
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -51,24 +52,11 @@ def cache_bytes(cache: list | None) -> int:
     return sum(getattr(c, "nbytes", 0) for c in cache or [])
 
 
-@functools.cache  # trim_heap runs per prefill chunk: load the library once
-def glibc():
-    """The C library when it is glibc (Linux), else None: malloc_trim and mallopt are its own."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the system. Loading leaves many behind:
     transformers' fast tokenizer for Gemma 3's 262K vocabulary frees hundreds of MiB
     of temporaries that glibc would otherwise keep. No-op off glibc."""
-    libc = glibc()
+    libc = runtime.glibc()
     if libc is not None:
         libc.malloc_trim(0)
 

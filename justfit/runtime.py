@@ -29,7 +29,7 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
 
 Besides `setup()`, the process-wide settings a running engine asks for go through here
 too, and nowhere else: `hold_memory` (MLX's buffer cache and limits, glibc's mmap
-threshold) and `at_exit` (work to finish before the interpreter exits). The native
+threshold), glibc's one arena (set in `setup`) and `at_exit` (work to finish before the interpreter exits). The native
 CPU kernels' switch, JUSTFIT_NATIVE, is read by their own package (`justfit_native`),
 which kvexec and phaseswap ask; `native_kernels()` says once whether they run and why.
 """
@@ -85,6 +85,12 @@ def setup() -> Runtime:
                 # library loads: so before them.
                 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
                 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+            # glibc gives each thread that allocates its own heap (arena), each keeping its
+            # freed pages; one arena for the process kept a SmolLM2 request's peak a few
+            # MiB lower at the same speed (docs/BENCHMARKS.md, footprint).
+            libc = glibc()
+            if libc is not None:
+                libc.mallopt(-8, 1)  # M_ARENA_MAX, before the libraries start their threads
             openblas = blas.preload()  # must precede the first `import mlx.core`
             defer_package_init("mlx_lm")
             import mlx.core as mx
@@ -119,6 +125,19 @@ def defer_package_init(name: str) -> ModuleType | None:
     return package
 
 
+@functools.cache  # justfit.memory.trim_heap runs per prefill chunk: load the library once
+def glibc():
+    """The C library when it is glibc (Linux), else None: malloc_trim and mallopt are its own."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def current() -> Runtime | None:
     """What `setup()` did, or None when it has not run in this process."""
     return _runtime
@@ -131,8 +150,6 @@ def hold_memory(budget: int | None) -> None:
     the planner does not count and a whole-process peak does). On Metal, under a
     budget, MLX's own limits held to it. Process-wide, so only here."""
     import mlx.core as mx
-
-    from justfit.memory import glibc
 
     libc = glibc()
     if budget is not None and libc is not None:

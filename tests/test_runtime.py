@@ -194,3 +194,29 @@ print(json.dumps({"light": light, "ids": ids, "version": mlx_lm.__version__, "lo
     assert out["version"] and out["load"] == "mlx_lm.utils" and out["stream_generate"] and out["transformers"]
     already = runtime.defer_package_init("json")  # imported: left as it is
     assert already is None and runtime.defer_package_init("no_such_package_here") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's arenas")
+def test_threads_that_allocate_share_one_heap_after_setup():
+    # each glibc arena keeps its own freed pages: one arena, one pool of them
+    code = """
+import ctypes, threading
+from justfit import runtime
+runtime.setup()
+def churn():
+    blocks = [bytearray(2000) for _ in range(5000)]
+    del blocks
+threads = [threading.Thread(target=churn) for _ in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+libc = ctypes.CDLL("libc.so.6")
+libc.open_memstream.restype = ctypes.c_void_p
+buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+f = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+libc.malloc_info(0, ctypes.c_void_p(f))
+libc.fclose(ctypes.c_void_p(f))
+print(buf.value.decode().count("<heap nr="))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == 1
