@@ -3,7 +3,6 @@ one built from the same GGUF vocabulary (tiny vocabularies with every pre-tokeni
 SmolLM2's in full), holds a fraction of its memory, and refuses a damaged file clearly."""
 
 import random
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from justfit.model.vocabulary import BadVocabulary
 from justfit.server.prompt_bytes import longest_token_bytes
 from tests.test_tokenizer import _meta
 from tests.tiny_models import gpt2_vocab
+from tests.vocabulary_checks import converted_vocabulary, same_as_library, sample_texts
 
 ALPHABET = list("abcdefghijklmnopqrstuvwxyz  \n\t\r'é中🚀<>/0123456789٣²Ⅷ_-.,!") + \
     ["the", " the", "in", "er", "\n\n", "'s", "'LL", "<|im_start|>", "  ", "123"]
@@ -22,15 +22,6 @@ ALPHABET = list("abcdefghijklmnopqrstuvwxyz  \n\t\r'é中🚀<>/0123456789٣²�
 def _texts(seed: int, count: int) -> list[str]:
     rng = random.Random(seed)
     return ["".join(rng.choice(ALPHABET) for _ in range(rng.randrange(1, 60))) for _ in range(count)]
-
-
-def _same(ours: ByteLevelBPE, theirs, texts: list[str]) -> None:
-    for text in texts:
-        for special in (True, False):
-            assert ours.encode(text, special) == theirs.encode(text, add_special_tokens=special).ids, text
-        ids = theirs.encode(text).ids
-        for skip in (True, False):
-            assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip), text
 
 
 @pytest.mark.parametrize("pre", ["default", "smollm", "llama3", "qwen2"])
@@ -42,7 +33,7 @@ def test_same_ids_and_text_as_the_tokenizers_library(tmp_path, pre, add_bos):
     ours, theirs = ByteLevelBPE(tmp_path / FILE_NAME), build_tokenizer(meta)
     fixed = ["", " ", "the", " the cat", "  5  x\n\n\n  y", "it's I'LL 'd", "<|im_start|>the<|im_end|>x",
              "x²³ Ⅷ ٣ 一", "é 🚀 中", "a\r\n\r\nb"]
-    _same(ours, theirs, fixed + _texts(11, 300))
+    same_as_library(ours, theirs, fixed + _texts(11, 300))
     assert ours.longest_token_bytes() == longest_token_bytes(theirs)  # the server's size bound, unchanged
     assert ours.token_to_id("Ġthe") == v["tokens"].index("Ġthe") and ours.token_to_id("zzz") is None
     assert len(ours) == len(v["tokens"]) and ours.get_vocab()["he"] == v["tokens"].index("he")
@@ -83,26 +74,15 @@ def test_a_damaged_vocabulary_file_is_refused_clearly(tmp_path):
 
 
 def test_smollm2_vocabulary_matches_the_library_in_a_fraction_of_the_memory(smollm2_gguf):
-    from tokenizers import Tokenizer
-
-    from justfit.model.models import resolve
     from justfit.model.tokenizer import GGUFTokenizer
 
-    folder = resolve(str(smollm2_gguf))
-    assert (folder / FILE_NAME).exists()  # the converter wrote it
-    tracemalloc.start()
-    ours = ByteLevelBPE(folder / FILE_NAME)
-    held, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert held < 6 << 20 and peak < 16 << 20  # the library holds ~14 MiB for this vocabulary
-    theirs = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    rng = random.Random(3)
+    # the library holds ~14 MiB for this vocabulary
+    ours, theirs, folder = converted_vocabulary(ByteLevelBPE, smollm2_gguf, FILE_NAME, 6, 16)
     source = open(__file__, encoding="utf-8").read() + open(build_tokenizer.__code__.co_filename).read()
-    texts = [source, "<|im_start|>user\nhi 123 4567<|im_end|>\n", "  5  x\n\n\n  y", "it's I'LL 'd"]
-    texts += [source[i:i + rng.randrange(1, 300)] for i in rng.sample(range(len(source)), 100)]
-    texts += ["".join(chr(rng.choice([rng.randrange(0, 0xD800), rng.randrange(0xE000, 0x110000)]))
-                      for _ in range(100)) for _ in range(40)]
-    _same(ours, theirs, texts)
+    texts = sample_texts(source, 3, ["<|im_start|>user\nhi 123 4567<|im_end|>\n", "  5  x\n\n\n  y", "it's I'LL 'd"],
+                         lambda rng: chr(rng.choice([rng.randrange(0, 0xD800), rng.randrange(0xE000, 0x110000)])))
+    rng = random.Random(4)
+    same_as_library(ours, theirs, texts)
     for _ in range(200):
         ids = [rng.randrange(len(ours)) for _ in range(rng.randrange(1, 12))]
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False), ids

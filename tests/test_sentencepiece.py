@@ -5,7 +5,6 @@ holds a fraction of its memory, and refuses a damaged vocabulary file clearly.""
 import os
 import random
 import sys
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from justfit.model.sentencepiece import FILE_NAME, NORMAL, BadVocabulary, Senten
 from justfit.server.prompt_bytes import longest_token_bytes
 from tests.test_tokenizer import _meta
 from tests.tiny_models import spm_vocab
+from tests.vocabulary_checks import converted_vocabulary, same_as_library, sample_texts
 
 ALPHABET = list("abcdefghijklmnopqrstuvwxyz  \n\t\u2581é中🚀<>/") + ["the", " the", "in", "er", "\n\n"]
 
@@ -22,15 +22,6 @@ ALPHABET = list("abcdefghijklmnopqrstuvwxyz  \n\t\u2581é中🚀<>/") + ["the", 
 def _texts(seed: int, count: int, pieces: list[str]) -> list[str]:
     rng = random.Random(seed)
     return ["".join(rng.choice(pieces) for _ in range(rng.randrange(1, 60))) for _ in range(count)]
-
-
-def _same(ours: SentencePieceBPE, theirs, texts: list[str]) -> None:
-    for text in texts:
-        for special in (True, False):
-            assert ours.encode(text, special) == theirs.encode(text, add_special_tokens=special).ids, text
-        ids = theirs.encode(text).ids
-        for skip in (True, False):
-            assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip), text
 
 
 def _bridged_vocab() -> dict:
@@ -50,7 +41,7 @@ def test_same_ids_and_text_as_the_tokenizers_library(tmp_path, prefix, vocab):
     write_vocabulary(tmp_path / FILE_NAME, meta)
     ours, theirs = SentencePieceBPE(tmp_path / FILE_NAME), build_tokenizer(meta)
     fixed = ["", " ", "the", " the cat", "a b", "aa bb", "a  b", "<bos>the<eos>x", "\n\nthe\n", "é 🚀 中"]
-    _same(ours, theirs, fixed + _texts(7, 300, ALPHABET))
+    same_as_library(ours, theirs, fixed + _texts(7, 300, ALPHABET))
     assert ours.longest_token_bytes() == longest_token_bytes(theirs)  # the server's size bound, unchanged
     assert ours.encode("a b", False) == ours.encode("a b", False)  # remembered parts give the same ids
 
@@ -89,26 +80,15 @@ LICENSE = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info.major}.
 
 
 def test_gemma3_vocabulary_matches_the_library_in_a_tenth_of_the_memory(gemma3_gguf):
-    from tokenizers import Tokenizer
-
-    from justfit.model.models import resolve
     from justfit.model.tokenizer import GGUFTokenizer
 
-    folder = resolve(str(gemma3_gguf))
-    assert (folder / FILE_NAME).exists()  # the converter wrote it
-    tracemalloc.start()
-    ours = SentencePieceBPE(folder / FILE_NAME)
-    held, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert held < 16 << 20 and peak < 24 << 20  # the library holds ~96 MiB for this vocabulary
-    theirs = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    rng = random.Random(3)
+    # the library holds ~96 MiB for this vocabulary
+    ours, theirs, folder = converted_vocabulary(SentencePieceBPE, gemma3_gguf, FILE_NAME, 16, 24)
     source = open(__file__, encoding="utf-8").read()
     if os.path.exists(LICENSE):
         source += open(LICENSE, encoding="utf-8").read()
-    texts = [source, "<start_of_turn>user\nhi<end_of_turn>\n", "a > </b>  <div> </div>", "\u2581\u2581x \u2581"]
-    texts += [source[i:i + rng.randrange(1, 300)] for i in rng.sample(range(len(source)), 100)]
-    texts += ["".join(chr(rng.randrange(32, 0x3000)) for _ in range(200)) for _ in range(20)]
-    _same(ours, theirs, texts)
+    texts = sample_texts(source, 3, ["<start_of_turn>user\nhi<end_of_turn>\n", "a > </b>  <div> </div>",
+                                     "\u2581\u2581x \u2581"], lambda rng: chr(rng.randrange(32, 0x3000)))
+    same_as_library(ours, theirs, texts)
     assert isinstance(GGUFTokenizer(folder)._tokenizer, SentencePieceBPE)  # what a converted Gemma loads
     assert longest_token_bytes(GGUFTokenizer(folder)) == longest_token_bytes(theirs) > 4
