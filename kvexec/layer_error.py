@@ -72,11 +72,15 @@ class _RecordingCache(PagedKVCache):
         return super().attend(queries, scale, sinks)
 
 
-def _log_softmax(logits: mx.array) -> np.ndarray:
-    # numpy's vectorized exp: MLX's CPU exp is scalar, and rows are vocabulary-wide
-    x = np.array(logits[0].astype(mx.float32))
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+def _log_softmax_rows(logits: mx.array, rows: int = 32):
+    """(first row, log-softmax of `rows` positions' logits) over a chunk's [1, L, vocab]
+    logits. numpy's vectorized exp: MLX's CPU exp is scalar, and rows are vocabulary-wide;
+    a few rows at a time, as each row is computed alone: the whole chunk's float32 copies
+    were several times the logits (GiBs for Gemma 3's 262,144-token vocabulary)."""
+    for first in range(0, logits.shape[1], rows):
+        x = np.array(logits[0, first:first + rows].astype(mx.float32))
+        x -= x.max(axis=-1, keepdims=True)
+        yield first, x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _log_rest(top_logprobs: np.ndarray) -> np.ndarray:
@@ -91,10 +95,12 @@ def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256)
         caches.append(_RecordingCache(c.store.config, c.store.window) if isinstance(c, PagedKVCache) else c)
     ref = Reference()
     for start in range(0, len(ids), chunk):
-        lp = _log_softmax(model(mx.array(ids[start : start + chunk])[None], cache=caches))
-        top = np.argpartition(-lp, TOP, axis=-1)[:, :TOP]
-        ref.tokens.append(top)
-        ref.logprobs.append(np.take_along_axis(lp, top, axis=-1))
+        tops, logprobs = [], []
+        for _, lp in _log_softmax_rows(model(mx.array(ids[start : start + chunk])[None], cache=caches)):
+            tops.append(np.argpartition(-lp, TOP, axis=-1)[:, :TOP])
+            logprobs.append(np.take_along_axis(lp, tops[-1], axis=-1))
+        ref.tokens.append(np.concatenate(tops))
+        ref.logprobs.append(np.concatenate(logprobs))
         ref.rest.append(_log_rest(ref.logprobs[-1]))
         mx.eval([c.state for c in caches])
     return [c.record for c in caches if isinstance(c, _RecordingCache)], ref
@@ -105,13 +111,14 @@ def output_kl(model: nn.Module, ids: list[int], config: KVConfig, ref: Reference
     caches = make_cache(model, config)
     total, n = 0.0, 0
     for i, start in enumerate(range(0, len(ids), chunk)):
-        lp = _log_softmax(model(mx.array(ids[start : start + chunk])[None], cache=caches))
-        mx.eval([c.state for c in caches])
-        got = np.take_along_axis(lp, ref.tokens[i], axis=-1)
+        logits = model(mx.array(ids[start : start + chunk])[None], cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+        got = np.concatenate([np.take_along_axis(lp, ref.tokens[i][first:first + len(lp)], axis=-1)
+                              for first, lp in _log_softmax_rows(logits)])
         p = np.exp(ref.logprobs[i])
         total += float((p * (ref.logprobs[i] - got)).sum())
         total += float((np.exp(ref.rest[i]) * (ref.rest[i] - _log_rest(got))).sum())
-        n += lp.shape[0]
+        n += got.shape[0]
     return max(total / n, 0.0)
 
 

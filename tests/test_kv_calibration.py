@@ -211,3 +211,24 @@ def test_calibration_weighs_sliding_layers_and_the_planner_counts_each_kind(tiny
     loaded.model(mx.array(list(range(3, 203)))[None], cache=cache)
     assert [c.store.fmt.name for c in cache] == list(kv.layer_formats)
     assert kvexec.page_formats(cache)["k4crv4r"] == 192  # 200 - 4 sinks, whole pages; the rings hold ~16
+
+
+def test_output_log_probabilities_are_taken_a_few_rows_at_a_time():
+    import tracemalloc
+
+    import numpy as np
+
+    from kvexec.layer_error import _log_softmax_rows
+
+    logits = mx.random.normal((1, 256, 8192)) * 4
+    mx.eval(logits)
+    x = np.array(logits[0])
+    whole = x - x.max(axis=-1, keepdims=True)
+    whole = whole - np.log(np.exp(whole).sum(axis=-1, keepdims=True))
+    tracemalloc.start()
+    parts = [lp for _, lp in _log_softmax_rows(logits)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert np.array_equal(np.concatenate(parts), whole)  # row by row: the same numbers
+    # float32 copies of a few rows, not of the chunk (Gemma 3's 262,144-token rows: GiBs)
+    assert peak - sum(p.nbytes for p in parts) < x.nbytes / 2
