@@ -97,7 +97,8 @@ def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256)
     for start in range(0, len(ids), chunk):
         tops, logprobs = [], []
         for _, lp in _log_softmax_rows(model(mx.array(ids[start : start + chunk])[None], cache=caches)):
-            tops.append(np.argpartition(-lp, TOP, axis=-1)[:, :TOP])
+            # a copy: the slice alone would keep the whole [rows, vocabulary] index array alive
+            tops.append(np.argpartition(-lp, TOP, axis=-1)[:, :TOP].copy())
             logprobs.append(np.take_along_axis(lp, tops[-1], axis=-1))
         ref.tokens.append(np.concatenate(tops))
         ref.logprobs.append(np.concatenate(logprobs))

@@ -232,3 +232,20 @@ def test_output_log_probabilities_are_taken_a_few_rows_at_a_time():
     assert np.array_equal(np.concatenate(parts), whole)  # row by row: the same numbers
     # float32 copies of a few rows, not of the chunk (Gemma 3's 262,144-token rows: GiBs)
     assert peak - sum(p.nbytes for p in parts) < x.nbytes / 2
+
+
+def test_recording_the_reference_holds_a_few_rows_of_the_vocabulary_at_a_time():
+    import tracemalloc
+
+    from kvexec.calibrate import LAYOUT
+    from kvexec.layer_error import TOP, record
+
+    vocab = 32768
+    model = paged_model({**TINY, "vocab_size": vocab})
+    tracemalloc.start()
+    _, ref = record(model, list(range(3, 259)), LAYOUT)  # one 256-position chunk
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert ref.tokens[0].shape == (256, TOP)
+    one_slice = 32 * vocab * 8  # the top-k index array of 32 rows
+    assert peak < 4 * one_slice  # not the chunk's rows (or every slice's index array) at once
