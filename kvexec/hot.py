@@ -31,8 +31,10 @@ class HotWindow:
         return None if self.values_room is None else self.values_room[..., : self.n, :]
 
     def set(self, keys: mx.array | None, values: mx.array | None) -> None:
-        """Hold exactly `keys` and `values` (None: nothing)."""
-        self.keys_room, self.values_room = keys, values
+        """Hold exactly `keys` and `values` (None: nothing), as arrays of their own: a
+        trim's slices of the old room would keep the whole room alive, uncounted."""
+        own = lambda a: None if a is None else mx.contiguous(a)  # noqa: E731
+        self.keys_room, self.values_room = own(keys), own(values)
         self.n = 0 if keys is None else keys.shape[-2]
 
     def append(self, keys: mx.array, values: mx.array) -> None:

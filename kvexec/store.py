@@ -203,7 +203,7 @@ class PageStore:
     @hot_v.setter
     def hot_v(self, values: mx.array | None) -> None:
         """Hold exactly `values` in the hot window (after hot_k)."""
-        self.hot.values_room = values
+        self.hot.set(self.hot.keys_room, values)
 
     # -- pages on disk -------------------------------------------------------
     def spilled(self) -> tuple[Extent, ...]:

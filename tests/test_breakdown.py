@@ -4,8 +4,10 @@ and `/v1/justfit/status`'s data carry it."""
 
 from __future__ import annotations
 
+import gc
 import json
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -50,12 +52,19 @@ def test_parts_add_up_to_rss_after_load_and_after_a_request(tiny_gguf):
     assert loaded["parts"]["modules"] > 0 and loaded["parts"]["libraries"] > 0
     assert loaded["parts"]["pages"] == loaded["parts"]["hot_window"] == 0  # nothing computed yet
 
+    gc.collect()
+    active_loaded = mx.get_active_memory()
     ids = engine.tokenizer.encode("the quick brown fox " * 40)[:200]
+    assert len(ids) == 200  # longer than the first chunk and the sinks
     reply = engine.reply(ids, SamplingParams(temperature=0, max_tokens=8))
     after = process_breakdown(engine, last=reply.stats)
     _check_sum(after)
     held = after["parts"]["pages"] + after["parts"]["hot_window"]
     assert held == engine.states.memory_bytes > 0  # the stored state's KV, split into pages and hot window
+    # and what MLX holds is what they count: no array keeps a larger buffer alive (views of
+    # the first chunk's keys, of a trimmed hot window's room, once did)
+    gc.collect()
+    assert mx.get_active_memory() - active_loaded <= held + (64 << 10)
     assert after["parts"]["token_lists"] > 8 * len(ids)  # at least a pointer per stored token
     assert after["peaks"]["transient"] is not None and after["peaks"]["process"] >= after["rss"]
     text = "\n".join(format_breakdown(after))
