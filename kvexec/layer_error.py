@@ -30,6 +30,7 @@ from kvexec.config import KVConfig
 from kvexec.store import PageStore
 
 TOP = 64
+ROWS = 8  # positions whose output distributions are taken at once (float32 copies of vocabulary-wide rows)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class _RecordingCache(PagedKVCache):
         return super().attend(queries, scale, sinks)
 
 
-def _log_softmax_rows(logits: mx.array, rows: int = 32):
+def _log_softmax_rows(logits: mx.array, rows: int = ROWS):
     """(first row, log-softmax of `rows` positions' logits) over a chunk's [1, L, vocab]
     logits. numpy's vectorized exp: MLX's CPU exp is scalar, and rows are vocabulary-wide;
     a few rows at a time, as each row is computed alone: the whole chunk's float32 copies
