@@ -29,9 +29,10 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
 
 Besides `setup()`, the process-wide settings a running engine asks for go through here
 too, and nowhere else: `hold_memory` (MLX's buffer cache and limits, glibc's mmap
-threshold), glibc's one arena (set in `setup`) and `at_exit` (work to finish before the interpreter exits). The native
-CPU kernels' switch, JUSTFIT_NATIVE, is read by their own package (`justfit_native`),
-which kvexec and phaseswap ask; `native_kernels()` says once whether they run and why.
+threshold), glibc's one arena (set in `setup`) and `at_exit` (work to finish before the
+interpreter exits). The native CPU kernels' switch, JUSTFIT_NATIVE, is read by their own
+package (`justfit_native`), which kvexec and phaseswap ask; `native_kernels()` says once
+whether they run and why.
 """
 
 from __future__ import annotations

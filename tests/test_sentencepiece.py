@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from justfit.model.gguf.tokenizer import build_tokenizer
-from justfit.model.sentencepiece import FILE_NAME, NORMAL, BadVocabulary, SentencePieceBPE, write_vocabulary
+from justfit.model.sentencepiece import FILE_NAME, SentencePieceBPE, write_vocabulary
+from justfit.model.vocabulary import NORMAL, BadVocabulary
 from justfit.server.prompt_bytes import longest_token_bytes
 from tests.test_tokenizer import _meta
 from tests.tiny_models import spm_vocab

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from justfit.model.vocabulary import CONTROL, NORMAL, StoredVocabulary, piece_arrays
+from justfit.model.vocabulary import CONTROL, StoredVocabulary, piece_arrays
 
 FILE_NAME = "tokenizer.bpe.npz"
 _REMEMBERED_WORDS = 16384
@@ -67,12 +67,11 @@ def _byte_alphabet() -> list[str]:
 
 def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
     """Store a GGUF `gpt2` vocabulary (pieces, types, merges by rank, BOS, pre-tokenizer) at `path`."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
     first = {}
-    for i, t in enumerate(tokens):
+    for i, t in enumerate(meta["tokenizer.ggml.tokens"]):
         first.setdefault(t, i)
     merges = []
     for m in meta["tokenizer.ggml.merges"]:
@@ -81,9 +80,7 @@ def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     flags = [int(bool(meta.get("tokenizer.ggml.add_bos_token", False))), -1 if bos is None else int(bos)]
     with open(path, "wb") as f:
-        np.savez(f, **piece_arrays(tokens),
-                 types=np.asarray(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)), np.uint8),
-                 merges=np.asarray(merges, np.int32).reshape(-1, 2), flags=np.asarray(flags, np.int64),
+        np.savez(f, **piece_arrays(meta), merges=np.asarray(merges, np.int32).reshape(-1, 2), flags=np.asarray(flags, np.int64),
                  pre=np.frombuffer(pre.encode(), np.uint8))
 
 
@@ -97,9 +94,8 @@ class ByteLevelBPE(StoredVocabulary):
         pattern, digits = PRE_TOKENIZERS[self.pre]
         self._split = regex.compile(pattern)
         self._digits = regex.compile(r"\p{N}") if digits else None
-        alphabet = _byte_alphabet()
-        self._byte_char = alphabet
-        self._char_byte = {c: b for b, c in enumerate(alphabet)}
+        self._byte_char = _byte_alphabet()
+        self._char_byte = {c: b for b, c in enumerate(self._byte_char)}
         self._index_merges()
         self._word = lru_cache(maxsize=_REMEMBERED_WORDS)(self._merge)
 
@@ -170,7 +166,7 @@ class ByteLevelBPE(StoredVocabulary):
                 ids.append(token)
                 continue
             for piece in self._pieces(part):
-                ids += self._word("".join(self._byte_char[b] for b in piece.encode("utf-8")))
+                ids += self._word(piece)
         return ids
 
     def _pieces(self, text: str) -> list[str]:
@@ -183,9 +179,9 @@ class ByteLevelBPE(StoredVocabulary):
             out += _isolated(self._split, part)
         return out
 
-    def _merge(self, word: str) -> tuple[int, ...]:
-        """Ids of one pre-tokenized piece (in the byte alphabet), merged lowest rank first."""
-        symbols = [t for t in map(self.token_to_id, word) if t is not None]
+    def _merge(self, piece: str) -> tuple[int, ...]:
+        """Ids of one pre-tokenized piece: its bytes in the byte alphabet, merged lowest rank first."""
+        symbols = [t for t in (self.token_to_id(self._byte_char[b]) for b in piece.encode("utf-8")) if t is not None]
         count = len(symbols)
         after = list(range(1, count + 1))
         before = list(range(-1, count - 1))

@@ -29,10 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from justfit.model.vocabulary import BYTE, CONTROL, NORMAL, USER_DEFINED, BadVocabulary, StoredVocabulary, piece_arrays
-
-__all__ = ["FILE_NAME", "BadVocabulary", "SentencePieceBPE", "write_vocabulary", "NORMAL", "CONTROL", "USER_DEFINED",
-           "BYTE"]
+from justfit.model.vocabulary import BYTE, CONTROL, NORMAL, StoredVocabulary, piece_arrays
 
 SPACE = "\u2581"
 FILE_NAME = "tokenizer.spm.npz"
@@ -42,9 +39,6 @@ _REMEMBERED_PARTS = 16384
 
 def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
     """Store a GGUF `llama` vocabulary (its pieces, scores, types and flags) at `path`."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
-
     def token_id(key: str) -> int:
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
         return -1 if value is None else int(value)
@@ -52,8 +46,8 @@ def write_vocabulary(path: Path, meta: dict[str, Any]) -> None:
     flags = [int(bool(meta.get("tokenizer.ggml.add_space_prefix", True))),
              int(bool(meta.get("tokenizer.ggml.add_bos_token", False))), token_id("bos"), token_id("unknown")]
     with open(path, "wb") as f:
-        np.savez(f, **piece_arrays(tokens), scores=np.asarray(meta["tokenizer.ggml.scores"], np.float32),
-                 types=np.asarray(types, np.uint8), flags=np.asarray(flags, np.int64))
+        np.savez(f, **piece_arrays(meta), scores=np.asarray(meta["tokenizer.ggml.scores"], np.float32),
+                 flags=np.asarray(flags, np.int64))
 
 
 class SentencePieceBPE(StoredVocabulary):

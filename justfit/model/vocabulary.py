@@ -24,12 +24,16 @@ class BadVocabulary(ValueError):
     pass
 
 
-def piece_arrays(tokens: list[str]) -> dict[str, np.ndarray]:
-    """`tokens` as the stored arrays `pieces` (UTF-8 bytes, one string) and `offsets`."""
+def piece_arrays(meta: dict) -> dict[str, np.ndarray]:
+    """A GGUF vocabulary's pieces as the stored arrays `pieces` (UTF-8 bytes, one
+    string), `offsets` and `types`."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
     encoded = [t.encode("utf-8") for t in tokens]
     offsets = np.zeros(len(tokens) + 1, np.int64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    return {"pieces": np.frombuffer(b"".join(encoded), np.uint8), "offsets": offsets}
+    types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    return {"pieces": np.frombuffer(b"".join(encoded), np.uint8), "offsets": offsets,
+            "types": np.asarray(types, np.uint8)}
 
 
 class StoredVocabulary:
