@@ -153,7 +153,10 @@ def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
             shown = await b.wait_for("document.querySelector('[data-field=running]').dataset.value === 'prefill'"
                                      " || document.querySelector('[data-field=running]').dataset.value === 'decode'")
             seen_after = time.monotonic() - started
-            await b.wait_for("document.querySelector('[data-field=\"mem:kv:full\"]') !== null", timeout=5)
+            # The table shows each poll's `now`; the chart draws the sampled history, which
+            # holds the running request's KV from the first sample after it began.
+            await b.wait_for("document.querySelector('[data-field=\"mem:kv:full\"]') !== null && "
+                             "window.justfitChart.series.some(s => s.label === 'KV full')", timeout=5)
             page = await b.js("({fields: Object.fromEntries([...document.querySelectorAll('[data-field]')]"
                               ".map(e => [e.dataset.field, e.dataset.value])), last: window.justfitLast,"
                               " canvases: document.querySelectorAll('.uplot canvas').length, chart: " + CHART_JS +
