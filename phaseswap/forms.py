@@ -171,6 +171,7 @@ class DenseWhileUsed(nn.Module):
         self.__dict__["stored"] = mod  # not a child module: the lease's parameters are none of its own
 
     def __call__(self, x: mx.array) -> mx.array:
+        mx.eval(x)  # what x is computed from is freed before the dense copy exists
         y = to_dense(self.__dict__["stored"])(x)
         mx.eval(y)
         return y

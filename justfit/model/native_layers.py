@@ -115,7 +115,9 @@ class NativeLlamaMLP(llama.MLP):
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_proj(x), self.up_proj(x)
         h = _gated(gate, up, _SILU)
-        return self.down_proj(swiglu(gate, up) if h is None else h)
+        h = swiglu(gate, up) if h is None else h
+        del gate, up  # freed once h is computed, before the down projection's dense copy and output
+        return self.down_proj(h)
 
 
 class NativeGemmaMLP(gemma3_text.MLP):
@@ -124,7 +126,9 @@ class NativeGemmaMLP(gemma3_text.MLP):
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_proj(x), self.up_proj(x)
         h = _gated(gate, up, _GELU_APPROX)
-        return self.down_proj(nn.gelu_approx(gate) * up if h is None else h)
+        h = nn.gelu_approx(gate) * up if h is None else h
+        del gate, up  # as above
+        return self.down_proj(h)
 
 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
