@@ -25,6 +25,9 @@ _CANDIDATES = (  # the OpenMP build first: it shares the native kernels' OpenMP 
 )
 
 _loaded: str | None = None
+# OpenBLAS chooses its kernels by CPU model when it loads; a model newer than the library
+# gets its generic SSE3 kernels ("Prescott"). Skylake-X's kernels need these flags.
+_SKYLAKEX_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 
 
 def find_openblas() -> str | None:
@@ -45,6 +48,31 @@ def openmp_build(path: str | None) -> bool:
     """Whether the OpenBLAS at `path` is Debian's OpenMP build, whose GEMMs run on the
     same OpenMP threads as the native kernels (the pthread build has threads of its own)."""
     return path is not None and "openblas-openmp" in path
+
+
+def core_type(cpuinfo: str | None = None) -> str | None:
+    """The OpenBLAS kernels to name for this CPU (OPENBLAS_CORETYPE): "SkylakeX" where
+    it has Skylake-X's AVX-512 set, else None (OpenBLAS's own choice). Debian 12's
+    OpenBLAS 0.3.21 took a recent Xeon for an SSE3 CPU: prefill at half speed.
+    `cpuinfo`: /proc/cpuinfo's text (read when not given; None off Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "SkylakeX" if _SKYLAKEX_FLAGS <= set(flags) else None
+
+
+def kernels(path: str) -> str | None:
+    """The kernels the OpenBLAS at `path` (loaded) chose, e.g. "SkylakeX"; None if it cannot say."""
+    try:
+        lib = ctypes.CDLL(path)
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        return lib.openblas_get_corename().decode()
+    except (OSError, AttributeError):
+        return None
 
 
 def preload() -> str | None:
@@ -78,5 +106,7 @@ def active_blas() -> str:
     # numpy's wheel maps its own private copy (libscipy_openblas); MLX cannot use it.
     system = [l for l in maps.splitlines() if "/libopenblas" in l]
     if _loaded or system:
-        return f"OpenBLAS ({_loaded or system[0].split()[-1]})"
+        path = _loaded or system[0].split()[-1]
+        chosen = kernels(path)
+        return f"OpenBLAS ({path})" + (f", {chosen} kernels" if chosen else "")
     return "reference BLAS bundled with mlx[cpu] (slow; install libopenblas0-openmp)"

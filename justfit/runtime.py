@@ -10,8 +10,9 @@ anything that loads `mlx.core`), the HTTP server (its engine thread included) an
 
 * OpenBLAS. The `mlx[cpu]` wheel links a reference BLAS; loading a system OpenBLAS
   with RTLD_GLOBAL *before* `mlx.core` is first imported makes MLX's CPU backend
-  bind to it instead (see justfit/blas.py). Once `mlx.core` is loaded this is too
-  late and skipped: the command line calls `setup()` first thing for this reason,
+  bind to it instead (see justfit/blas.py), with its Skylake-X kernels named where
+  the CPU has them (OPENBLAS_CORETYPE, unless set). Once `mlx.core` is loaded this is
+  too late and skipped: the command line calls `setup()` first thing for this reason,
   and so do tests/conftest.py and the benchmark workers that measure JustFit.
 * The execution stream. MLX's default streams belong to the thread that made
   them, and a lazy array (a weight loaded on demand, a state restored from disk) can
@@ -92,6 +93,9 @@ def setup() -> Runtime:
             libc = glibc()
             if libc is not None:
                 libc.mallopt(-8, 1)  # M_ARENA_MAX, before the libraries start their threads
+            core = blas.core_type() if sys.platform.startswith("linux") else None
+            if core is not None:  # read when OpenBLAS loads (numpy's own copy too); a user's choice stands
+                os.environ.setdefault("OPENBLAS_CORETYPE", core)
             openblas = blas.preload()  # must precede the first `import mlx.core`
             defer_package_init("mlx_lm")
             import mlx.core as mx

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from justfit import runtime
-from justfit.blas import active_blas, find_openblas, openmp_build
+from justfit.blas import active_blas, core_type, find_openblas, openmp_build
 from kvexec import attention
 from kvexec.formats import get_format
 
@@ -111,6 +111,31 @@ print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "gomp_loaded_at_setu
     assert shared or not out["gomp_loaded_at_setup"]  # read when libgomp loads: later (or with the BLAS)
     assert run({**env, "JUSTFIT_BLAS": "none"})["spin"] == "10000"
     assert run({**env, "GOMP_SPINCOUNT": "5"})["spin"] == "5"
+
+
+def test_setup_names_the_openblas_kernels_the_cpu_has_and_keeps_a_users_choice():
+    """OpenBLAS takes a CPU model newer than itself for an SSE3 one (Debian 12's 0.3.21 on
+    a recent Xeon: prefill at half speed); where the CPU has Skylake-X's AVX-512 set,
+    setup names those kernels before OpenBLAS loads. A user's OPENBLAS_CORETYPE stands."""
+    flags = "flags\t\t: fpu sse2 avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl\n"
+    assert core_type("processor\t: 0\n" + flags) == "SkylakeX"
+    assert core_type(flags.replace(" avx512vl", "")) is None and core_type("processor\t: 0\n") is None
+    code = r"""
+import json, os
+from justfit import runtime
+from justfit.blas import active_blas
+runtime.setup()
+print(json.dumps({"core": os.environ.get("OPENBLAS_CORETYPE"), "blas": active_blas()}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    run = lambda e: json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
+                                              timeout=120, check=True, env=e).stdout.strip().splitlines()[-1])
+    ours, users = run(env), run({**env, "OPENBLAS_CORETYPE": "Haswell"})
+    assert ours["core"] == (core_type() if sys.platform.startswith("linux") else None)
+    assert users["core"] == "Haswell"
+    if find_openblas() is not None and sys.platform.startswith("linux"):  # the kernels it chose, in its words
+        assert users["blas"].endswith(", Haswell kernels")
+        assert ours["core"] is None or ours["blas"].endswith(f", {ours['core']} kernels")
 
 
 def test_setup_is_idempotent_and_shares_one_stream_across_threads():
