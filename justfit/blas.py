@@ -52,8 +52,8 @@ def openmp_build(path: str | None) -> bool:
 
 def core_type(cpuinfo: str | None = None) -> str | None:
     """The OpenBLAS kernels to name for this CPU (OPENBLAS_CORETYPE): "SkylakeX" where
-    it has Skylake-X's AVX-512 set, else None (OpenBLAS's own choice). Debian 12's
-    OpenBLAS 0.3.21 took a recent Xeon for an SSE3 CPU: prefill at half speed.
+    it has Skylake-X's AVX-512 set, else None (OpenBLAS's own choice, which takes a CPU
+    model newer than the library for an SSE3 one: docs/ARCHITECTURE.md, process set-up).
     `cpuinfo`: /proc/cpuinfo's text (read when not given; None off Linux)."""
     if cpuinfo is None:
         try:
