@@ -93,7 +93,7 @@ def setup() -> Runtime:
             libc = glibc()
             if libc is not None:
                 libc.mallopt(-8, 1)  # M_ARENA_MAX, before the libraries start their threads
-            core = blas.core_type() if sys.platform.startswith("linux") else None
+            core = blas.core_type()  # None off Linux: no /proc/cpuinfo
             if core is not None:  # read when OpenBLAS loads (numpy's own copy too); a user's choice stands
                 os.environ.setdefault("OPENBLAS_CORETYPE", core)
             openblas = blas.preload()  # must precede the first `import mlx.core`
