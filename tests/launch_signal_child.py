@@ -19,6 +19,8 @@ if rank == 0:
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if stuck else stop)
-print(json.dumps({"rank": rank, "ignores": ignored}), flush=True)
+# one write per line: two ranks share this stdout, and print() unbuffered writes the
+# newline apart from the line
+os.write(1, (json.dumps({"rank": rank, "ignores": ignored}) + "\n").encode())
 while rank == 0 or not flag.exists():
     time.sleep(0.02)
