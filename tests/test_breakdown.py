@@ -103,3 +103,19 @@ def test_bench_plan_breakdown_checks_the_parts_against_rss(tiny_gguf):
     far = {"parts": {"weights": 90, "unaccounted": 10}, "rss": 100, "outside_mlx": 0, "peaks": {}}
     assert check_breakdown(far)["gap"] == pytest.approx(0.1) and not check_breakdown(far)["within"]
     assert check_breakdown(far, tolerance=0.1)["within"]
+
+
+def test_measured_counts_no_mlx_buffer_its_cache_keeps():
+    """Freed MLX buffers its cache keeps are MLX's, not the step's: a process that ran MLX
+    before the engine loads (a test, an embedding caller) would otherwise count its cache
+    as interpreter and modules."""
+    previous = mx.set_cache_limit(1 << 30)
+    try:
+        def mlx_step():
+            mx.eval(mx.ones((32 << 20) // 4))  # written, then freed into MLX's cache
+        _, size = measured(mlx_step)
+        assert mx.get_cache_memory() >= 32 << 20
+        assert size < 4 << 20
+    finally:
+        mx.set_cache_limit(previous)
+        mx.clear_cache()

@@ -57,9 +57,10 @@ def file_bytes() -> int:
 
 
 def outside_anon() -> int:
-    """Anonymous resident memory besides MLX's active buffers, after a heap trim."""
+    """Anonymous resident memory besides MLX's buffers (active, and freed ones its cache
+    keeps), after a heap trim."""
     trim_heap()
-    return anon_bytes() - mx.get_active_memory()
+    return anon_bytes() - mx.get_active_memory() - mx.get_cache_memory()
 
 
 def measured(make: Callable[[], T]) -> tuple[T, int]:
