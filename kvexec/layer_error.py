@@ -28,9 +28,14 @@ from kvexec.attention import blockwise_attention
 from kvexec.cache import PagedKVCache, make_cache
 from kvexec.config import KVConfig
 from kvexec.store import PageStore
+from phaseswap.predict import output_head, transformer_body
 
 TOP = 64
-ROWS = 8  # positions whose output distributions are taken at once (float32 copies of vocabulary-wide rows)
+# Positions whose output distributions are taken at once (float32 copies of vocabulary-wide
+# rows); where the model's output is its head applied to its body's, also the positions
+# whose logits exist at once: a chunk's whole [positions, vocabulary] logits were the
+# calibration's largest transient on a large vocabulary (docs/BENCHMARKS.md, first load).
+ROWS = 8
 
 
 @dataclass
@@ -84,6 +89,34 @@ def _log_softmax_rows(logits: mx.array, rows: int = ROWS):
         yield first, x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def _split(model: nn.Module, ids: list[int], layout: KVConfig) -> tuple | None:
+    """(body, head) where `model`'s logits are head(body(x)), as mlx-lm's models compute
+    them: checked on the first two positions (fresh pages each); None where the model is
+    not shaped so or its own call applies more."""
+    body, head = transformer_body(model), output_head(model)
+    if body is None or head is None:
+        return None
+    x = mx.array(ids[:2])[None]
+    whole = model(x, cache=make_cache(model, layout))
+    parts = head(body(x, cache=make_cache(model, layout)))
+    same = whole.shape == parts.shape and mx.allclose(whole, parts, rtol=1e-5, atol=1e-5).item()
+    return (body, head) if same else None
+
+
+def _chunk_log_probs(model: nn.Module, split: tuple | None, ids: list[int], caches: list):
+    """(first row, log-softmax of rows) of the outputs at `ids`, fed into `caches`: the
+    body once and the head ROWS positions at a time where `split` is given, else the
+    model's whole logits."""
+    if split is None:
+        yield from _log_softmax_rows(model(mx.array(ids)[None], cache=caches))
+        return
+    body, head = split
+    hidden = body(mx.array(ids)[None], cache=caches)
+    mx.eval(hidden)
+    for first in range(0, hidden.shape[1], ROWS):
+        yield first, next(_log_softmax_rows(head(hidden[:, first:first + ROWS])))[1]
+
+
 def _log_rest(top_logprobs: np.ndarray) -> np.ndarray:
     return np.log(np.clip(1.0 - np.exp(top_logprobs).sum(axis=-1), 1e-12, None))
 
@@ -94,10 +127,10 @@ def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256)
     caches = []
     for c in make_cache(model, layout):
         caches.append(_RecordingCache(c.store.config, c.store.window) if isinstance(c, PagedKVCache) else c)
-    ref = Reference()
+    ref, split = Reference(), _split(model, ids, layout)
     for start in range(0, len(ids), chunk):
         tops, logprobs = [], []
-        for _, lp in _log_softmax_rows(model(mx.array(ids[start : start + chunk])[None], cache=caches)):
+        for _, lp in _chunk_log_probs(model, split, ids[start : start + chunk], caches):
             # a copy: the slice alone would keep the whole [rows, vocabulary] index array alive
             tops.append(np.argpartition(-lp, TOP, axis=-1)[:, :TOP].copy())
             logprobs.append(np.take_along_axis(lp, tops[-1], axis=-1))
@@ -110,13 +143,12 @@ def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256)
 
 def output_kl(model: nn.Module, ids: list[int], config: KVConfig, ref: Reference, chunk: int = 256) -> float:
     """Mean binned KL(reference || output) per position with pages as `config` keeps them."""
-    caches = make_cache(model, config)
+    caches, split = make_cache(model, config), _split(model, ids, config)
     total, n = 0.0, 0
     for i, start in enumerate(range(0, len(ids), chunk)):
-        logits = model(mx.array(ids[start : start + chunk])[None], cache=caches)
-        mx.eval(logits, [c.state for c in caches])
         got = np.concatenate([np.take_along_axis(lp, ref.tokens[i][first:first + len(lp)], axis=-1)
-                              for first, lp in _log_softmax_rows(logits)])
+                              for first, lp in _chunk_log_probs(model, split, ids[start : start + chunk], caches)])
+        mx.eval([c.state for c in caches])
         p = np.exp(ref.logprobs[i])
         total += float((p * (ref.logprobs[i] - got)).sum())
         total += float((np.exp(ref.rest[i]) * (ref.rest[i] - _log_rest(got))).sum())

@@ -3,6 +3,8 @@ The planner and the engine size a form (and a prefill lease) before paying for o
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -80,6 +82,18 @@ def transformer_body(model: nn.Module) -> nn.Module | None:
             and isinstance(getattr(inner, "embed_tokens", None), nn.Module):
         return inner
     return None
+
+
+def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """What mlx-lm's models apply to their body's output for the logits: `lm_head`, or
+    the tied embedding's `as_linear`; None where the model is not shaped so. Whether
+    the model's own call applies anything more (a soft cap, a scale) is for the caller
+    to check."""
+    body = transformer_body(model)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Module):
+        return head
+    return getattr(body.embed_tokens, "as_linear", None) if body is not None else None
 
 
 def model_body(model: nn.Module) -> nn.Module:

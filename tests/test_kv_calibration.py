@@ -249,3 +249,48 @@ def test_recording_the_reference_holds_a_few_rows_of_the_vocabulary_at_a_time():
     assert ref.tokens[0].shape == (256, TOP)
     one_slice = ROWS * vocab * 8  # the top-k index array of one slice of rows
     assert peak < 8 * one_slice  # not the chunk's rows (or every slice's index array) at once
+
+
+def test_the_reference_applies_the_head_a_few_rows_at_a_time_with_the_same_numbers(monkeypatch):
+    import gc
+
+    from kvexec import layer_error
+    from kvexec.calibrate import LAYOUT
+
+    vocab, ids = 32768, list(range(3, 259))  # one 256-position chunk
+    model = paged_model({**TINY, "vocab_size": vocab})
+    assert layer_error._split(model, ids, LAYOUT) is not None  # mlx-lm's shape: head(body(x))
+
+    def recorded():
+        gc.collect()
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        _, ref = layer_error.record(model, ids, LAYOUT)
+        return ref, mx.get_peak_memory() - before
+
+    by_rows, rows_peak = recorded()
+    monkeypatch.setattr(layer_error, "_split", lambda *_: None)  # the model's whole logits, as before
+    whole, whole_peak = recorded()
+    for a, b in zip(by_rows.tokens + by_rows.rest, whole.tokens + whole.rest):
+        assert np.array_equal(a, b)
+    for a, b in zip(by_rows.logprobs, whole.logprobs):
+        assert np.allclose(a, b, atol=1e-6)
+    logits = len(ids) * vocab * 4  # the chunk's float32 logits
+    assert whole_peak >= logits and rows_peak < whole_peak - logits // 2, (rows_peak, whole_peak)
+
+
+def test_a_model_whose_call_does_more_than_its_head_keeps_its_whole_logits():
+    from kvexec import layer_error
+    from kvexec.calibrate import LAYOUT
+
+    model = paged_model(TINY)
+    plain = type(model)
+    model.__class__ = type("Capped", (plain,), {"__call__": lambda self, *a, **k: 0.5 * plain.__call__(self, *a, **k)})
+    ids = list(range(3, 40))
+    assert layer_error._split(model, ids, LAYOUT) is None
+    _, ref = layer_error.record(model, ids, LAYOUT)
+    # the capped model's own distribution: halved logits spread the mass
+    model.__class__ = plain
+    _, uncapped = layer_error.record(model, ids, LAYOUT)
+    assert ref.logprobs[0].max() < uncapped.logprobs[0].max()
