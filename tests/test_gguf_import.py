@@ -170,6 +170,27 @@ def test_reader_matches_gguf_package(gemma3_gguf_tiny):
                                       np.asarray(theirs.data).reshape(-1).view(np.uint8))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or not hasattr(__import__("mmap"), "MADV_DONTNEED"),
+                    reason="RssFile (Linux) and madvise measure it")
+def test_a_converted_tensors_file_pages_leave_the_process(tmp_path):
+    """Conversion drops each tensor's mapped file pages once copied: a large vocabulary's
+    embedding otherwise counted twice (its file bytes beside its converted copy)."""
+    import gguf
+
+    from justfit.planning.breakdown import file_bytes
+
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("big", np.full((1024, 4096), 0.5, np.float32))  # 16 MiB
+    finish(writer)
+    (tensor,) = read_gguf(str(path))[1]
+    assert float(tensor.data.sum()) == 0.5 * tensor.data.size  # every page read: resident
+    before = file_bytes()
+    tensor.drop_pages()
+    assert before - file_bytes() >= 0.9 * tensor.data.nbytes
+    assert float(tensor.data.sum()) == 0.5 * tensor.data.size  # still readable, from the page cache
+
+
 def test_bad_requant_options_are_refused():
     with pytest.raises(ValueError, match="bits"):
         RequantOptions(bits=7)

@@ -187,10 +187,14 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, opts: Requ
         module = target.rsplit(".", 1)[0]
         if not target.endswith(".weight"):
             weights[target] = mx.array(np.asarray(tensor.data))
+            tensor.drop_pages()
             continue
         arrays, q = _tensor_arrays(tensor, target, opts, norm_offset)
-        for kind, arr in arrays.items():
-            weights[f"{module}.{kind}"] = mx.array(arr)
+        # converted: the file's bytes, then each numpy form once in MLX, need not stay
+        # (a large vocabulary's embedding held all three at once)
+        tensor.drop_pages()
+        for kind in list(arrays):
+            weights[f"{module}.{kind}"] = mx.array(arrays.pop(kind))
         if q:
             quant[module] = q
     if quant:
@@ -213,6 +217,10 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, opts: Requ
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        # written: the tokenizer's build below, and the model's load after, need not sit
+        # on top of them or of MLX's cache of their buffers
+        del weights, tensors
+        mx.clear_cache()
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         build_tokenizer(meta).save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))

@@ -6,6 +6,7 @@ vocabulary; this walks the header once with `struct` instead.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -29,6 +30,17 @@ class GGUFTensor:
     tensor_type: QT
     shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
     data: np.ndarray  # float array in row-major shape, or raw blocks (rows, bytes)
+    source: mmap.mmap | None = None  # the file's mapping `data` lies in, and where
+    offset: int = 0
+
+    def drop_pages(self) -> None:
+        """Take this tensor's file pages out of the process's resident memory (the
+        kernel's page cache keeps them; `data` reads them back if touched again): a
+        converted tensor's source need not count beside its copy."""
+        if self.source is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = self.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self.source.madvise(mmap.MADV_DONTNEED, start, self.offset + self.data.nbytes - start)
 
 
 class GGUFFormatError(ValueError):
@@ -86,17 +98,19 @@ def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
             infos.append((name, dims, _read(f, "I"), _read(f, "Q")))
         align = int(meta.get("general.alignment", 32))
         start = (f.tell() + align - 1) // align * align
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+        source = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm = np.frombuffer(source, dtype=np.uint8)
     tensors = []
     for name, dims, ttype, offset in infos:
         qtype = QT(ttype)
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         block, nbytes = GGML_QUANT_SIZES[qtype]
         row_bytes = dims[0] // block * nbytes
-        raw = mm[start + offset : start + offset + rows * row_bytes]
+        at = start + offset
+        raw = mm[at : at + rows * row_bytes]
         if qtype in _FLOAT_DTYPES:
             data = raw.view(_FLOAT_DTYPES[qtype]).reshape(tuple(reversed(dims)))
         else:
             data = raw.reshape(rows, row_bytes)
-        tensors.append(GGUFTensor(name, qtype, dims, data))
+        tensors.append(GGUFTensor(name, qtype, dims, data, source, at))
     return meta, tensors
