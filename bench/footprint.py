@@ -3,6 +3,7 @@
     python -m bench.footprint --model smollm2 --contexts 8000 --llama-cpp DIR
     python -m bench.footprint --model gemma3 --contexts 7184,22004 --llama-cpp DIR
     python -m bench.footprint --model smollm2 --contexts 8000 --justfit-tree /tmp/before   # another checkout
+    python -m bench.footprint --model gemma3 --contexts 1024 --systems justfit --first-load
 
 Protocol: per model and prompt length, each system is a fresh server process on a free
 port given one request of `context` deterministic prompt tokens (bench.common.prompt_tokens,
@@ -12,6 +13,9 @@ mark of that one process (VmHWM: the whole-process peak RSS) and its RSS are rea
 its row also carries `/v1/justfit/status`'s measured breakdown after the request, where
 the checkout has one. llama-server runs with flash attention, `--threads` threads and
 its context reserved at the model's trained length, f16 KV (its default) and q8_0.
+With `--first-load` JustFit starts from an empty model cache (its own JUSTFIT_CACHE), so
+its load converts the GGUF and measures the KV calibration as a new user's first run
+does: the row's `loaded` peak is that load's, shown beside the request's peak.
 Memory figures are robust on a shared machine; the timings beside them are not.
 """
 
@@ -93,6 +97,9 @@ def run_one(system: str, args, ids: list[int], gguf: str, trained: int) -> dict:
     env = dict(os.environ)
     tmp = Path(tempfile.mkdtemp(prefix="justfit-footprint-"))
     env["JUSTFIT_STATE_DIR"] = str(tmp / "state")  # nothing warm from earlier runs
+    if system == "justfit" and args.first_load:
+        env["JUSTFIT_CACHE"] = str(tmp / "cache")  # no converted weights, no calibration
+        row["first_load"] = True
     if system == "justfit" and args.justfit_tree:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.justfit_tree, env.get("PYTHONPATH")]))
         row["tree"] = args.justfit_tree
@@ -140,7 +147,8 @@ def table(rows: list[dict]) -> str:
         for s in systems:
             r = next((r for r in rows if (r["model"], r["context"], r["system"]) == (model, context, s)), None)
             cells.append("-" if r is None else f"error: {r['error'][:60]}" if "error" in r
-                         else f"{r['peak_rss'] / 2**20:.0f} MiB")
+                         else f"{r['peak_rss'] / 2**20:.0f} MiB" + (f" (first load {r['loaded']['peak_rss'] / 2**20:.0f})"
+                                                                   if r.get("first_load") else ""))
         lines.append(f"| {model}, {context:,} tokens | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -155,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
     ap.add_argument("--justfit-tree", default=None, metavar="DIR",
                     help="run JustFit's server from this source tree (PYTHONPATH), e.g. an older checkout")
+    ap.add_argument("--first-load", action="store_true",
+                    help="JustFit from an empty model cache: its load converts and calibrates (see above)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per server start or request")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     args = ap.parse_args(argv)

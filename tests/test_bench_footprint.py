@@ -26,14 +26,33 @@ def test_one_request_per_server_with_its_peak_and_breakdown(tmp_path, monkeypatc
     parts = justfit["breakdown"]["parts"]
     assert sum(parts.values()) == justfit["breakdown"]["rss"] and parts["weights"] > 0 and parts["pages"] > 0
     assert "error" in llama and llama["system"] == "llama-server"
+    assert (tmp_path / "cache" / "calibration").is_dir()  # the server's first load calibrated in the shared cache
     assert "| tiny-llama.gguf, 40 tokens | " in result["table"] and "error" in result["table"]
+
+
+def test_a_first_load_converts_and_calibrates_in_the_servers_own_empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path / "results")
+    gguf = tmp_path / "tiny-llama.gguf"
+    write_llama_gguf(gguf)
+    main(["--model", str(gguf), "--contexts", "40", "--tokens", "4", "--systems", "justfit", "--first-load",
+          "--timeout", "120"])
+    (saved,) = (tmp_path / "results").glob("footprint-*.json")
+    (row,) = json.loads(saved.read_text())["rows"]
+    assert "error" not in row and row["first_load"] and row["peak_rss"] >= row["loaded"]["peak_rss"] > 0
+    # the bench's own process converted the model to read its tokenizer; the server
+    # calibrated its pages in a cache of its own, gone with it
+    assert (tmp_path / "cache" / "models").is_dir() and not (tmp_path / "cache" / "calibration").exists()
 
 
 def test_table_has_a_column_per_system_and_a_row_per_prompt():
     rows = [{"system": "justfit", "model": "m", "context": 8000, "peak_rss": 300 * 2**20},
             {"system": "llama-server-q8_0", "model": "m", "context": 8000, "peak_rss": 250 * 2**20},
-            {"system": "justfit", "model": "m", "context": 16000, "error": "boom"}]
+            {"system": "justfit", "model": "m", "context": 16000, "error": "boom"},
+            {"system": "justfit", "model": "m", "context": 32000, "peak_rss": 320 * 2**20, "first_load": True,
+             "loaded": {"peak_rss": 310 * 2**20}}]
     lines = table(rows).splitlines()
     assert lines[0] == "| model, prompt | justfit | llama-server-q8_0 |"
     assert lines[2] == "| m, 8,000 tokens | 300 MiB | 250 MiB |"
     assert lines[3].startswith("| m, 16,000 tokens | error: boom | - |")
+    assert lines[4] == "| m, 32,000 tokens | 320 MiB (first load 310) | - |"
