@@ -16,7 +16,7 @@ from justfit.server import Server, ServerConfig
 PROMPT_TOKENS = 100_000
 HOLD_S = 1.0
 # A loop that tokenized itself would miss polls for HOLD_S or more; half of that leaves
-# room for a busy machine's pause (one poll took 0.21 s in a whole-suite run).
+# room for a busy machine's pause of one poll.
 HEALTH_LIMIT_S = HOLD_S / 2
 
 

@@ -45,7 +45,7 @@ def _legacy(blocks: np.ndarray, qtype: QT):
     if qtype == QT.Q8_0:
         d = _f16(blocks[..., :2])
         # code q + 128 of a signed byte is its bits with the top one flipped: one byte
-        # per weight, no wider copies (a 262,144-row embedding's were GiBs)
+        # per weight, no wider copies of a large vocabulary's embedding
         q = blocks[..., 2:] ^ np.uint8(0x80)
         return q, d, d * np.float16(-128), 8
     if qtype == QT.Q4_0:
