@@ -10,8 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-# JUSTFIT_BENCH_RESULTS redirects results (tests: a suite run in a subprocess saves there too).
-RESULTS = Path(os.environ.get("JUSTFIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+# A run saves into bench/results/new/, which git ignores: a file joins bench/results/ (what
+# the docs cite, checked by tests/test_docs.py) when moved there to be cited, so a run inside
+# a checkout never leaves the suite an uncited file. JUSTFIT_BENCH_RESULTS redirects results
+# (tests: a suite run in a subprocess saves there too).
+RESULTS = Path(os.environ.get("JUSTFIT_BENCH_RESULTS") or Path(__file__).resolve().parent / "results" / "new")
 
 
 def _commit() -> str:

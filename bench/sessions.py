@@ -186,7 +186,7 @@ def _not_by_construction(turns: list[dict], active: float, spill_s: float) -> di
     swap_in = sum(t["restore_s"] for t in turns if t["restored_from"] == "disk")
     disk = [t["ttft_s"] for t in turns if t["restored_from"] == "disk"]
     resident = [t["ttft_s"] for t in turns if t["restored_from"] != "disk" and t["cached_tokens"]]
-    return {"swap_out_s": round(spill_s, 2), "swap_in_s": round(swap_in, 2),
+    return {"swap_out_s": round(spill_s, 4), "swap_in_s": round(swap_in, 4),
             "swap_share_of_wall": round((spill_s + swap_in) / active, 4) if active else None,
             "ttft_swapped_in_s": _median(disk), "ttft_resident_s": _median(resident),
             "turns_swapped_in": len(disk), "turns_resident": len(resident)}

@@ -88,6 +88,8 @@ def test_fit_shows_the_breakdown(tiny_gguf):
     _check_sum(report["process"])
     text = runner.invoke(main, ["fit", "--model", str(tiny_gguf)])
     assert text.exit_code == 0 and "outside MLX" in text.output and "blas" in text.output
+    from justfit.blas import active_blas
+    assert report["blas"] == active_blas() and f"  blas: {active_blas()}" in text.output  # the kernels named
 
 
 def test_bench_plan_breakdown_checks_the_parts_against_rss(tiny_gguf):

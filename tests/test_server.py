@@ -200,6 +200,8 @@ def test_metrics_and_status(live):
     status = json.loads(request(live, "GET", "/v1/justfit/status")[2])
     assert status["memory"]["weights"] > 0 and status["last_request"]["phases"]
     assert {"sessions", "queue", "states", "context_limit"} <= status.keys()
+    from justfit.blas import active_blas
+    assert status["blas"] == active_blas()  # which BLAS, with OpenBLAS's kernels named where it runs
 
 
 def test_tool_call_spans_are_held_back_and_parsed():

@@ -49,7 +49,7 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     rows += comparison_rows(engine, budget)
     report = {
         "model": engine.name, "policy": swap.policy.name, "policy_summary": swap.policy.summary,
-        "numerics": engine.numerics.as_dict(),
+        "numerics": engine.numerics.as_dict(), "blas": engine.blas,
         "budget": budget, "outside": outside, "context_limit": engine.context_limit,
         "weights": {"resident": reg.total_bytes(),
                     "by_kind": {k: sum(c.nbytes for c in reg.components.values() if c.kind == k)
@@ -167,6 +167,7 @@ def format_fit(r: dict) -> str:
         f"  policy: {r['policy_summary']}",
         f"  numerics: {r['numerics']['mode']} (same reply on every path: "
         f"{'yes' if r['numerics']['deterministic'] else 'no'}; {r['numerics']['reason']})",
+        f"  blas: {r['blas']}",
         f"weights resident {format_size(w['resident'])} (embedding {format_size(w['by_kind']['embed'])}, "
         f"layers {format_size(w['by_kind']['layer'])}, head {format_size(w['by_kind']['head'])}); "
         f"stored {format_size(w['stored_on_disk'])}; largest working copy {format_size(w['largest_working_copy'])}",

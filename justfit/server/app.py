@@ -280,7 +280,7 @@ class Server:
         return web.json_response({
             "model": self.model_id, "path": str(e.path) if e.path else None, "version": justfit.__version__,
             "policy": e.policy.name, "kv_format": e.config.kv.format if e.config.kv else "mlx-lm",
-            "numerics": e.numerics.as_dict(), "context_limit": e.context_limit, "memory": {**memory(e), "breakdown": process_breakdown(e, self.scheduler.live_layers(), s)},
+            "numerics": e.numerics.as_dict(), "blas": e.blas, "context_limit": e.context_limit, "memory": {**memory(e), "breakdown": process_breakdown(e, self.scheduler.live_layers(), s)},
             "states": {"stored": len(e.states.entries), "in_memory": e.states.memory_bytes,
                        "on_disk": e.states.disk_bytes, "spilled": e.states.spilled,
                        "restored": e.states.restored},
