@@ -53,7 +53,8 @@ def _batch(value: str) -> int | None:
                    "cancel the rest (their state kept), publish every session write, exit 0.")
 @click.option("--state-disk", default=None, metavar="SIZE",
               help="Stored states on disk at most: named sessions 3/4 of it (least recently used go first), "
-                   "the prefix cache the rest. Default: the smaller of 20GiB and half the free space.")
+                   "the prefix cache the rest, quarantined files (at most 1/20) included; with API keys, each "
+                   "key an equal share of both. Default: the smaller of 20GiB and half the free space.")
 @click.option("--session-keep", type=click.FloatRange(min=0), default=10, show_default=True, metavar="MINUTES",
               help="A session used this recently is evicted by the disk quota only when nothing older is "
                    "left, and the response that evicts it says so.")

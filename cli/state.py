@@ -9,6 +9,7 @@ model names) is printed with its unprintable characters escaped."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -35,7 +36,10 @@ def _parse_size(value: str) -> int:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+    for unit, span in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= span:
+            return f"{n / span:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
 
 
 def shown(name: str) -> str:
@@ -131,16 +135,25 @@ def rm(state_dir, name) -> None:
 @state.command("verify")
 @state_dir_option
 @click.option("--remove", is_flag=True, help="Delete what is quarantined, the broken snapshots just found included.")
-def verify(state_dir, remove) -> None:
+@click.option("--state-disk", default=None, metavar="SIZE",
+              callback=lambda ctx, param, value: _parse_size(value) if value else None,
+              help="The state directory's size, as `justfit serve --state-disk` has it (default: the same as "
+                   "serve's); the quarantine keeps 1/20 of it, oldest items deleted first.")
+def verify(state_dir, remove, state_disk) -> None:
     """Check every snapshot (checksums, header, structure); move broken ones into
-    quarantine (a session's older generation takes over), list what the quarantine
-    holds, and with --remove delete it."""
+    quarantine (a session's older generation takes over) within its limit, list what
+    the quarantine holds (count, bytes, limit), and with --remove delete it."""
     from statetrans.admin import purge_quarantine, quarantine_items, verify as check
+    from statetrans.quota import default_state_disk, quarantine_limit, split_state_disk
 
     root = _root(state_dir)
-    total, broken = check(root)
+    size = state_disk if state_disk is not None else default_state_disk(root)
+    limit = quarantine_limit(size, split_state_disk(size)[1])
+    total, broken = check(root, limit)
     for path, why, moved in broken:
         where = f"quarantined as {moved.name}" if moved is not None else "cannot be read now; left in place"
+        if moved is not None and not os.path.lexists(moved):
+            where += ", then deleted: over the quarantine's limit"
         click.echo(f"broken: {_safe(why)} ({_safe(where)})")
     fresh = {moved for _, _, moved in broken if moved is not None}
     held = quarantine_items(root)
@@ -154,6 +167,9 @@ def verify(state_dir, remove) -> None:
         except OSError as e:
             raise common.UserError(f"cannot empty the quarantine: {_safe(e)}") from None
         click.echo(f"removed {len(held)} quarantined item{'s' if len(held) != 1 else ''}")
+    kept = [] if remove else held
+    click.echo(f"quarantine: {len(kept)} item{'s' if len(kept) != 1 else ''}, {_size(sum(q.bytes for q in kept))} "
+               f"(limit {_size(limit)} per model)")
     click.echo(f"{total - len(broken)} of {total} snapshots intact")
     if any(moved is None for _, _, moved in broken) or ((broken or held) and not remove):
         raise SystemExit(1)

@@ -78,7 +78,9 @@ class EngineConfig:
     # ~/.cache/justfit/state), which holds at most state_disk bytes (None: the smaller
     # of 20 GiB and half its free space): named sessions session_disk of it (None: 3/4),
     # least recently used first past that (one used in the last session_keep_s seconds
-    # only when nothing older is left), anonymous states the rest.
+    # only when nothing older is left), anonymous states the rest, and the quarantine
+    # (statetrans.quarantine) 1/20 of the total out of their part. A server with API keys
+    # gives each key an equal share of both parts (StateTiers.share_among).
     state_memory: int | None = None
     state_disk: int | None = None
     state_dir: str | None = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from statetrans.disk import LOCK, discard, locked, owner_alive, owners_of, real_dir, sweep_temporaries
 from statetrans.disk_tier import ANON
-from statetrans.quarantine import Quarantined, purge, quarantine, quarantined
+from statetrans.quarantine import Quarantined, purge, quarantine, quarantine_bytes, quarantined, trim_quarantine
 from statetrans.schema import Expect, check_state
 from statetrans.sessions import SESSIONS, folder_name, generations_in
 from statetrans.snapshot import SnapshotError, read_manifest, snapshot_bytes, verify_snapshot
@@ -128,18 +128,22 @@ def _check(s: Stored) -> None:
     verify_snapshot(s.path, check)
 
 
-def verify(root: Path) -> tuple[int, list[tuple[Path, str, Path | None]]]:
+def verify(root: Path, limit: int | None = None) -> tuple[int, list[tuple[Path, str, Path | None]]]:
     """Check every snapshot (without reading its arrays beyond their checksum); the
-    broken ones are quarantined (a session's older generation takes over). Returns how
-    many were checked and (path, what is wrong, where it was quarantined: None when it
-    was only unreadable now) for each that failed."""
+    broken ones are quarantined (a session's older generation takes over), then each
+    model folder's quarantine is trimmed to `limit` bytes, oldest first (None: left
+    as it is). Returns how many were checked and (path, what is wrong, where it was
+    quarantined: None when it was only unreadable now) for each that failed."""
     items = inventory(root)
     broken = []
     for s in items:
         try:
             _check(s)
         except SnapshotError as e:
-            broken.append((s.path, str(e), quarantine(_model_dir(s), s.path, e)))
+            broken.append((s.path, str(e), quarantine(_model_dir(s), s.path, e, limit)))
+    if limit is not None:
+        for d in model_dirs(root):
+            trim_quarantine(d, limit)
     return len(items), broken
 
 
@@ -168,8 +172,8 @@ def _sound(s: Stored) -> bool:
 def gc(root: Path, keep: int) -> tuple[int, int]:
     """Remove dead processes' temporaries, sessions' superseded generations (once the
     newest one passes verify's checks), then anonymous states (least recently written first, never a
-    live process's) until the directory holds at most `keep` bytes. Sessions are
-    never removed. Returns (snapshots removed, bytes freed)."""
+    live process's) until the directory holds at most `keep` bytes, its quarantine
+    counted. Sessions are never removed. Returns (snapshots removed, bytes freed)."""
     removed = freed = 0
     for d in model_dirs(root):
         with locked(d):
@@ -177,7 +181,7 @@ def gc(root: Path, keep: int) -> tuple[int, int]:
     items = inventory(root)
     sound = {s.path.parent for s in items if s.generation and s.current and not s.error and _sound(s)}
     doomed = [s for s in items if s.generation and not s.current and s.path.parent in sound]
-    total = sum(s.bytes for s in items if s.current)
+    total = sum(s.bytes for s in items if s.current) + sum(quarantine_bytes(d) for d in model_dirs(root))
     for s in sorted((s for s in items if not s.generation and not s.live_owner and not s.error),
                     key=lambda s: -s.age_s):
         if total <= keep:

@@ -32,8 +32,10 @@ ANON = "anon"
 class DiskTier:
     """One model's anonymous states on disk: written, scanned and deleted here."""
 
-    def __init__(self, root: Path, identity: dict, faults: Faults = NONE, expect: Expect = Expect()):
+    def __init__(self, root: Path, identity: dict, faults: Faults = NONE, expect: Expect = Expect(),
+                 quarantine_limit: int | None = None):
         self.root, self.identity, self.faults, self.expect = root, identity, faults, expect
+        self.quarantine_limit = quarantine_limit  # what fails its checks goes there (None: no limit)
         self.dir = root / ANON
 
     def write(self, e: Entry, arrays: dict[str, mx.array], layers: list[dict]) -> tuple[Path, int, dict]:
@@ -63,7 +65,7 @@ class DiskTier:
     def scan(self) -> list[Entry]:
         """Anonymous states on disk for this identity (manifests and headers only; the
         checksums are checked on use); what fails its checks is quarantined."""
-        if not scannable(self.root, self.dir):
+        if not scannable(self.root, self.dir, self.quarantine_limit):
             return []
         found = []
         for d in _listing(self.dir):
@@ -72,7 +74,7 @@ class DiskTier:
             try:
                 e, mtime = self._entry(d)
             except SnapshotError as err:
-                quarantine(self.root, d, err)
+                quarantine(self.root, d, err, self.quarantine_limit)
                 continue
             found.append((mtime, e))
         return [e for _, e in sorted(found, key=lambda f: f[0])]

@@ -29,7 +29,7 @@ from statetrans.quarantine import quarantine, scannable
 from statetrans.quota import Usage
 from statetrans.schema import Expect
 from statetrans.publish import write_files
-from statetrans.snapshot import SnapshotError, read_json_file, snapshot_bytes
+from statetrans.snapshot import SnapshotError, read_json_file, read_manifest, snapshot_bytes
 from statetrans.state import trimmable_meta
 
 SESSIONS = "sessions"
@@ -62,8 +62,10 @@ class Published(NamedTuple):
 class SessionStore:
     """One model's named sessions on disk, each a folder of atomically published generations."""
 
-    def __init__(self, root: Path, identity: dict, faults: Faults = NONE, expect: Expect = Expect()):
+    def __init__(self, root: Path, identity: dict, faults: Faults = NONE, expect: Expect = Expect(),
+                 quarantine_limit: int | None = None):
         self.root, self.identity, self.faults, self.expect = root, identity, faults, expect
+        self.quarantine_limit = quarantine_limit  # what fails its checks goes there (None: no limit)
         self.dir = root / SESSIONS
         try:
             claim(root.parent)  # its temporaries are a live owner's to other processes
@@ -204,6 +206,19 @@ class SessionStore:
             return None
         return Usage(size, touched)
 
+    def folder_scope(self, folder: str) -> str | None:
+        """The scope of the session in folder `folder`, from its newest generation's
+        manifest (only if the folder is that session's); None when none can be read."""
+        for _, path in generations_in(self.dir / folder):
+            try:
+                m = read_manifest(path)
+            except (OSError, SnapshotError):
+                continue
+            session, scope = m.get("session"), m.get("scope") or ""
+            if isinstance(session, str) and isinstance(scope, str) and folder_name(session, scope) == folder:
+                return scope
+        return None
+
     def usage(self) -> dict[str, Usage]:
         """Every session folder's usage, read from disk."""
         try:
@@ -230,7 +245,7 @@ class SessionStore:
         """Every session's newest generation that passes its checks (manifests and
         headers only; the checksums are checked on use, falling back to an older
         generation); newer ones that fail are quarantined."""
-        if not scannable(self.root, self.dir):
+        if not scannable(self.root, self.dir, self.quarantine_limit):
             return []
         try:
             folders = [f for f in self.dir.iterdir() if not f.name.startswith(".") and real_dir(f)]
@@ -251,7 +266,7 @@ class SessionStore:
         try:
             return self._entry(path, generation, folder)
         except SnapshotError as err:
-            quarantine(self.root, path, err)
+            quarantine(self.root, path, err, self.quarantine_limit)
             return None
 
     def _entry(self, path: Path, generation: int, folder: str) -> tuple[Entry, float]:

@@ -10,7 +10,12 @@ quota's least-recently-used eviction (statetrans.quota).
 
 Every state has a scope (whose it is: e.g. a hash of a client's API key; "" is the
 shared default). Requests see only their own scope's states, sessions are named within
-a scope, and listings show other scopes only as counts.
+a scope, and listings show other scopes only as counts. The disk limits may be divided
+among scopes (`share_among`): each then has an equal share of the sessions' limit and
+of the anonymous states', and only its own states are evicted to keep it within it.
+
+What fails its checks is quarantined (statetrans.quarantine) within its own limit; the
+quarantine's bytes count against the anonymous states' disk limit.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
+from typing import Iterable
 
 import mlx.core as mx
 
@@ -32,8 +38,8 @@ from statetrans.disk_tier import DiskTier
 from statetrans.faults import Faults, installed as installed_faults
 from statetrans.identity import identity_key, read_checked
 from statetrans.memory_tier import Entry, Index, Reuse, cache_nbytes
-from statetrans.quarantine import quarantine
-from statetrans.quota import SESSION_KEEP_S, SessionQuota
+from statetrans.quarantine import quarantine, quarantine_bytes
+from statetrans.quota import REFRESH_S, SESSION_KEEP_S, SessionQuota, share
 from statetrans.reuse import take
 from statetrans.schema import Expect
 from statetrans.sessions import SessionStore, folder_name
@@ -50,15 +56,18 @@ class StateTiers:
     def __init__(self, directory: str | Path, identity: dict, layers: int,
                  memory_limit: int, disk_limit: int, faults: Faults | None = None,
                  session_disk_limit: int | None = None, session_keep_s: float = SESSION_KEEP_S,
-                 vocab: int | None = None):
+                 vocab: int | None = None, quarantine_limit: int | None = None, scopes: Iterable[str] = ()):
         self.identity, self.layers, self.vocab = identity, layers, vocab  # vocab: token ids are below it
         self.dir = Path(directory).expanduser() / identity_key(identity)
-        self.memory_limit, self.disk_limit = memory_limit, disk_limit  # disk_limit: anonymous states'
+        # disk_limit: the anonymous states' and the quarantine's together; the quarantine's own (None: none)
+        self.memory_limit, self.disk_limit, self.quarantine_limit = memory_limit, disk_limit, quarantine_limit
         self.faults = faults if faults is not None else installed_faults()
         self.index = Index()
-        self.disk = DiskTier(self.dir, identity, self.faults, Expect(layers, vocab))
-        self.store = SessionStore(self.dir, identity, self.faults, Expect(layers, vocab))
-        self.quota = SessionQuota(session_disk_limit, session_keep_s)  # sessions' disk bytes (None: unbounded)
+        self.disk = DiskTier(self.dir, identity, self.faults, Expect(layers, vocab), quarantine_limit)
+        self.store = SessionStore(self.dir, identity, self.faults, Expect(layers, vocab), quarantine_limit)
+        # sessions' disk bytes (None: unbounded), each scope of `scopes` within its share
+        self.quota = SessionQuota(session_disk_limit, session_keep_s, scopes=frozenset(scopes))
+        self._quarantined: tuple[float, int] | None = None  # (monotonic time read, the quarantine's bytes)
         self.writer = WriteThrough(self.store, quota=self.quota)
         self.last: Entry | None = None  # the most recently stored state
         self.spilled = self.restored = 0  # counts, for stats
@@ -72,6 +81,33 @@ class StateTiers:
     def session_disk_limit(self) -> int | None:
         """Bytes the sessions may take on disk, all scopes and processes (None: no limit)."""
         return self.quota.limit
+
+    @property
+    def scopes(self) -> frozenset[str]:
+        """The scopes the disk limits are divided among (none: one share for all)."""
+        return self.quota.scopes
+
+    def share_among(self, scopes: Iterable[str]) -> None:
+        """Divide the sessions' and the anonymous states' disk limits among `scopes`
+        (e.g. one for each API key a server accepts): each has an equal share, and only
+        its own states are evicted to keep it within it. States of other scopes share
+        what these leave; none given: one share for all, as before."""
+        self.quota.scopes = frozenset(scopes)
+
+    def disk_shares(self, scope: str = "") -> dict[str, int | None]:
+        """`scope`'s disk shares, in bytes (None: no share of its own): "sessions" and
+        "anonymous" (its part of what the quarantine leaves of the anonymous limit)."""
+        limit = self.session_disk_limit
+        return {"sessions": None if limit is None else share(limit, scope, self.scopes),
+                "anonymous": share(max(0, self.disk_limit - self.quarantine_bytes()), scope, self.scopes)}
+
+    def quarantine_bytes(self) -> int:
+        """Bytes in this model's quarantine: read again after a load quarantined a
+        state, else at most every REFRESH_S (scans and other processes quarantine too)."""
+        now = time.monotonic()
+        if self._quarantined is None or now - self._quarantined[0] > REFRESH_S:
+            self._quarantined = (now, quarantine_bytes(self.dir))
+        return self._quarantined[1]
 
     @property
     def session_keep_s(self) -> float:
@@ -239,7 +275,8 @@ class StateTiers:
         try:
             return self.read(e.path)[0]
         except SnapshotError as err:
-            quarantine(self.dir, e.path, err)  # (logs why)
+            quarantine(self.dir, e.path, err, self.quarantine_limit)  # (logs why)
+            self._quarantined = None
             if e.session is None:
                 self._forget(e)
                 return None
@@ -253,9 +290,11 @@ class StateTiers:
     def fit(self, memory_limit: int | None = None, spare: Entry | None = None) -> None:
         """Spill least recently used states to disk until the memory tier holds at
         most `memory_limit` (default: the tier's own limit), then delete the least
-        recently used anonymous snapshots past the anonymous disk limit (this
-        process's, or a dead process's: never another live one's; sessions have their
-        own limit, statetrans.quota)."""
+        recently used anonymous snapshots past the anonymous disk limit less the
+        quarantine's bytes: within each scope's share first, where the limit is
+        divided, then among the scopes without one (this process's, or a dead
+        process's: never another live one's; sessions have their own limit,
+        statetrans.quota)."""
         limit = self.memory_limit if memory_limit is None else min(memory_limit, self.memory_limit)
         total = self.memory_bytes
         for e in self.index.in_memory(spare):
@@ -263,9 +302,20 @@ class StateTiers:
                 break
             if self.spill(e):
                 total -= e.nbytes
-        total = self.index.anonymous_disk_bytes
-        for e in self.index.anonymous_on_disk():
-            if total <= self.disk_limit:
+        room, scopes = self.disk_limit - self.quarantine_bytes(), self.scopes
+        for scope in scopes:
+            self._trim_anonymous([e for e in self.index.anonymous_on_disk() if e.scope == scope],
+                                 share(max(0, room), scope, scopes))
+        on_disk = self.index.anonymous_on_disk()
+        shared = sum(e.disk_bytes for e in on_disk if e.scope in scopes)  # each within its share
+        self._trim_anonymous([e for e in on_disk if e.scope not in scopes], room - shared)
+
+    def _trim_anonymous(self, entries: list[Entry], limit: int) -> None:
+        """Delete the disk copies of `entries` (least recently used first), those this
+        process may, until they hold at most `limit` bytes."""
+        total = sum(e.disk_bytes for e in entries)
+        for e in entries:
+            if total <= limit:
                 break
             if not self.disk.may_delete(e):
                 continue
@@ -399,11 +449,13 @@ class StateTiers:
         """Session entry `e` is being used: the quota's clock (its folder's mtime,
         seen by every process) and the listing's."""
         e.touched = time.time()
-        self.quota.noted(folder_name(e.session, e.scope), self.store.touch(e.session, e.scope))
+        self.quota.noted(folder_name(e.session, e.scope), self.store.touch(e.session, e.scope), e.scope)
 
     def session_list(self, scope: str = "") -> list[dict]:
         """`scope`'s sessions this process knows, most recently touched first: name,
-        tokens, bytes on disk, generation and the wall time it was last touched."""
+        tokens, bytes on disk, generation and the wall time it was last touched (what
+        finished writes decided first: no session the quota has evicted)."""
+        self._settle()
         rows = [{"name": e.session, "tokens": len(e.tokens), "bytes": e.disk_bytes, "generation": e.generation,
                  "touched": e.touched} for e in self.index.session_entries(scope)]
         return sorted(rows, key=lambda r: -r["touched"])

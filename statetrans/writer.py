@@ -159,9 +159,9 @@ class WriteThrough:
         self.last_error = ""
         evicted: list[tuple[str, bool]] = []
         if self.quota is not None:
-            self.quota.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name))
+            self.quota.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name), e.scope)
             try:
-                evicted = self.quota.enforce(self.store, folder_name(got.name, e.scope))
+                evicted = self.quota.enforce(self.store, folder_name(got.name, e.scope), e.scope)
             except OSError as err:  # the write itself stands
                 log.warning("could not enforce the sessions' disk quota: %s", err)
         self.last_seconds = time.perf_counter() - start

@@ -1,6 +1,7 @@
 """Clients with different API keys share nothing stored: no prefix reuse (so
 `cached_tokens` tells nothing), no session by another key's name, no listing or
-deletion of another key's sessions; the status shows other keys only as counts."""
+deletion of another key's sessions, no eviction of them by a flood of one's own; the
+status shows other keys only as counts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from justfit import Engine
 from justfit.config import EngineConfig
+from justfit.server.keys import scope
 from tests.server_harness import LiveServer, request
 
 ALICE, BOB = "alice-key-0123456789", "bob-key-9876543210"
@@ -87,3 +89,46 @@ def test_session_routes_need_a_key_and_a_sane_name(live):
     status, _, text = request(live, "POST", "/v1/completions", raw=b'{"prompt": "x", "session": "\\ud800"}',
                               headers=_auth(ALICE))
     assert status == 400 and "session" in text
+
+
+def _flooded_server(tiny_llama_dir, state_dir, session_disk: int) -> LiveServer:
+    engine = Engine(str(tiny_llama_dir), config=EngineConfig(prefill_chunk=16, state_dir=str(state_dir),
+                                                             session_disk=session_disk, session_keep_s=0))
+    return LiveServer(engine, api_keys=(ALICE, BOB))
+
+
+def _sessions(live, key: str) -> dict[str, dict]:
+    status, _, text = request(live, "GET", "/v1/justfit/sessions", headers=_auth(key))
+    assert status == 200
+    return {row["name"]: row for row in json.loads(text)["data"]}
+
+
+def test_one_keys_flood_of_sessions_never_evicts_anothers(tiny_llama_dir, tmp_path):
+    """Each key has its own share of the sessions' disk: Alice's flood of names evicts
+    her own oldest sessions, and every one of Bob's stays, listed and resumable."""
+    prompt = "note {:03d}: the quick brown fox jumps over the lazy dog"
+    probe = _flooded_server(tiny_llama_dir, tmp_path / "probe", 1 << 30)
+    try:
+        assert _complete(probe, BOB, prompt.format(0), session="probe")[0] == 200
+        size = _sessions(probe, BOB)["probe"]["bytes"]
+    finally:
+        probe.close()
+    room = 4  # sessions a key's share holds; Bob's three are the oldest, the first to go without shares
+    live = _flooded_server(tiny_llama_dir, tmp_path / "state", 2 * room * size + size // 2)
+    try:
+        for i in range(3):
+            status, headers, _ = _complete(live, BOB, prompt.format(i), session=f"bob-{i}")
+            assert status == 200 and headers["x-justfit-state"] == "stored"
+        for i in range(5 * room):
+            status, headers, _ = _complete(live, ALICE, prompt.format(100 + i), session=f"alice-{i}")
+            assert status == 200 and headers["x-justfit-state"] == "stored"
+        alice = _sessions(live, ALICE)
+        assert set(alice) == {f"alice-{i}" for i in range(4 * room, 5 * room)}  # her newest, within her share
+        assert sum(row["bytes"] for row in alice.values()) <= live.server.engine.states.disk_shares(
+            scope(ALICE))["sessions"]
+        assert set(_sessions(live, BOB)) == {"bob-0", "bob-1", "bob-2"}
+        for i in range(3):  # each of Bob's resumes its stored state
+            status, headers, reply = _complete(live, BOB, prompt.format(i) + " again", session=f"bob-{i}")
+            assert status == 200 and _cached(reply) > 0 and headers["x-justfit-state"] == "stored"
+    finally:
+        live.close()

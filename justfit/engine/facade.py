@@ -39,7 +39,7 @@ from phaseswap.predict import NATIVE_FORMS, predict_prefill_bytes, predict_resid
 from phaseswap.policy import ResidencyPolicy, get_policy
 from statetrans import StateTiers
 from kvexec import disk_pages
-from statetrans.quota import default_state_disk, split_state_disk
+from statetrans.quota import default_state_disk, quarantine_limit, split_state_disk
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -127,7 +127,8 @@ class Engine:
         self.states = StateTiers(state_dir, state_identity(self, state_dir), len(self.new_cache()),
                                  c.state_memory if c.state_memory is not None else psutil.virtual_memory().total // 4,
                                  anonymous_disk, session_disk_limit=sessions_disk, session_keep_s=c.session_keep_s,
-                                 vocab=getattr(getattr(self.model, "args", None), "vocab_size", None))  # the logits' width
+                                 vocab=getattr(getattr(self.model, "args", None), "vocab_size", None),  # the logits' width
+                                 quarantine_limit=quarantine_limit(total, anonymous_disk))
         if c.kv_disk is not None:  # page files a killed process left (a snapshot linking one keeps its pages)
             disk_pages.sweep(c.kv_disk)
         # Queued session writes finish before the interpreter exits (the writer's thread is

@@ -79,6 +79,8 @@ class Server:
         self.created = int(time.time())
         self.draining = False  # a stop signal came: new requests get 503 (justfit.server.lifecycle)
         self.keys = keys.accepted(self.config.api_key, self.config.api_keys)  # every key let in
+        if getattr(engine, "states", None) is not None:  # each key's stored states within its own share of the disk
+            engine.states.share_among(keys.scope(k) for k in self.keys)  # (no keys: one share for all)
 
     # -- models -------------------------------------------------------------------
     def check_model(self, name) -> None:
