@@ -40,8 +40,9 @@ def chat(model, max_tokens, temperature, top_p, seed, system, raw, template_file
         raise click.UsageError("--raw and --chat-template exclude each other")
     template = read_chat_template(template_file) if template_file else None
     stdin, stdout, stderr = sys.stdin, sys.stdout, sys.stderr
-    interactive = stdin.isatty()
-    if interactive:
+    follower = common.pipeline_follower()  # it computes its layers for rank 0's turns, reads nothing
+    interactive = stdin.isatty() and not follower
+    if interactive or follower:
         question = None
     else:
         question = stdin.read().strip()

@@ -151,7 +151,8 @@ class ChatSession:
         ids: list[int] = []
         interrupted = False
         before = self.last_stats  # the turn's own stats replace it when its last chunk comes
-        guard = deferred_sigint(self.request_stop) if self.catch_interrupt else nullcontext()
+        guard = deferred_sigint(self.request_stop, self.engine.runner.interruptible) if self.catch_interrupt \
+            else nullcontext()
         try:
             with guard:
                 interrupted = self.stream(prompt, bar, on_progress, pieces, ids)

@@ -316,6 +316,12 @@ def load_engine(model: str | None, budget: int | tuple[int, ...] | None, gguf_bi
     return engine
 
 
+def pipeline_follower() -> bool:
+    """Whether this process is a rank > 0 of a layer pipeline: its input is what rank 0
+    sends through the pipeline, never stdin (which rank 0 alone reads)."""
+    return int(os.environ.get("MLX_RANK", "0")) > 0
+
+
 def launch_group():
     """The mx.distributed group when started by `mlx.launch` with two or more ranks
     (a layer pipeline: justfit.pipeline.layers), else None."""

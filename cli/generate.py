@@ -38,7 +38,7 @@ def generate(model, prompt, max_tokens, temperature, top_p, seed, show_stats, bu
     `justfit generate ... > out.txt` holds exactly what the model wrote. Sampling is
     the model's recommendation unless -t or --top-p says.
     """
-    text = prompt_text(prompt, sys.stdin)
+    text = None if common.pipeline_follower() else prompt_text(prompt, sys.stdin)  # rank 0 reads the text
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,
                                 kv_disk=kv_disk, kv_disk_limit=kv_disk_limit, deterministic=deterministic,
                                 draft=draft)

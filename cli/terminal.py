@@ -35,9 +35,10 @@ class Stopped(Exception):
 
 
 @contextmanager
-def deferred_sigint(on_interrupt: Callable[[], None]) -> Iterator[None]:
+def deferred_sigint(on_interrupt: Callable[[], None], at_once: bool = True) -> Iterator[None]:
     """While generating, a first Ctrl-C only asks to stop (so the engine stops between
-    tokens and its kept state stays exact); a second one interrupts at once."""
+    tokens and its kept state stays exact); a second one interrupts at once, unless not
+    `at_once` (a layer pipeline's ranks finish each step together): it asks again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -46,7 +47,7 @@ def deferred_sigint(on_interrupt: Callable[[], None]) -> Iterator[None]:
     def handler(signum, frame):
         nonlocal presses
         presses += 1
-        if presses > 1:
+        if presses > 1 and at_once:
             raise KeyboardInterrupt
         on_interrupt()
 

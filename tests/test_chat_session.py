@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from cli.chat_session import ChatSession, PrefillBar, stats_line
+from cli.terminal import deferred_sigint
 from justfit import Engine, SamplingParams
 
 QUESTION = "What is the capital of France?"
@@ -194,6 +195,21 @@ def test_ctrl_c_stops_the_reply_but_keeps_the_session(engine):
     # The kept state held the partial reply, so the next turn only prefilled the new part.
     assert s.last_stats.cached_tokens > 0
     assert "Paris" in s.messages[3]["content"]
+
+
+def test_ctrl_c_twice_interrupts_at_once_unless_the_ranks_must_finish_the_step():
+    """One process: a second Ctrl-C raises at once. A layer pipeline (at_once=False):
+    every press only asks to stop, so rank 0 never leaves a forward midway."""
+    asked = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint(lambda: asked.append("stop")):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+    assert asked == ["stop"]
+    with deferred_sigint(lambda: asked.append("again"), at_once=False):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+    assert asked == ["stop", "again", "again"]
 
 
 def test_prefill_bar_only_for_long_new_prompts():

@@ -132,6 +132,9 @@ def test_a_pipeline_runner_stops_its_followers_once_and_then_refuses_requests():
     with pytest.raises(ValueError, match="named sessions are kept by one process"):
         runner.refuse_session("s")
     runner.refuse_session(None)
+    assert not runner.interruptible and runner.latest_tokens(None) == []
+    runner.run.live = ([5, 6, 7], None, None)  # what every rank keeps after a request
+    assert runner.latest_tokens(None) == [5, 6, 7]
     runner.close()
     runner.close()  # at exit again: nothing more to tell
     assert link.sent == [([STOP, 0], 1)] and runner.lost == "the pipeline was stopped"
@@ -146,7 +149,7 @@ def test_one_process_runs_any_session_follows_nothing_and_gathers_no_limits():
     runner = LocalRunner()
     runner.refuse_session("s")
     runner.close()
-    assert runner.max_batch is None and runner.lost == "" and runner.health() == {}
+    assert runner.max_batch is None and runner.lost == "" and runner.health() == {} and runner.interruptible
     assert runner.gather_limits(1234) == [] and runner.watch(None, 1.0) is None
     with pytest.raises(RuntimeError, match="ranks > 0"):
         runner.follow(None)

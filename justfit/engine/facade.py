@@ -268,8 +268,8 @@ class Engine:
 
     @property
     def cached_tokens(self) -> list[int]:
-        """The tokens of the most recently stored state (the conversation so far)."""
-        return list(self.states.last.tokens) if self.states.last else []
+        """The tokens of the latest conversation's state (the conversation so far)."""
+        return self.runner.latest_tokens(self)
 
     def save_state(self, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:
         """Snapshot a session's state (default: the most recent one) to `path`, KV

@@ -44,6 +44,9 @@ class PipelineRunner:
     kind: ClassVar[str] = "a layer pipeline"
     max_batch: ClassVar[int] = 1  # one request at a time: the ranks hold one live state
     numerics: ClassVar[Numerics] = Numerics("fast", "a layer pipeline promises no row invariance")
+    # A forward left midway on rank 0 leaves the other ranks mid-transfer: the ranks'
+    # next messages would pair with the wrong forward.
+    interruptible: ClassVar[bool] = False
 
     pipeline: Pipeline
     run: PipelineRun = field(default_factory=PipelineRun)
@@ -115,6 +118,10 @@ class PipelineRunner:
                mx.float32 if engine.policy.fp32 else mx.float16, limit, phase=engine.swap.phase,
                on_state=lambda op, payload, cache: pipeline_state.follower_op(pipeline, engine.new_cache, op,
                                                                               payload, cache))
+
+    def latest_tokens(self, engine) -> list[int]:
+        """The tokens of the state every rank keeps (stored states are one process's)."""
+        return list(self.run.live[0]) if self.run.live else []
 
     def close(self) -> None:
         """On rank 0, once: tell the other ranks to leave (the pipeline's STOP); nothing

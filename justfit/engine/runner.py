@@ -32,6 +32,7 @@ class Runner(Protocol):
     rank: int  # this process's rank: 0 serves requests, others follow rank 0
     role: str  # what this process computes, for the command line
     lost: str  # why it can run nothing more ("" while it can)
+    interruptible: bool  # whether a forward may be abandoned midway and later requests still run
 
     def gather_limits(self, own: int) -> list[int]:
         """The positions every rank's plan holds, `own` this process's (at load): extra
@@ -56,6 +57,9 @@ class Runner(Protocol):
     def follow(self, engine, limit: int = 0) -> None:
         """On a rank > 0: compute this rank's share for rank 0 until it stops."""
 
+    def latest_tokens(self, engine) -> list[int]:
+        """The tokens of the latest conversation's state (what a next turn extends)."""
+
     def close(self) -> None:
         """As the process leaves: let whatever follows it go."""
 
@@ -77,6 +81,7 @@ class LocalRunner:
     rank: ClassVar[int] = 0
     role: ClassVar[str] = "every layer"
     lost: ClassVar[str] = ""
+    interruptible: ClassVar[bool] = True
 
     def gather_limits(self, own: int) -> list[int]:
         """None beside the engine's own plan."""
@@ -105,6 +110,10 @@ class LocalRunner:
     def follow(self, engine, limit: int = 0) -> None:
         """Nothing to follow."""
         raise RuntimeError("follow() is for ranks > 0 of a pipeline")
+
+    def latest_tokens(self, engine) -> list[int]:
+        """The most recently stored state's."""
+        return list(engine.states.last.tokens) if engine.states.last else []
 
     def close(self) -> None:
         """Nothing follows one process."""
