@@ -37,6 +37,8 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from justfit.server import malformed
+
 log = logging.getLogger("justfit.server")
 
 FD_RESERVE = 128  # descriptors kept for everything but client connections (weights, states, pipes)
@@ -293,9 +295,10 @@ class GuardedSite(web.BaseSite):
         return self._server.sockets[0].getsockname()[1] if self._server else self.requested_port
 
     async def start(self) -> None:
-        """Listen; each connection accepted gets aiohttp's protocol inside a GuardedProtocol."""
+        """Listen; each connection accepted gets aiohttp's protocol (answering malformed
+        HTTP plainly: justfit.server.malformed) inside a GuardedProtocol."""
         await super().start()  # registers with the runner
-        make_protocol, guard = self._runner.server, self.guard
+        make_protocol, guard = malformed.protocol_factory(self._runner.server), self.guard
         self._server = await asyncio.get_running_loop().create_server(
             lambda: GuardedProtocol(make_protocol(), guard), self.host, self.requested_port, backlog=self._backlog)
 
