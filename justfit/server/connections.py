@@ -240,8 +240,9 @@ class GuardedProtocol(asyncio.Protocol):
         self.close(abort=True)
 
     def close(self, abort: bool = False) -> None:
-        """Close the connection (aiohttp cancels a handler still running on it); `abort`:
-        at once, dropping what is buffered for it."""
+        """Close the connection (aiohttp cancels a handler still running on it); `abort`,
+        or bytes still buffered for it (its client stopped reading a reply that fit the
+        buffers): at once, dropping them, since a close would wait for them forever."""
         if self.closing:
             return
         self.closing = True
@@ -250,7 +251,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.guard.forget(self)  # no longer counted, though the socket closes on the next turn of the loop
         if self.transport is None:
             return
-        if abort:
+        if abort or self.transport.get_write_buffer_size():
             self.transport.abort()
         else:
             self.transport.close()
