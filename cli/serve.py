@@ -48,6 +48,9 @@ def _batch(value: str) -> int | None:
               help="A connection whose request line and headers are not all in within this is closed.")
 @click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30, show_default=True, metavar="SECONDS",
               help="A request whose body is not all in within this, once its headers are, gets 408 and is closed.")
+@click.option("--write-timeout", type=click.FloatRange(min=0.1), default=60, show_default=True, metavar="SECONDS",
+              help="A client that takes none of a response (a stream included) for this long is dropped; its "
+                   "request is cancelled and its state stored, as when a client hangs up.")
 @click.option("--drain", type=click.FloatRange(min=0), default=10, show_default=True, metavar="SECONDS",
               help="On SIGTERM, SIGINT or SIGHUP: stop accepting, give running requests this long to finish, "
                    "cancel the rest (their state kept), publish every session write, exit 0.")
@@ -92,7 +95,7 @@ def _batch(value: str) -> int | None:
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
           chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy, draft, kv_disk, kv_disk_limit,
           deterministic, api_keys_file, header_timeout, body_timeout, max_connections, drain, state_disk,
-          session_keep) -> None:
+          session_keep, write_timeout) -> None:
     """Serve a model over HTTP: /v1 (OpenAI), /api (Ollama) and /v1/messages (Anthropic).
 
     Stored conversation states are reused across requests; a request that cannot
@@ -112,7 +115,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name, rank_timeout_s=rank_timeout,
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                          max_connections=max_connections, drain_s=drain)
+                          write_timeout_s=write_timeout, max_connections=max_connections, drain_s=drain)
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,

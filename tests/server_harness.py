@@ -1,5 +1,5 @@
 """A live `justfit serve` for tests: a server on a random port on its own event loop
-thread, a one-request client, and an engine whose generation waits for a gate."""
+thread, a one-request client, /health's latency, and an engine whose generation waits for a gate."""
 
 from __future__ import annotations
 
@@ -52,6 +52,17 @@ def request(live, method, path, body=None, raw=None, headers=None):
                 return r.status, r.headers, await r.text()
 
     return asyncio.run(go())
+
+
+async def health_latency(port: int) -> float:
+    """One GET /health on a new connection: its latency (connect to full answer)."""
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+    return time.perf_counter() - start
 
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}

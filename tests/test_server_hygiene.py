@@ -20,7 +20,7 @@ from aiohttp import ClientSession, ClientTimeout
 
 from justfit import Engine
 from justfit.config import EngineConfig
-from tests.server_harness import CHAT, Gate, LiveServer, Starting, request
+from tests.server_harness import CHAT, Gate, LiveServer, Starting, health_latency, request
 
 ROOT = Path(__file__).resolve().parents[1]
 SLACK_S = 0.6  # a timer's close, seen by the client: loop and scheduling delays on a shared machine
@@ -64,22 +64,11 @@ async def _until_closed(port: int, parts: list[bytes], gap: float = 0.0, limit: 
     return time.monotonic() - start, got
 
 
-async def _health(port: int) -> float:
-    """One GET /health on a new connection: its latency (connect to full answer)."""
-    start = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-    answer = await reader.read()
-    writer.close()
-    assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
-    return time.perf_counter() - start
-
-
 async def _poll_health(port: int, done, every: float = 0.01) -> list[float]:
     """/health latencies, polled until `done()`."""
     latencies = []
     while not done():
-        latencies.append(await _health(port))
+        latencies.append(await health_latency(port))
         await asyncio.sleep(every)
     return latencies
 

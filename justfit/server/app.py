@@ -62,6 +62,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # and its body within this, once the headers are
     idle_timeout_s: float = 75.0  # a keep-alive connection idle between requests this long is closed
     max_connections: int = 256  # past it a new connection closes the oldest one not in a handler
+    write_timeout_s: float = 60.0  # a client that takes none of a response for this long is dropped
 
 
 class Server:

@@ -1,9 +1,9 @@
-"""The server's listener: read timeouts and a connection limit on every connection.
+"""The server's listener: read and write timeouts and a connection limit on every connection.
 
 aiohttp bounds neither how long a client may take to send a request's headers or body
 nor how many connections are open, so one client holding hundreds of connections open
 with half a request each would keep them forever. Each accepted connection gets a
-`GuardedProtocol` around aiohttp's own protocol, with one timer at a time:
+`GuardedProtocol` around aiohttp's own protocol, with one read timer at a time:
 
 - headers: from the connection's start, or from the first byte of a later request,
   to the moment the request reaches the app (`track`, the outermost middleware);
@@ -12,8 +12,16 @@ with half a request each would keep them forever. Each accepted connection gets 
   handler reading it gets `BodyTimeout` (answered 408), and the connection is closed;
 - idle: a keep-alive connection between requests is closed after `idle_timeout_s`.
 
-While the app works on a request whose body is in (a generation, a stream) no timer
-runs. At `max_connections` a new connection first closes an older one that is not in
+While the app works on a request whose body is in (a generation, a stream) no read
+timer runs. Nor does aiohttp bound a write: a client that stops reading a stream
+would hold its handler forever. So, under every route and response alike, once the
+client's and the kernel's buffers are full and asyncio pauses aiohttp's writer, a
+write timer runs; a client that has not read enough to resume it within
+`write_timeout_s` is dropped (aborted: a close would first wait for bytes nobody
+reads), and aiohttp ends the handler as on a hang-up: the request is cancelled and
+its state stored the same way.
+
+At `max_connections` a new connection first closes an older one that is not in
 a handler (one still sending headers, then an idle one, then one sending a body,
 oldest first), so a flood of stalled connections never locks out /health; only when
 every connection is inside a handler is the new one refused."""
@@ -24,10 +32,12 @@ import asyncio
 import logging
 import resource
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
 from aiohttp import web
+
+from justfit.server import malformed
 
 log = logging.getLogger("justfit.server")
 
@@ -50,11 +60,13 @@ class Limits:
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 75.0
     max_connections: int = 256
+    write_timeout_s: float = 60.0
 
     @classmethod
     def of(cls, config) -> "Limits":
         """The limits a ServerConfig asks for."""
-        return cls(config.header_timeout_s, config.body_timeout_s, config.idle_timeout_s, config.max_connections)
+        return cls(config.header_timeout_s, config.body_timeout_s, config.idle_timeout_s, config.max_connections,
+                   config.write_timeout_s)
 
 
 class Guard:
@@ -63,7 +75,7 @@ class Guard:
     def __init__(self, limits: Limits):
         self.limits = limits
         self.open: dict[GuardedProtocol, None] = {}  # insertion order: oldest first
-        self.closed: Counter = Counter()  # why connections were closed: head, body, idle, evicted, refused
+        self.closed: Counter = Counter()  # why connections were closed: head, body, idle, write, evicted, refused
         self.peak = 0  # the most connections open at once
 
     def admit(self, conn: "GuardedProtocol") -> bool:
@@ -105,6 +117,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.phase, self.in_handler, self.closing = HEAD, False, False
         self._pending = False  # bytes of a next request came while the app worked on this one
         self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio's side: everything goes on to aiohttp ----------------------------------
     def connection_made(self, transport) -> None:
@@ -129,17 +142,20 @@ class GuardedProtocol(asyncio.Protocol):
         return self.inner.eof_received()
 
     def pause_writing(self) -> None:
-        """Flow control, aiohttp's."""
+        """Flow control, aiohttp's: the buffer is full, so the write timer starts."""
         self.inner.pause_writing()
+        self._arm_write()
 
     def resume_writing(self) -> None:
-        """Flow control, aiohttp's."""
+        """Flow control, aiohttp's: the client is taking bytes again."""
+        self._cancel_write()
         self.inner.resume_writing()
 
     def connection_lost(self, exc) -> None:
         """No more timers, no longer counted; aiohttp ends what ran on the connection."""
         self.closing = True
         self._cancel()
+        self._cancel_write()
         self.guard.forget(self)
         self.inner.connection_lost(exc)
 
@@ -204,14 +220,40 @@ class GuardedProtocol(asyncio.Protocol):
             return
         self.close()
 
-    def close(self) -> None:
-        """Close the connection (aiohttp cancels a handler still running on it)."""
+    def _arm_write(self) -> None:
+        if self.closing:
+            return
+        self._write_timer = asyncio.get_running_loop().call_later(self.guard.limits.write_timeout_s,
+                                                                  self._write_expired)
+
+    def _cancel_write(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        if self.closing:
+            return
+        self.guard.closed["write"] += 1
+        log.debug("dropping a connection: its client read nothing for %g s", self.guard.limits.write_timeout_s)
+        self.close(abort=True)
+
+    def close(self, abort: bool = False) -> None:
+        """Close the connection (aiohttp cancels a handler still running on it); `abort`,
+        or bytes still buffered for it (its client stopped reading a reply that fit the
+        buffers): at once, dropping them, since a close would wait for them forever."""
         if self.closing:
             return
         self.closing = True
         self._cancel()
+        self._cancel_write()
         self.guard.forget(self)  # no longer counted, though the socket closes on the next turn of the loop
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if abort or self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
             self.transport.close()
 
 
@@ -254,9 +296,10 @@ class GuardedSite(web.BaseSite):
         return self._server.sockets[0].getsockname()[1] if self._server else self.requested_port
 
     async def start(self) -> None:
-        """Listen; each connection accepted gets aiohttp's protocol inside a GuardedProtocol."""
+        """Listen; each connection accepted gets aiohttp's protocol (answering malformed
+        HTTP plainly: justfit.server.malformed) inside a GuardedProtocol."""
         await super().start()  # registers with the runner
-        make_protocol, guard = self._runner.server, self.guard
+        make_protocol, guard = malformed.protocol_factory(self._runner.server), self.guard
         self._server = await asyncio.get_running_loop().create_server(
             lambda: GuardedProtocol(make_protocol(), guard), self.host, self.requested_port, backlog=self._backlog)
 
@@ -277,7 +320,7 @@ def fit_descriptors(limits: Limits) -> Limits:
         fits = max(1, soft - FD_RESERVE)
         log.warning("open-file limit %d: serving at most %d connections, not %d", soft, fits,
                     limits.max_connections)
-        return Limits(limits.header_timeout_s, limits.body_timeout_s, limits.idle_timeout_s, fits)
+        return replace(limits, max_connections=fits)
     return limits
 
 
