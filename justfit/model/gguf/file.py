@@ -34,13 +34,14 @@ class GGUFTensor:
     offset: int = 0
 
     def drop_pages(self) -> None:
-        """Take this tensor's file pages out of the process's resident memory (the
-        kernel's page cache keeps them; `data` reads them back if touched again): a
-        converted tensor's source need not count beside its copy."""
+        """Take the file's pages out of the process's resident memory (the kernel's page
+        cache keeps them; `data` reads them back if touched again): a converted tensor's
+        source need not count beside its copy. The whole file's, not only this tensor's:
+        the kernel maps the pages around a read too, and the file's order is not the
+        order tensors are read in, so the pages of tensors converted earlier would stay."""
         if self.source is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = self.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self.source.madvise(mmap.MADV_DONTNEED, start, self.offset + self.data.nbytes - start)
+        self.source.madvise(mmap.MADV_DONTNEED)
 
 
 class GGUFFormatError(ValueError):
