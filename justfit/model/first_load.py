@@ -43,6 +43,10 @@ CONVERSION_LEFT = 8 << 20
 # Library code a step runs first and the kernel then maps from files (the `tokenizers`
 # library; MLX's and the native kernels, mlx-lm's model module): the same for any model.
 LIBRARY_CODE = 8 << 20
+# Beyond the planner's prior reserve on MLX's terms, what the process adds besides MLX
+# that no term names (thread stacks, allocator arenas): runs of one first load differ by
+# a few MiB there.
+OUTSIDE_FLOOR = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,12 @@ def _calibration(config: dict, weights: int, left: int, vocabulary: str | None) 
              "calibration records": own["records"], rows: max(fp.transient, own["distributions"])}
     per_entry = TOKENIZER_PER_ENTRY.get(vocabulary, max(TOKENIZER_PER_ENTRY.values()))
     return {**terms, "tokenizers": 2 * per_entry * s.vocab, "left by conversion": left, "library code": LIBRARY_CODE,
-            "reserve": PRIOR_RESERVE.bytes(sum(terms.values()))}
+            "reserve": _reserve(sum(terms.values()))}
+
+
+def _reserve(terms: int) -> int:
+    """What a step keeps back beyond its terms: the planner's prior reserve on MLX's (`terms`) and OUTSIDE_FLOOR."""
+    return PRIOR_RESERVE.bytes(terms) + OUTSIDE_FLOOR
 
 
 def _vocabulary(folder: Path) -> str | None:
@@ -134,7 +143,7 @@ def _conversion(gguf: Path, opts: RequantOptions) -> tuple[dict[str, int], dict[
     meta, tensors = read_header(str(gguf))
     step = header_footprint(meta, tensors, opts)
     config = header_config(meta, {name for name, _, _ in tensors})
-    parts = {**step.parts(), "library code": LIBRARY_CODE, "reserve": PRIOR_RESERVE.bytes(step.weights + step.tensor)}
+    parts = {**step.parts(), "library code": LIBRARY_CODE, "reserve": _reserve(step.weights + step.tensor)}
     after = _calibration(config, step.converted, CONVERSION_LEFT + step.metadata // 3, meta.get("tokenizer.ggml.model"))
     return parts, after
 
