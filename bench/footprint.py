@@ -4,6 +4,7 @@
     python -m bench.footprint --model gemma3 --contexts 7184,22004 --llama-cpp DIR
     python -m bench.footprint --model smollm2 --contexts 8000 --justfit-tree /tmp/before   # another checkout
     python -m bench.footprint --model gemma3 --contexts 1024 --systems justfit --first-load
+    python -m bench.footprint --model gemma3 --contexts 1024 --systems justfit --first-load --budget 500MiB
 
 Protocol: per model and prompt length, each system is a fresh server process on a free
 port given one request of `context` deterministic prompt tokens (bench.common.prompt_tokens,
@@ -15,7 +16,10 @@ the checkout has one. llama-server runs with flash attention, `--threads` thread
 its context reserved at the model's trained length, f16 KV (its default) and q8_0.
 With `--first-load` JustFit starts from an empty model cache (its own JUSTFIT_CACHE), so
 its load converts the GGUF and measures the KV calibration as a new user's first run
-does: the row's `loaded` peak is that load's, shown beside the request's peak.
+does: the row's `loaded` peak is that load's, shown beside the request's peak. With
+`--budget` JustFit runs under that whole-process budget (`--budget SIZE --whole-process`);
+a first load predicted above it is refused before any work, and the row keeps the
+refusal (`refused`) with the prediction the server logged (`first_load`).
 Memory figures are robust on a shared machine; the timings beside them are not.
 """
 
@@ -81,7 +85,9 @@ def _proc_memory(pid: int) -> dict:
 
 def _serve_cmd(system: str, args, gguf: str, port: int, trained: int) -> list[str]:
     if system == "justfit":
-        return [str(Path(sys.executable).parent / "justfit"), "serve", "--port", str(port), "--model", args.model]
+        budget = ["--budget", args.budget, "--whole-process"] if args.budget else []
+        return [str(Path(sys.executable).parent / "justfit"), "serve", "--port", str(port), "--model", args.model,
+                *budget]
     kv = LLAMA_KV[system]
     return [binary(args.llama_cpp or "", "llama-server"), "-m", gguf, "--port", str(port), "-c", str(trained),
             "-fa", "on", "-t", str(args.threads), "-ctk", kv, "-ctv", kv]
@@ -127,6 +133,11 @@ def run_one(system: str, args, ids: list[int], gguf: str, trained: int) -> dict:
     except (OSError, RuntimeError, ValueError, KeyError, urllib.error.URLError) as e:
         row["error"] = str(e)[-400:]
     finally:
+        if system == "justfit" and args.budget:
+            row["budget"] = args.budget
+            row.update(_first_load_lines(log))
+        if row.get("first_load"):  # what the load left in the model cache (none where it was refused)
+            row["cache_files"] = sum(1 for p in (tmp / "cache").rglob("*") if p.is_file())
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
             try:
@@ -136,6 +147,16 @@ def run_one(system: str, args, ids: list[int], gguf: str, trained: int) -> dict:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     return row
+
+
+def _first_load_lines(log: Path) -> dict:
+    """The first-load prediction the server logged, or its refusal (see justfit.model.first_load)."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if "first load of" in line:
+            key = "refused" if "does not fit the memory budget" in line else "first_load_predicted"
+            found[key] = line[line.index("first load of"):]
+    return found
 
 
 def table(rows: list[dict]) -> str:
@@ -165,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run JustFit's server from this source tree (PYTHONPATH), e.g. an older checkout")
     ap.add_argument("--first-load", action="store_true",
                     help="JustFit from an empty model cache: its load converts and calibrates (see above)")
+    ap.add_argument("--budget", default=None, metavar="SIZE",
+                    help="JustFit under this whole-process budget (--budget SIZE --whole-process)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per server start or request")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     args = ap.parse_args(argv)

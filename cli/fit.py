@@ -58,6 +58,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
             raise common.UserError(str(e)) from None
         click.echo(json.dumps(report, indent=2) if as_json else format_config_fit(report))
         return
+    first = _first_load(model, gguf_bits, kv_format)  # before the load below does it
     engine = common.load_engine(model, None, gguf_bits, kv_format, policy)
     outside = 0
     if whole_process:  # what this process holds besides MLX, loaded: every rank holds as much
@@ -79,5 +80,22 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
         return
     report = fit_report(engine, budgets[0], context, outside)
     report["process"] = process_breakdown(engine)  # measured now, loaded, before any request
-    text = "\n".join([format_fit(report), "", *format_breakdown(report["process"])])
+    lines = [format_fit(report), "", *format_breakdown(report["process"])]
+    if first is not None:
+        report["first_load"] = first.as_dict()
+        lines += ["", f"{first.describe()}: done by this command, then cached; a whole-process budget below "
+                  "it would have been refused before any work"]
+    text = "\n".join(lines)
     click.echo(json.dumps(report, indent=2) if as_json else text)
+
+
+def _first_load(model: str | None, gguf_bits: int | str, kv_format: str):
+    """The first load's prediction (justfit.model.first_load) where the model is not yet
+    converted or calibrated; None otherwise."""
+    from justfit import Engine
+    from justfit.config import EngineConfig
+    from kvexec import KVConfig
+
+    kv = None if kv_format == "none" else KVConfig(format=kv_format)
+    first = Engine.first_load(model, EngineConfig(gguf_bits=gguf_bits, kv=kv))
+    return first if first.pending else None

@@ -34,6 +34,21 @@ class BudgetExceeded(JustFitError):
         )
 
 
+class FirstLoadExceeded(JustFitError):
+    """A model's first load (converting its GGUF file, measuring its KV calibration) would
+    peak above the whole-process budget: refused before any work."""
+
+    def __init__(self, described: str, peak: int, budget: int, calibrates: bool):
+        from justfit.memory import format_size
+
+        self.peak, self.budget = peak, budget
+        ways = ["load it once without --budget (it is converted and calibrated once, then cached)"]
+        if calibrates:
+            ways.insert(0, "a fixed page format (--kv-format q8c) skips the calibration")
+        super().__init__(f"does not fit the memory budget: {described} > budget {format_size(budget)}; "
+                         f"raise --budget, or {', or '.join(ways)}")
+
+
 class KVDiskFull(BudgetExceeded):
     """The KV pages a request would keep on disk exceed the room the KV folder allows."""
 

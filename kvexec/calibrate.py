@@ -45,7 +45,7 @@ import numpy as np
 from kvexec.allocated import TEMPLATE, allocate_widths, channel_weights, widths_text
 from kvexec.config import KVConfig
 from kvexec.formats import get_format
-from kvexec.layer_error import LayerRecord, layer_errors, output_kl, record
+from kvexec.layer_error import ROWS, TOP, LayerRecord, layer_errors, output_kl, record
 
 VERSION = 6  # bump when the procedure changes: cached results of older ones are ignored
 # Smallest first is not required: candidates are ordered by bytes per position.
@@ -65,6 +65,8 @@ LAYOUT = KVConfig(format="fp32", page_size=128, hot_window=0, sink_tokens=4, ful
 # the spread between machines several-fold for a few seconds more on a first load.
 PROBE_DRAWS = 6
 TEXT = Path(__file__).with_name("calibration_text.txt")
+# Positions of the text calibration feeds (its first tokens).
+MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ def allocate(costs: list[list[float]], errors: list[list[float]], gain: float, t
     return picks
 
 
-def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, max_tokens: int = 512,
+def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, max_tokens: int = MAX_TOKENS,
             context: int | None = None) -> Measurement:
     """Every candidate's attention error on every layer, and the model's gain (see module
     doc); `context`: the model's trained context (None: every layer's bytes count alike)."""
@@ -204,8 +206,19 @@ def measure(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, m
                        int(records[0].keys[0].shape[-1]), shares)
 
 
+def measure_bytes(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+                  max_tokens: int = MAX_TOKENS) -> dict[str, int]:
+    """What `measure` holds besides a request's terms (the model, its pages in LAYOUT and
+    one chunk's transient, which the planner sizes), by part (bytes): every layer's
+    record (float32 queries, keys and values of every position), and ROWS positions'
+    output distributions, taken after the body's pass (float32 log-probabilities, their
+    negation, the top tokens' int64 indices; numpy, outside MLX) beside the reference."""
+    return {"records": layers * max_tokens * (heads + 2 * kv_heads) * head_dim * 4,
+            "distributions": ROWS * vocab * (4 + 4 + 8) + max_tokens * TOP * (8 + 4 + 4)}
+
+
 def calibrate(model: nn.Module, tokenizer, identity: str, candidates=CANDIDATES, tolerance: float = TOLERANCE,
-              max_tokens: int = 512, context: int | None = None) -> Calibration:
+              max_tokens: int = MAX_TOKENS, context: int | None = None) -> Calibration:
     """Measure every candidate on every attention layer and choose per layer (see module doc)."""
     return measure(model, tokenizer, identity, candidates, max_tokens, context).choose(tolerance)
 

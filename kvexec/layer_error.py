@@ -36,6 +36,8 @@ TOP = 64
 # whose logits exist at once: a chunk's whole [positions, vocabulary] logits were the
 # calibration's largest transient on a large vocabulary (docs/BENCHMARKS.md, first load).
 ROWS = 8
+# Positions a recorded or measured pass feeds at once.
+CHUNK = 256
 
 
 @dataclass
@@ -121,7 +123,7 @@ def _log_rest(top_logprobs: np.ndarray) -> np.ndarray:
     return np.log(np.clip(1.0 - np.exp(top_logprobs).sum(axis=-1), 1e-12, None))
 
 
-def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256) -> tuple[list[LayerRecord], Reference]:
+def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = CHUNK) -> tuple[list[LayerRecord], Reference]:
     """Run `ids` through `model` on float32 pages in `layout`, in chunks: each attention
     layer's record, and the output reference."""
     caches = []
@@ -141,7 +143,7 @@ def record(model: nn.Module, ids: list[int], layout: KVConfig, chunk: int = 256)
     return [c.record for c in caches if isinstance(c, _RecordingCache)], ref
 
 
-def output_kl(model: nn.Module, ids: list[int], config: KVConfig, ref: Reference, chunk: int = 256) -> float:
+def output_kl(model: nn.Module, ids: list[int], config: KVConfig, ref: Reference, chunk: int = CHUNK) -> float:
     """Mean binned KL(reference || output) per position with pages as `config` keeps them."""
     caches, split = make_cache(model, config), _split(model, ids, config)
     total, n = 0.0, 0

@@ -56,3 +56,22 @@ def test_table_has_a_column_per_system_and_a_row_per_prompt():
     assert lines[2] == "| m, 8,000 tokens | 300 MiB | 250 MiB |"
     assert lines[3].startswith("| m, 16,000 tokens | error: boom | - |")
     assert lines[4] == "| m, 32,000 tokens | 320 MiB (first load 310) | - |"
+
+
+def test_a_first_load_under_a_budget_is_refused_or_kept_under_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUSTFIT_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny-llama.gguf"
+    write_llama_gguf(gguf)
+
+    def row(budget: str) -> dict:
+        monkeypatch.setattr(bench.common, "RESULTS", tmp_path / budget)  # a folder each: one file each
+        main(["--model", str(gguf), "--contexts", "40", "--tokens", "4", "--systems", "justfit", "--first-load",
+              "--timeout", "120", "--budget", budget])
+        (saved,) = (tmp_path / budget).glob("footprint-*.json")
+        return json.loads(saved.read_text())["rows"][0]
+
+    refused = row("32MiB")
+    assert "32.00 MiB" in refused["refused"] and refused["cache_files"] == 0  # before any work
+    kept = row("2GiB")
+    assert "error" not in kept and "within the whole-process budget 2.00 GiB" in kept["first_load_predicted"]
+    assert kept["cache_files"] > 0 and kept["loaded"]["peak_rss"] <= 2 << 30

@@ -19,9 +19,11 @@ from justfit.planning.budget import check_fits, plan
 from justfit.planning.outside import Budget, OutsideWatch, ProcessShare
 from justfit.model.chat_template import render_chat
 from justfit.config import EngineConfig, SamplingParams
-from justfit.model import adapter
+from justfit.model import adapter, first_load
 from justfit.errors import BudgetExceeded
 from justfit.engine.generate import ProgressFn
+from justfit.model.first_load import FirstLoad
+from justfit.model.gguf.cache import RequantOptions
 from justfit.model.loader import kv_calibration, kv_for_model, load_lazily, offload_dir
 from justfit.planning.breakdown import LoadMarks, blas_warm_up, outside_anon
 from justfit.memory import parse_size, trim_heap
@@ -31,7 +33,8 @@ from justfit.engine import numerics
 from justfit.engine.draft import MAX_DRAFT
 from justfit.engine.runner import Runner, choose_runner
 from justfit.engine.speculate import StepCosts
-from justfit.engine.state_io import StateIO, model_identity, resume_session, save_session, state_identity, state_root
+from justfit.engine.state_io import (StateIO, folder_identity, model_identity, resume_session, save_session,
+                                    state_identity, state_root)
 from justfit.engine.stats import Chunk, Reply, collect
 import kvexec
 from kvexec import KVConfig
@@ -58,6 +61,10 @@ class Engine:
         config = config or EngineConfig()
         if budget is not None:
             config = replace(config, budget_bytes=parse_size(budget))
+        # set before the first load's conversion and calibration too: their freed buffers go back at once
+        runtime.hold_memory(config.budget_bytes)
+        if config.budget_bytes is not None and config.budget_covers_process:  # refused before any work
+            first_load.check(self.first_load(model, config), config.budget_bytes)
         loaded = load_lazily(model, config)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.name, self.path = loaded.name, loaded.path
@@ -140,6 +147,14 @@ class Engine:
         # plan search; [] for one process.
         own = self.footprint(1).max_positions(budget) if budget is not None else -1
         self.rank_limits: list[int] = self.runner.gather_limits(own)
+
+    @staticmethod
+    def first_load(model: str | None, config: EngineConfig) -> FirstLoad:
+        """What loading `model` with `config` still has to do (convert, calibrate) and its
+        predicted whole-process peak (justfit.model.first_load), before any work."""
+        state_dir = state_root(config.state_dir)
+        return first_load.predict(model, RequantOptions(bits=config.gguf_bits, embed_bits=config.gguf_embed_bits),
+                                  config.kv, lambda cfg, folder: folder_identity(cfg, folder, str(model), state_dir))
 
     # -- prompts ---------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

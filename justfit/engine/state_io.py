@@ -45,10 +45,15 @@ def model_identity(engine, cache_dir: Path | None = None) -> str:
     """Hash of the model's config and weight files' content (sha256, remembered in
     `cache_dir` by path, size and mtime): a snapshot only continues on the weights
     that computed it."""
-    h = hashlib.sha256(json.dumps(engine.model_config, sort_keys=True, default=str).encode())
-    h.update(weights_digest(weight_files(engine.path), cache_dir).encode())
-    if engine.path is None:
-        h.update(str(engine.name).encode())
+    return folder_identity(engine.model_config, engine.path, engine.name, cache_dir)
+
+
+def folder_identity(config: dict, path: Path | None, name: str, cache_dir: Path | None = None) -> str:
+    """`model_identity` of a model by its config, folder (None: a hub id) and name, loaded or not."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(weights_digest(weight_files(path), cache_dir).encode())
+    if path is None:
+        h.update(str(name).encode())
     return h.hexdigest()[:32]
 
 

@@ -50,17 +50,30 @@ def kv_for_model(model: nn.Module, model_config: dict, kv: KVConfig | None,
     return kvexec.for_head_dim(kv, attention_shape(model, model_config)[2])
 
 
+def calibration_candidates(kv: KVConfig | None) -> tuple[str, ...]:
+    """The page formats calibration measures for `kv` ("calibrated": every candidate; an
+    allocated format: that one); none where `kv` needs no calibration."""
+    if kv is None or kv.layer_formats or not needs_model(kv.format):
+        return ()
+    return CANDIDATES if kv.format == CALIBRATED else (kv.format,)
+
+
+def calibration_dir() -> Path:
+    """Where calibration measurements are cached: beside the converted-model cache."""
+    return cache_root().parent / "calibration"
+
+
 def kv_calibration(model: str | None, config: EngineConfig, identity: Callable[[], str]) -> Calibration | None:
     """The per-layer page formats `config.kv` asks the model for ("calibrated", or an
     allocated format's widths), from the cache or measured on a second, lazily loaded
     copy of the model that is dropped afterwards (the engine's own copy stays unread);
     None when the format needs no calibration."""
     kv = config.kv
-    if kv is None or kv.layer_formats or not needs_model(kv.format):
+    candidates = calibration_candidates(kv)
+    if not candidates:
         return None
-    candidates = CANDIDATES if kv.format == CALIBRATED else (kv.format,)
     tolerance = TOLERANCE if kv.calibration_tolerance is None else kv.calibration_tolerance
-    name, cache_dir = identity(), cache_root().parent / "calibration"
+    name, cache_dir = identity(), calibration_dir()
     found = cached_measurement(name, cache_dir, candidates)
     if found is not None:  # the usual load: no second copy of the model
         return found.choose(tolerance)

@@ -31,11 +31,16 @@ def cache_root() -> Path:
     return Path(base) / "models"
 
 
+def converted_folder(gguf_path: str | os.PathLike, opts: RequantOptions | None = None) -> Path:
+    """Where this GGUF's mlx-lm folder is cached, converted or not (complete once it has a config.json)."""
+    stem = Path(gguf_path).name.removesuffix(".gguf")
+    return cache_root() / f"{stem}-{cache_key(gguf_path, opts or RequantOptions())}"
+
+
 def converted_path(gguf_path: str | os.PathLike, opts: RequantOptions | None = None) -> Path:
     """The cached mlx-lm folder for this GGUF, converting it on first use."""
     opts = opts or RequantOptions()
-    stem = Path(gguf_path).name.removesuffix(".gguf")
-    out = cache_root() / f"{stem}-{cache_key(gguf_path, opts)}"
+    out = converted_folder(gguf_path, opts)
     if not (out / "config.json").exists():
         from justfit.model.gguf.convert import convert  # the `gguf` package and numpy: only to convert
 

@@ -161,20 +161,29 @@ def _tensor_arrays(tensor: GGUFTensor, name: str, opts: RequantOptions, norm_off
     return out, {"group_size": GROUP, "bits": bits}
 
 
+def _arch(meta: dict[str, Any]) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise UnsupportedModel(
+            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(sorted(_ARCHS))})"
+        )
+    return arch
+
+
+def header_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The mlx-lm config the converter writes for a file of this metadata and these tensor names."""
+    return _ARCHS[_arch(meta)][0](meta, "output.weight" not in names)
+
+
 def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, opts: RequantOptions) -> Path:
     """Write an mlx-lm model folder for `gguf_path` into `out_dir` (atomically)."""
     import mlx.core as mx
 
     meta, tensors = read_gguf(str(gguf_path))
-    arch = meta.get("general.architecture")
+    arch = _arch(meta)
     meta["context_length"] = meta.get(f"{arch}.context_length")
-    if arch not in _ARCHS:
-        raise UnsupportedModel(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(sorted(_ARCHS))})"
-        )
-    build_config, layer_names, norm_offset = _ARCHS[arch]
-    names = {t.name for t in tensors}
-    config = build_config(meta, "output.weight" not in names)
+    _, layer_names, norm_offset = _ARCHS[arch]
+    config = header_config(meta, {t.name for t in tensors})
 
     weights: dict[str, Any] = {}
     quant: dict[str, Any] = {}
