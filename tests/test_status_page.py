@@ -213,7 +213,8 @@ def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
     shown = f"{budget_mib / 1024:.1f} GiB" if budget_mib >= 1024 else f"{budget_mib:.1f} MiB"  # as the page writes it
     for words in ("MLX holds", "(RSS, the solid line)", "outside MLX", f"whole-process budget {shown}"):
         assert words in chart["described"] and words in chart["aria"], (words, chart["described"])
-    assert int(fields["states"]) == len(last["states"]) == status["states"]["stored"]
+    # the running request may end, storing its state, between the page's last poll and the status read
+    assert int(fields["states"]) == len(last["states"]) and status["states"]["stored"] - len(last["states"]) in (0, 1)
     assert "demo" in status["sessions"]["own"] and any(s["name"] == "demo" for s in last["states"])
     shot = tmp_path / "status-page.png"
     assert shot.stat().st_size > 20_000
