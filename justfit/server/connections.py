@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
@@ -41,6 +42,11 @@ from justfit.server import malformed
 
 log = logging.getLogger("justfit.server")
 
+# Each connection's kernel send buffer. Linux grows an unset one (autotuning) as a reply
+# waits, which resumes a writer the client's silence paused and restarts the write timer:
+# a client reading nothing would be dropped only once the buffer stopped growing, after
+# megabytes and many timeouts. Token streams need far less.
+SEND_BUFFER = 64 << 10  # Linux doubles it for its bookkeeping
 FD_RESERVE = 128  # descriptors kept for everything but client connections (weights, states, pipes)
 CLOSE_GRACE_S = 5.0  # after a body timeout: time for the 408 to go out before the connection is cut
 HEAD, BODY, BUSY, IDLE = "head", "body", "busy", "idle"
@@ -123,6 +129,12 @@ class GuardedProtocol(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         """Admitted (maybe in an older one's place) or refused; the header timer starts."""
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:  # a fixed size: the kernel would otherwise grow it while the client reads nothing
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            except OSError:
+                pass
         self.inner.connection_made(transport)
         if not self.guard.admit(self):
             self.close()
