@@ -156,6 +156,52 @@ def test_the_listener_closes_with_its_runner(engine):
         asyncio.run(asyncio.open_connection("127.0.0.1", live.port))
 
 
+class _Transport(asyncio.Transport):
+    """Just enough of a socket's transport for the guard: no socket, closes noted."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed = False
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def close(self):
+        self.closed = True
+
+    abort = close
+
+
+def test_a_complete_request_head_is_never_closed_to_make_room():
+    """Between its head's arrival and the app's taking it (a turn of the loop, longer on a
+    loaded machine) a connection is not stalled: a burst of new connections closes the
+    stalled ones around it, not it, even where its head came in pieces."""
+    from justfit.server.connections import Guard, GuardedProtocol, Limits
+
+    async def go():
+        guard = Guard(Limits(max_connections=3))
+
+        def connect(*sent: bytes) -> GuardedProtocol:
+            conn = GuardedProtocol(asyncio.Protocol(), guard)
+            conn.connection_made(_Transport())
+            for part in sent:
+                conn.data_received(part)
+            return conn
+
+        complete = connect(b"GET /health HTTP/1.1\r\nHost: t\r", b"\n\r", b"\n")
+        stalled = [connect(b"GET /hea"), connect()]
+        newcomers = [connect() for _ in range(4)]
+        return complete, stalled, newcomers, guard
+
+    complete, stalled, newcomers, guard = asyncio.run(go())
+    assert not complete.transport.closed and complete in guard.open
+    assert all(c.transport.closed for c in stalled + newcomers[:2]) and guard.closed["evicted"] == 4
+    assert list(guard.open) == [complete, *newcomers[2:]]
+
+
 # -- 500 stalled connections ---------------------------------------------------------------
 def _flood(engine, n: int, interval: float, hold: float, **config) -> tuple[dict, list[float], LiveServer]:
     """`n` slow clients (their own process: tests/slow_clients.py) against a server with

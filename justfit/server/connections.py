@@ -24,7 +24,10 @@ its state stored the same way.
 At `max_connections` a new connection first closes an older one that is not in
 a handler (one still sending headers, then an idle one, then one sending a body,
 oldest first), so a flood of stalled connections never locks out /health; only when
-every connection is inside a handler is the new one refused."""
+every connection is inside a handler is the new one refused. A connection whose
+request head has arrived in full is not stalled: it is on its way to the app (the
+next turn of the loop) and is not closed to make room, or a burst of new connections
+on a loaded machine could close a complete request before it was served."""
 
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ log = logging.getLogger("justfit.server")
 SEND_BUFFER = 64 << 10  # Linux doubles it for its bookkeeping
 FD_RESERVE = 128  # descriptors kept for everything but client connections (weights, states, pipes)
 CLOSE_GRACE_S = 5.0  # after a body timeout: time for the 408 to go out before the connection is cut
-HEAD, BODY, BUSY, IDLE = "head", "body", "busy", "idle"
+HEAD, READY, BODY, BUSY, IDLE = "head", "ready", "body", "busy", "idle"
+HEAD_END = b"\r\n\r\n"
 EVICT_ORDER = (HEAD, IDLE, BODY)  # who goes first when the limit is reached
 
 
@@ -121,6 +125,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.inner, self.guard = inner, guard
         self.transport: asyncio.Transport | None = None
         self.phase, self.in_handler, self.closing = HEAD, False, False
+        self._tail = b""  # the head's last bytes: its end may straddle two reads
         self._pending = False  # bytes of a next request came while the app worked on this one
         self._timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
@@ -147,6 +152,11 @@ class GuardedProtocol(asyncio.Protocol):
             self._arm(HEAD, self.guard.limits.header_timeout_s)
         elif self.phase == BUSY:  # a pipelined request: timed once the current one is answered
             self._pending = True
+        if self.phase == HEAD:
+            seen = self._tail + data
+            if HEAD_END in seen:  # its header timer still runs until the app has it
+                self.phase = READY
+            self._tail = seen[-(len(HEAD_END) - 1):]
         self.inner.data_received(data)
 
     def eof_received(self):
@@ -204,7 +214,7 @@ class GuardedProtocol(asyncio.Protocol):
     # -- timers -----------------------------------------------------------------------
     def _enter(self, phase: str) -> None:
         self._cancel()
-        self.phase = phase
+        self.phase, self._tail = phase, b""
 
     def _arm(self, phase: str, seconds: float, payload=None) -> None:
         self._enter(phase)
@@ -218,7 +228,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def _expired(self, phase: str, payload) -> None:
         self._timer = None
-        if self.closing or phase != self.phase:
+        if self.closing or phase != (HEAD if self.phase == READY else self.phase):
             return
         self.guard.closed[phase] += 1
         log.debug("closing a connection: %s not complete within its timeout", phase)
