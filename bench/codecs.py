@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 
 from bench.codec_bounds import GROUP, key_bound, value_bound  # noqa: E402
 from kvexec.allocated import AllocatedCodec, allocate_widths, channel_weights  # noqa: E402
-from kvexec.formats import Codec  # noqa: E402
+from kvexec.affine import Codec  # noqa: E402
 from kvexec.rotated import RotatedCodec  # noqa: E402
 
 SKETCH_SEED = 0x51C

@@ -22,7 +22,7 @@ def mix_spec(kv_formats: dict[str, float], fmt: str, head_dim: int, paged_share:
     holds pages to SHARE of what all its tokens would take in `fmt`, but only
     `paged_share` of them become pages (sinks and the hot window stay full precision)."""
     from kvexec import get_format
-    from kvexec.config import needs_model
+    from kvexec.formats import needs_model
 
     if needs_model(fmt):  # per-layer formats calibrated for the model: the suite calibrates the same
         return fmt  # (a mix the ladder stepped down shows as measured on another mix)

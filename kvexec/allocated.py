@@ -28,7 +28,7 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from kvexec.formats import Codec
+from kvexec.affine import Codec
 from kvexec.kernels import ROWS_KERNEL_MAX, channels_dequantized, rows_kernel
 
 WIDTHS = (2, 3, 4, 5, 6, 8)  # what mx.quantize stores

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kvexec.formats import KVFormat, get_format, unrotate
+from kvexec.formats import KVFormat, get_format
+from kvexec.rotated import unrotate
 from kvexec.kernels import rows_kernel
 from kvexec.fused import fused_attention
 from kvexec.online import fold_block, softmax, softmax_step, softmax_step_numpy

@@ -5,18 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvexec.allocated import TEMPLATE
-from kvexec.formats import get_format
-
-# A format resolved per model at load: each layer's pages in the smallest candidate of
-# kvexec.calibrate.CANDIDATES within `calibration_tolerance` (kvexec/calibrate.py).
-CALIBRATED = "calibrated"
-
-
-def needs_model(name: str) -> bool:
-    """Whether format `name` is only known once a model is calibrated: "calibrated", or an
-    allocated format (`k<mean>a<group>v...`) before its per-channel widths."""
-    return name == CALIBRATED or TEMPLATE.fullmatch(name) is not None
+from kvexec.formats import get_format, needs_model
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ def rotation_pair(kv_heads: int, dim: int) -> mx.array:
     return mx.array(np.ascontiguousarray(np.stack([r, r.transpose(0, 2, 1)])))
 
 
+def unrotate(x: mx.array) -> mx.array:
+    """A product with rotated values, [B, kv_heads, rows, dim], back in the values' own space."""
+    return x @ rotation(x.shape[1], x.shape[-1]).swapaxes(-1, -2)
+
+
 def _pack(codes: mx.array, bits: int) -> mx.array:
     """[..., n, d] codes < 2**bits -> [..., n, d * bits / 32] uint32, as a bitstream."""
     *lead, d = codes.shape
@@ -131,7 +136,7 @@ class RotatedCodec:
 
     def weighted(self, p: mx.array, enc: dict[str, mx.array], rotate: bool = True) -> mx.array:
         """p @ V computed in the rotated space, then rotated back once (rotate=False: left
-        rotated, for a sum over blocks rotated back once, kvexec.formats.unrotate)."""
+        rotated, for a sum over blocks rotated back once, `unrotate`)."""
         vr = self._rotated(enc)
         out = p @ vr
         return out @ rotation(vr.shape[1], vr.shape[-1]).swapaxes(-1, -2) if rotate else out

@@ -7,7 +7,7 @@ import pytest
 
 from kvexec import KVConfig, PageStore, blockwise_attention, get_format
 from kvexec.export import export_store, restore_store
-from kvexec.formats import Codec
+from kvexec.affine import Codec
 from kvexec.rotated import rotation
 
 # Per-channel key groups need pages of a multiple of the group.

@@ -110,7 +110,7 @@ def test_the_page_product_equals_mlx_s_untransposed_quantized_matmul(bits, group
     ([.., head_dim, tokens]) and p V for values per token, both MLX's transpose=False
     layout; KVExec's codecs use it for few float32 rows and MLX's kernel otherwise.
     Every width MLX stores (2-6 and 8 bits: one little-endian bit stream)."""
-    from kvexec.formats import Codec
+    from kvexec.affine import Codec
     from kvexec.kernels import ROWS_KERNEL_MAX
 
     mx.random.seed(bits + rows + group)

@@ -24,7 +24,7 @@ from justfit.planning.planner import attention_shape
 from kvexec import KVConfig
 from kvexec.calibrate import (CANDIDATES, TOLERANCE, Calibration, cached_calibration, cached_measurement,
                               calibrated_config)
-from kvexec.config import CALIBRATED, needs_model
+from kvexec.formats import CALIBRATED, needs_model
 from phaseswap.native import available as native_available
 from phaseswap.policy import ResidencyPolicy
 
