@@ -3,18 +3,14 @@ segments first give back room no page is written in, then pages step down to sma
 formats (`KVConfig.pressure`) before a new segment would pass it: the oldest segment
 of the widest format first, so every page steps down once before any steps twice, and
 the segment being filled stays in the page format. Past the fidelity floor,
-`KVConfig.past_floor="retain"` drops pages instead."""
+`KVConfig.past_floor="retain"` drops pages instead. This module decides (the ladder,
+which segment steps down next); the store (kvexec/store.py) applies."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvexec.config import KVConfig
 from kvexec.formats import KVFormat, get_format
-from kvexec.segments import merge_with_previous, reencode, release_unwritten
-
-if TYPE_CHECKING:
-    from kvexec.store import PageStore
+from kvexec.segments import Segment
 
 
 def ladder(config: KVConfig, head_dim: int, layer: int = 0) -> list[KVFormat]:
@@ -34,24 +30,13 @@ def ladder(config: KVConfig, head_dim: int, layer: int = 0) -> list[KVFormat]:
     return steps
 
 
-def relieve(store: PageStore, steps: list[KVFormat], incoming: int) -> None:
-    """Step `store`'s pages down `steps` until `incoming` more bytes fit its page limit,
-    or no page can step further (the planner sized the limit so the ladder's last
-    format fits); then, past the floor with past_floor="retain", drop pages as
-    retention chooses."""
-    limit = store.page_limit
-    if limit is None:
-        return
-    if store.page_bytes() + incoming > limit:
-        for seg in store.segments:  # room no page is written in goes first
-            release_unwritten(seg)
-    while store.page_bytes() + incoming > limit:
-        movable = [s for s in store.segments if s.fmt != steps[-1] and s.fmt in steps and s.extent is None]
-        if not movable:
-            if store.config.past_floor == "retain":
-                while store.page_bytes() + incoming > limit and store.retention.drop_one(store):
-                    pass
-            return
-        seg = min(movable, key=lambda s: (steps.index(s.fmt), s.start))
-        reencode(seg, steps[steps.index(seg.fmt) + 1])
-        merge_with_previous(store.segments, seg, store.segment_capacity, store.config.page_size)
+def step_down(segments: list[Segment], steps: list[KVFormat]) -> tuple[Segment, KVFormat] | None:
+    """The segment to re-encode next and the format it steps down to: the oldest of the
+    widest format that can still step (a segment on disk stays as written); None when
+    no page can step further (the planner sized the limit so the ladder's last format
+    fits)."""
+    movable = [s for s in segments if s.fmt != steps[-1] and s.fmt in steps and s.extent is None]
+    if not movable:
+        return None
+    seg = min(movable, key=lambda s: (steps.index(s.fmt), s.start))
+    return seg, steps[steps.index(seg.fmt) + 1]

@@ -1,17 +1,14 @@
 """Retention: which pages a store keeps when `KVConfig.max_positions` bounds it (or
 the pressure ladder's floor is passed with past_floor="retain"). Pinned positions (the
-prompt) and sinks are never dropped; among the rest the policy chooses."""
+prompt) and sinks are never dropped; among the rest the policy chooses, and the store
+(kvexec/store.py) drops what it chose."""
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 from kvexec.attention import Block
 from kvexec.segments import Segment
-
-if TYPE_CHECKING:
-    from kvexec.store import PageStore
 
 POLICIES = ("score", "random")
 
@@ -26,26 +23,16 @@ class RetentionPolicy:
         self.name = name
         self.rng = random.Random(0)
 
-    def drop_one(self, store: PageStore) -> bool:
-        """Drop one unpinned segment of `store`; False when none is left to drop."""
-        segments = store.segments
-        movable = [i for i, s in enumerate(segments) if s.start >= max(store.pinned, store.sinks)]
+    def choose(self, segments: list[Segment], first_movable: int) -> int | None:
+        """The index in `segments` of the one to drop next among those starting at or
+        after `first_movable` (past the pinned prompt and the sinks); None when none is
+        left to drop."""
+        movable = [i for i, s in enumerate(segments) if s.start >= first_movable]
         if not movable:
-            return False
+            return None
         if self.name == "random":
-            i = self.rng.choice(movable)
-        else:
-            i = min(movable, key=lambda j: (segments[j].score, j))
-        store.evicted += segments.pop(i).length
-        return True
-
-    def evict(self, store: PageStore) -> None:
-        """Drop generated (unpinned) pages until `store` retains max_positions."""
-        budget = store.config.max_positions
-        if budget is None:
-            return
-        while store.retained() > budget and self.drop_one(store):
-            pass  # stops with only pinned tokens left; the planner refuses such requests up front
+            return self.rng.choice(movable)
+        return min(movable, key=lambda j: (segments[j].score, j))
 
 
 def observe(block: Block, mass: float) -> None:

@@ -7,7 +7,8 @@ page, written in place into a preallocated segment (kvexec.segments); a segment 
 also one attention block. Sliding-window layers drop segments that no future query can
 see, so their store is a bounded ring. The strategies over the pages are their own
 modules: the pressure ladder (kvexec.pressure), retention (kvexec.retention) and page
-selection (kvexec.selection).
+selection (kvexec.selection); they decide (which segment steps down, which is dropped)
+and this store applies.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from kvexec.disk_pages import Extent, PageFile, PageReader, read_now, segment_ar
 from kvexec.exact import ExactPoint, paged_end
 from kvexec.formats import KVFormat, get_format
 from kvexec.hot import HotWindow
-from kvexec.pressure import ladder, relieve
+from kvexec.pressure import ladder, step_down
 from kvexec.retention import RetentionPolicy, observe
-from kvexec.segments import Segment, merge_with_previous, next_segment_capacity, segment_capacity
+from kvexec.segments import (Segment, merge_with_previous, next_segment_capacity, reencode, release_unwritten,
+                             segment_capacity)
 from kvexec.selection import select_pages
 
 
@@ -88,7 +90,7 @@ class PageStore:
         self.offset += L
         self._flush()
         self._drop_dead(first_query)
-        self.retention.evict(self)
+        self._retain()
 
     def _full_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
         """What sinks and the hot window keep tokens computed in `dtype` in (KVConfig.full_bits)."""
@@ -136,10 +138,43 @@ class PageStore:
         self._relieve(0)
 
     def _relieve(self, incoming: int) -> None:
+        """Step pages down the ladder until `incoming` more bytes fit the page limit, or
+        no page can step further; then, past the floor with past_floor="retain", drop
+        pages as retention chooses (kvexec.pressure)."""
         if self._ladder is None and self.hot_k is not None:  # restored from a snapshot
             self._ladder = ladder(self.config, self.hot_k.shape[-1])
-        if self._ladder is not None:
-            relieve(self, self._ladder, incoming)
+        limit = self.page_limit
+        if self._ladder is None or limit is None:
+            return
+        if self.page_bytes() + incoming > limit:
+            for seg in self.segments:  # room no page is written in goes first
+                release_unwritten(seg)
+        while self.page_bytes() + incoming > limit:
+            step = step_down(self.segments, self._ladder)
+            if step is None:
+                if self.config.past_floor == "retain":
+                    while self.page_bytes() + incoming > limit and self._drop_one():
+                        pass
+                return
+            seg, fmt = step
+            reencode(seg, fmt)
+            merge_with_previous(self.segments, seg, self.segment_capacity, self.config.page_size)
+
+    def _retain(self) -> None:
+        """Drop generated (unpinned) pages until max_positions are retained (kvexec.retention)."""
+        budget = self.config.max_positions
+        if budget is None:
+            return
+        while self.retained() > budget and self._drop_one():
+            pass  # stops with only pinned tokens left; the planner refuses such requests up front
+
+    def _drop_one(self) -> bool:
+        """Drop the unpinned segment retention chooses; False when none is left to drop."""
+        i = self.retention.choose(self.segments, max(self.pinned, self.sinks))
+        if i is None:
+            return False
+        self.evicted += self.segments.pop(i).length
+        return True
 
     def _drop_dead(self, first_query: int) -> None:
         if self.window is None:
