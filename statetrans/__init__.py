@@ -7,7 +7,7 @@ named sessions through to disk at every turn; `park` / `unpark` set a running
 sequence's state aside on disk and take it back (preemption).
 """
 
-from statetrans.memory_tier import Reuse
+from statetrans.index import Reuse
 from statetrans.parking import Parked, keep_parked, park, unpark
 from statetrans.publish import save_snapshot
 from statetrans.snapshot import SnapshotError, load_snapshot, snapshot_bytes

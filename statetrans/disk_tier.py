@@ -17,7 +17,7 @@ import mlx.core as mx
 from statetrans.disk import claim, discard, fsync_path, locked, mine, owner_alive, owner_tag, owners_of
 from statetrans.faults import NONE, Faults
 from statetrans.identity import peek
-from statetrans.memory_tier import Entry
+from statetrans.index import Entry
 from statetrans.quarantine import quarantine, scannable
 from statetrans.schema import Expect
 from statetrans.publish import publish_new

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from statetrans.memory_tier import Entry
+from statetrans.index import Entry
 from statetrans.snapshot import SnapshotError
 from statetrans.state import capture, trimmable_meta
 

@@ -22,12 +22,10 @@ import logging
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Iterable
 
-if TYPE_CHECKING:
-    from statetrans.sessions import SessionStore
+from statetrans.sessions import SessionStore, Usage
 
 log = logging.getLogger("justfit.statetrans")
 
@@ -72,14 +70,6 @@ def share(limit: int, scope: str, scopes: frozenset[str]) -> int | None:
     return limit // len(scopes) if scope in scopes else None
 
 
-@dataclass
-class Usage:
-    """A session folder's bytes on disk and when it was last touched (its mtime)."""
-
-    bytes: int
-    touched: float
-
-
 class SessionQuota:
     """The sessions' disk limit over one model's session folders (all scopes, all
     processes), divided among `scopes` when there are any: a ledger of their sizes,
@@ -94,6 +84,11 @@ class SessionQuota:
         self._read_at: float | None = None  # monotonic time the ledger was read from disk
         self._lock = threading.Lock()
         self.evicted = self.evicted_recent = 0  # sessions evicted in all, and of those recent ones
+
+    def shared_among(self, scopes: Iterable[str]) -> SessionQuota:
+        """This quota's limit divided among `scopes` instead (none: one share for all): a
+        new quota, whose ledger is read from disk at its first enforcement."""
+        return SessionQuota(self.limit, self.keep_s, self.refresh_s, frozenset(scopes))
 
     @property
     def total(self) -> int:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,9 +25,8 @@ import mlx.core as mx
 from statetrans.disk import claim, discard, real_dir, fsync_path, locked, remove, temp_alive, temp_name
 from statetrans.faults import NONE, Faults
 from statetrans.identity import peek
-from statetrans.memory_tier import Entry
+from statetrans.index import Entry
 from statetrans.quarantine import quarantine, scannable
-from statetrans.quota import Usage
 from statetrans.schema import Expect
 from statetrans.publish import write_files
 from statetrans.snapshot import SnapshotError, read_json_file, read_manifest, snapshot_bytes
@@ -47,6 +47,14 @@ def folder_name(name: str, scope: str = "") -> str:
         s = scope.encode("utf-8", "surrogatepass")
         key = b"scope:%d:%s\0%s" % (len(s), s, key)
     return hashlib.sha256(key).hexdigest()[:32]
+
+
+@dataclass
+class Usage:
+    """A session folder's bytes on disk and when it was last touched (its mtime)."""
+
+    bytes: int
+    touched: float
 
 
 class Published(NamedTuple):

@@ -32,15 +32,15 @@ from typing import Iterable
 
 import mlx.core as mx
 
-from kvexec.export import can_trim
+from kvexec.export import can_trim, trim
 from statetrans.disk import locked, sweep_temporaries
 from statetrans.disk_tier import DiskTier
 from statetrans.faults import Faults, installed as installed_faults
 from statetrans.identity import identity_key, read_checked
-from statetrans.memory_tier import Entry, Index, Reuse, cache_nbytes
+from statetrans.index import Entry, Index, Reuse, cache_nbytes
 from statetrans.quarantine import quarantine, quarantine_bytes
 from statetrans.quota import REFRESH_S, SESSION_KEEP_S, SessionQuota, share
-from statetrans.reuse import take
+from statetrans.reuse import Candidate, ranked
 from statetrans.schema import Expect
 from statetrans.sessions import SessionStore, folder_name
 from statetrans.snapshot import SnapshotError, load_snapshot
@@ -68,7 +68,7 @@ class StateTiers:
         # sessions' disk bytes (None: unbounded), each scope of `scopes` within its share
         self.quota = SessionQuota(session_disk_limit, session_keep_s, scopes=frozenset(scopes))
         self._quarantined: tuple[float, int] | None = None  # (monotonic time read, the quarantine's bytes)
-        self.writer = WriteThrough(self.store, quota=self.quota)
+        self.writer = WriteThrough(self.store)  # each job carries the quota enforced after it
         self.last: Entry | None = None  # the most recently stored state
         self.spilled = self.restored = 0  # counts, for stats
         self.failures: deque[str] = deque(maxlen=KEPT_FAILURES)  # the latest spills that could not be written
@@ -91,8 +91,9 @@ class StateTiers:
         """Divide the sessions' and the anonymous states' disk limits among `scopes`
         (e.g. one for each API key a server accepts): each has an equal share, and only
         its own states are evicted to keep it within it. States of other scopes share
-        what these leave; none given: one share for all, as before."""
-        self.quota.scopes = frozenset(scopes)
+        what these leave; none given: one share for all, as before. A new quota
+        divided so governs the session writes queued from now on."""
+        self.quota = self.quota.shared_among(scopes)
 
     def disk_shares(self, scope: str = "") -> dict[str, int | None]:
         """`scope`'s disk shares, in bytes (None: no share of its own): "sessions" and
@@ -203,7 +204,7 @@ class StateTiers:
         # Computed here, on the thread that computes: the writer's thread then only reads
         # buffers (MLX evaluating on two threads at once can crash).
         mx.eval([a for a in arrays.values() if isinstance(a, mx.array)])
-        return Job(e, arrays, meta, e.base, origin or e.session)
+        return Job(e, arrays, meta, e.base, origin or e.session, quota=self.quota)
 
     def _retire(self, prev: Entry) -> None:
         """A session's superseded (or evicted) state: an anonymous checkpoint of its
@@ -252,10 +253,64 @@ class StateTiers:
     # -- reuse ----------------------------------------------------------------------
     def take(self, tokens: list[int], session: str | None = None, memory_limit: int | None = None,
              scope: str = "") -> Reuse:
-        """The stored state of `scope` sharing the longest usable prefix with `tokens`,
-        detached for the request to extend, and `session`'s generation as the request
-        found it (`Reuse.base`, for `put`) (statetrans.reuse.take)."""
-        return take(self, tokens, session, memory_limit, scope)
+        """The stored state of `scope` sharing the longest usable prefix with `tokens` (at
+        most all but the last token, so the request computes logits), trimmed to it, and
+        detached for the request to extend (statetrans.reuse chooses which). The
+        session's own state stays on disk until its next generation is durable.
+        `Reuse.base` is `session`'s generation as found (0: none), whatever state the
+        request starts from: its `put` keeps a fork if the session moves on meanwhile."""
+        base, own = 0, None
+        if session:
+            current = self.session_entry(session, scope)  # also one another process wrote since
+            if current is not None:
+                base, own = current.generation, current.key
+                self.touch_session(current)
+        for choice in ranked(self.index.match(tokens, scope), len(tokens), own, session):
+            e = choice.entry
+            if e.key not in self.index.entries or e.scope != scope:
+                continue  # gone meanwhile: an earlier candidate's detaching made room
+            try:
+                reuse = self._detach(choice, memory_limit)
+                if reuse is None or (choice.cut and not trim(reuse.cache, choice.cut)):
+                    continue  # unreadable, or e.g. evicted positions: the copy is dropped
+            except Exception as err:  # noqa: BLE001 - a stored state never fails a request: the next one, or none
+                log.warning("not reusing a stored state of %d tokens: %r", len(e.tokens), err, exc_info=True)
+                continue
+            reuse.tokens, reuse.base = reuse.tokens[:choice.length], base
+            return reuse
+        self.fit(memory_limit)
+        return Reuse(None, [], {}, "", base=base)
+
+    def _detach(self, choice: Candidate, memory_limit: int | None) -> Reuse | None:
+        """The chosen state for a request: handed over, or a copy where it is kept (or
+        a session's) leaves it indexed; None when it cannot be read from disk."""
+        e, keep = choice.entry, choice.keep
+        start = time.perf_counter()
+        stays = keep or e.session is not None  # a session's next turn: its disk copy stays indexed
+        if not keep and e.cache is not None:  # hand the memory over; nothing to copy
+            cache, source = e.cache, "memory"
+            e.cache = None
+            self.release(e, stays)
+            self.fit(memory_limit)
+        else:
+            self.fit(memory_limit, spare=None if keep else e)  # spill first: the copy needs room
+            if e.cache is not None:
+                cache, source = copy_cache(e.cache), "memory"
+            else:
+                source = "disk"
+                try:
+                    cache = self.load(e)
+                except Exception as err:  # noqa: BLE001 - whatever a stored file does, the request goes on
+                    log.warning("not reusing a stored state of %d tokens: %r", len(e.tokens), err, exc_info=True)
+                    self.index.remove(e)  # (a session's older generation is found again on its next request)
+                    if e.path is not None and not isinstance(err, MemoryError):  # too large now is not damage
+                        quarantine(self.dir, e.path, err)
+                    return None
+                if cache is None:
+                    return None
+                self.restored += 1
+            self.release(e, stays)
+        return Reuse(cache, list(e.tokens), dict(e.sampler), source, time.perf_counter() - start, e.session)
 
     def release(self, e: Entry, stays: bool) -> None:
         """After `e`'s state was handed out: keep it indexed (`stays`) or forget it."""

@@ -3,11 +3,12 @@ queued (a bounded queue) for a background thread that publishes it as the sessio
 next generation. A turn's write waits for the previous turn's of the same session to
 be durable first, so a crash loses at most the last turn, never more.
 
-Each write has a handle (`Write`) whoever must know the turn is durable waits on (a
-server, before a response's last byte), saying what became of it: stored, stored as a
-fork (the session had moved on since the turn began), or not stored and why. After
-each write the sessions' disk quota is enforced (statetrans.quota). Failures are
-kept, the latest few with their reasons, all of them as counts."""
+Each write has a handle (`Write`, statetrans/write_outcome.py) whoever must know the
+turn is durable waits on (a server, before a response's last byte), saying what became
+of it: stored, stored as a fork (the session had moved on since the turn began), or not
+stored and why. After each write the sessions' disk quota the job carries is enforced
+(statetrans.quota). Failures are kept, the latest few with their reasons, all of them
+as counts."""
 
 from __future__ import annotations
 
@@ -21,61 +22,22 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from statetrans.memory_tier import Entry
+from statetrans.index import Entry
 from statetrans.quota import SessionQuota
 from statetrans.sessions import SessionStore, folder_name
+from statetrans.write_outcome import Write
 
 log = logging.getLogger("justfit.statetrans")
 
 KEPT_FAILURES = 32  # failure messages kept (the counts cover all)
 
 
-class Write:
-    """What became of one session state's write-through: `wait()` until it is decided,
-    then `ok` (durable), `outcome` ("stored", "stored-as-fork" or "not-stored"),
-    `stored_as` (the session name written: `session` itself, or a fork `session~k`),
-    `generation`, `reason` (why not stored) and `evicted_recent` (recently used
-    sessions the disk quota had to evict to make room)."""
-
-    def __init__(self, session: str, scope: str = ""):
-        self.session, self.scope = session, scope  # the name the turn asked for
-        self.ok = False
-        self.outcome = "pending"
-        self.stored_as = ""
-        self.generation = 0
-        self.reason = ""
-        self.evicted_recent = 0
-        self.evicted: list[str] = []  # session folders the quota evicted after this write
-        self._done = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        """Whether the outcome is decided."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Until the outcome is decided (at most `timeout` seconds); whether it is."""
-        return self._done.wait(timeout)
-
-    def finish(self, outcome: str, stored_as: str = "", generation: int = 0, reason: str = "",
-               evicted: list[tuple[str, bool]] = ()) -> None:
-        """Decide the outcome and wake the waiters."""
-        self.ok = outcome != "not-stored"
-        self.outcome, self.stored_as, self.generation, self.reason = outcome, stored_as, generation, reason
-        self.evicted = [f for f, _ in evicted]
-        self.evicted_recent = sum(recent for _, recent in evicted)
-        self._done.set()
-
-    def __repr__(self) -> str:
-        return (f"Write({self.session!r}, {self.outcome}, stored_as={self.stored_as!r}, "
-                f"reason={self.reason!r}, evicted_recent={self.evicted_recent})")
-
-
 @dataclass
 class Job:
     """A session's state waiting to be published: its entry, arrays and manifest, the
     generation the turn started from (None: unchecked), the name the turn asked for
-    (a fork's origin) and the handle its outcome goes to."""
+    (a fork's origin), the handle its outcome goes to and the sessions' disk quota
+    enforced once it is written (None: none)."""
 
     entry: Entry
     arrays: dict[str, mx.array]  # shallow copies: the store's later in-place writes do not reach them
@@ -83,6 +45,7 @@ class Job:
     base: int | None = None
     origin: str = ""
     write: Write | None = None  # made here when not given
+    quota: SessionQuota | None = None
 
     def __post_init__(self) -> None:
         self.origin = self.origin or self.entry.session
@@ -94,8 +57,8 @@ class Job:
 class WriteThrough:
     """A background thread publishing sessions' states from a bounded queue, in order per session."""
 
-    def __init__(self, store: SessionStore, depth: int = 2, quota: SessionQuota | None = None):
-        self.store, self.quota = store, quota
+    def __init__(self, store: SessionStore, depth: int = 2):
+        self.store = store
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=depth)
         self._pending: dict[tuple[str, str], int] = {}  # (scope, session) -> jobs queued or running
         self._cond = threading.Condition()
@@ -158,10 +121,10 @@ class WriteThrough:
         self.written += 1
         self.last_error = ""
         evicted: list[tuple[str, bool]] = []
-        if self.quota is not None:
-            self.quota.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name), e.scope)
+        if job.quota is not None:
+            job.quota.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name), e.scope)
             try:
-                evicted = self.quota.enforce(self.store, folder_name(got.name, e.scope), e.scope)
+                evicted = job.quota.enforce(self.store, folder_name(got.name, e.scope), e.scope)
             except OSError as err:  # the write itself stands
                 log.warning("could not enforce the sessions' disk quota: %s", err)
         self.last_seconds = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""The memory tier's index: stored states by key, by token prefix (a radix trie per
+"""The stored states' index: stored states by key, by token prefix (a radix trie per
 scope) and by (scope, session name), with an LRU clock. What lives where (memory,
 disk) is each entry's own business; this file only finds and orders them.
 
@@ -14,14 +14,11 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from statetrans.prefix import PrefixTrie
-
-if TYPE_CHECKING:
-    from statetrans.writer import Write
+from statetrans.write_outcome import Write
 
 
 @dataclass
