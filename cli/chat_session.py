@@ -5,7 +5,6 @@ model continues as typed (cli/raw_text.py)."""
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -21,8 +20,7 @@ from justfit.model.models import describe_sampling
 
 from . import common, raw_text
 from .chat_input import read_message
-from .chat_saves import load_conversation, save_conversation
-from .transcript import parse_transcript
+from .chat_saves import Done, load_conversation, save_conversation
 from .terminal import PrefillBar, deferred_sigint, line_reader, Stopped
 
 
@@ -293,23 +291,20 @@ class ChatSession:
     def save(self, path: str | Path) -> str:
         """Keep the conversation as a session, a state folder or a transcript (see
         cli.chat_saves.save_conversation); returns what was done, for the user."""
-        return save_conversation(self, path)
+        return self._continue(save_conversation(self.engine, self.transcript(), path))
 
     def load_any(self, path: str | Path) -> str:
         """Resume a session, a state folder or read a transcript; returns what was done."""
-        return load_conversation(self, path)
+        return self._continue(load_conversation(self.engine, path))
 
-    def load(self, path: str | Path) -> str | None:
-        """Replace the conversation with a saved transcript; returns the model it was
-        saved with. The engine's kept state is left alone: the next turn reuses
-        whatever prefix still matches and prefills the rest."""
-        return self.apply_transcript(json.loads(Path(path).expanduser().read_text(encoding="utf-8")))
-
-    def apply_transcript(self, data) -> str | None:
-        """Make a saved transcript the conversation; returns the model it was saved with."""
-        self.system, self.messages, model = parse_transcript(data)
-        self._kept = None  # raw mode: rebuilt from the text on the next turn
-        return model
+    def _continue(self, done: Done) -> str:
+        """Continue as a /save or /load says: its session, its conversation."""
+        if done.session is not None:
+            self.session = done.session
+        if done.conversation is not None:
+            self.system, self.messages = done.conversation
+            self._kept = None  # raw mode: rebuilt from the text on the next turn
+        return done.text
 
     # -- output ----------------------------------------------------------------
     def notice(self, text: str) -> None:
