@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     from justfit import runtime
 
     runtime.setup()  # OpenBLAS before mlx.core
-    from bench.common import machine_info, publish
+    from bench.common import machine_info
+    from bench.report import publish
 
     ap = argparse.ArgumentParser(prog="bench.batch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

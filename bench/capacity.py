@@ -45,11 +45,12 @@ import os
 import subprocess
 import sys
 
+from bench.capacity_rows import MIB, row_at
+
 SYSTEMS = ("mlx-lm", "mlx-lm-tuned", "mlx-lm-kv4", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "justfit-lossless",
            "justfit-calibrated", "justfit-default", "justfit-disk", "justfit-compact", "justfit-retention")
 QUICK = {"budget": "600MiB", "step": 256, "out": 16, "max_positions": 2048, "max_seconds": 120, "repeats": 1,
          "fidelity_tokens": 0}
-MIB = 2**20
 
 
 def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0, step: int = 0,
@@ -98,48 +99,6 @@ def _grow(system: str, args, budget: int, fine_from: int = 0, fine_step: int = 0
     if run["end"]["end"] == "crashed":
         run["error"] = f"exit {proc.returncode}: {(err.strip().splitlines() or ['no output'])[-1]}"
     return run
-
-
-def row_at(system: str, args, budget: int, run: dict, measured_step: int = 0) -> dict:
-    """The capacity row a run gives at `budget`: its last step within the budget (a
-    run stopped by its clock also gets its memory model's capacity, a stock one's
-    stated at --step when it was measured in steps of `measured_step`)."""
-    steps, setup = run["steps"], run["setup"]
-    ok = [s for s in steps if s["peak_rss"] <= budget]
-    passed = len(ok) < len(steps) or run["end"]["end"] == "budget"
-    row = {"system": system, "model": args.model, "budget_mib": round(budget / MIB, 1),
-           "ended_by": "budget" if passed else run["end"]["end"],
-           "curve": [(s["positions"], round(s["peak_rss"] / MIB, 1)) for s in steps], "steps": steps,
-           **{k: v for k, v in setup.items() if k != "pid"}}
-    if "error" in run:
-        row["error"] = run["error"]
-    if ok:
-        last = ok[-1]
-        row.update(positions=last["positions"], peak_mib=round(last["peak_rss"] / MIB, 1),
-                   limited=not passed and run["end"]["end"] in ("time limit", "position limit"))
-        if last.get("mlx_peak") is not None:
-            row["mlx_peak_mib"] = round(last["mlx_peak"] / MIB, 1)
-        for key in ("note", "kv_dtype", "kv_cache", "prefill_step", "weights_dtype", "kv_bits", "flash_attention",
-                    "streamed_from_disk"):
-            if key in last:
-                row[key] = last[key]
-        if last.get("kv_formats"):  # the share of each page format at the capacity step
-            total = sum(last["kv_formats"].values())
-            row["kv_formats"] = {k: round(v / total, 3) for k, v in sorted(last["kv_formats"].items())}
-            row["kv_positions"] = dict(sorted(last["kv_formats"].items()))
-    elif "error" not in row:
-        row["error"] = f"no step completed within the budget ({row['ended_by']})"
-    if run["end"]["end"] == "time limit" and "positions" in row and modelable(system, setup):
-        from bench.capacity_model import model_row
-
-        model_row(row, run, budget, measured_step or args.step, args.step)
-    return row
-
-
-def modelable(system: str, setup: dict) -> bool:
-    """Whether a run of `system` can be given a memory model: stock runs with their
-    shape, single-process JustFit runs (a pipeline's peak is its largest rank's)."""
-    return bool(setup.get("shape")) if not system.startswith("justfit") else "@" not in system
 
 
 def _refined(system: str, args, budget: int, row: dict) -> dict:
@@ -253,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
                    args.max_seconds, args.retain, args.fine_from, args.fine_step, args.start_at)
         return {}
     from bench import fidelity
-    from bench.common import machine_info, publish
+    from bench.common import machine_info
+    from bench.report import publish
     from bench.sweep import headline, parse_budgets
     from justfit.memory import parse_size
 

@@ -10,7 +10,7 @@ def llama_rows(system: str, args, budgets: list[int]) -> list[dict]:
     """llama.cpp rows: per budget, the largest n_ctx whose reserved memory plus compute
     buffer fits (bench.llamacpp.reserve_edge; `--repeats` times at the smallest budget),
     checked against full passes at `--llama-validate` contexts."""
-    from bench.capacity import row_at
+    from bench.capacity_rows import row_at
     from bench.llamacpp import reserve_edge, validate
 
     setup = {"trained_context": trained_context(args.model), "blas": "llama.cpp's own (ggml CPU)"}

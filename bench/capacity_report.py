@@ -4,6 +4,7 @@ positions vs budget (log y; modeled points hollow)."""
 
 from __future__ import annotations
 
+from bench.common import machine_line
 from bench.sweep import BASELINES, held, ratio
 
 
@@ -54,12 +55,10 @@ def _marks(r: dict) -> str:
 
 
 def capacity_markdown(result: dict) -> str:
-    from bench.report import _machine_line
-
     s, rows = result["settings"], result["systems"]
     plural = "s" if len(s.get("budgets") or []) > 1 else ""
     lines = [f"# Capacity: {s['model']}, whole-process budget{plural} {s['budget']}", "",
-             f"Steps of {s['step']} input tokens + {s['out']} generated; machine: {_machine_line(result['machine'])}",
+             f"Steps of {s['step']} input tokens + {s['out']} generated; machine: {machine_line(result['machine'])}",
              *([f"Rows combined from {', '.join(s['combined_from'])} (each row's `source`)."]
                if s.get("combined_from") else [])]
     if result.get("headline"):

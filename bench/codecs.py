@@ -238,7 +238,7 @@ def savings(side: dict, baseline: str) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.common import publish
+    from bench.report import publish
     from justfit import Engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -54,6 +54,18 @@ def machine_info() -> dict:
     }
 
 
+
+
+def machine_line(m: dict) -> str:
+    """A result's machine (`machine_info`) on one line, as its tables head it."""
+    blas = m.get("blas")
+    if m.get("worker_blas") and not str(blas).startswith(m["worker_blas"]):
+        blas = f"{m['worker_blas']} in fresh (worker) processes, {blas} in the harness"
+    return (f"{m.get('cpu')} x{m.get('cores')}, {m.get('memory_gib')} GiB, MLX {m.get('mlx')} "
+            f"({m.get('mlx_backend')}), mlx-lm {m.get('mlx_lm')}, BLAS {blas}, commit {m.get('commit')}, "
+            f"{m.get('date')}")
+
+
 def prompt_tokens(tokenizer, n: int) -> list[int]:
     """n deterministic prompt tokens: the CPython LICENSE text, repeated as needed."""
     path = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt"
@@ -116,18 +128,3 @@ def apply_quick(args, preset: dict, argv: list[str] | None) -> None:
     for key, value in preset.items():
         if f"--{key.replace('_', '-')}" not in given:
             setattr(args, key, value)
-
-
-def publish(name: str, result: dict, as_json: bool) -> Path:
-    """Save `result` (JSON, plus its markdown table and plot where the suite has them,
-    bench.report), then print it as one JSON object on stdout (--json) or say where it
-    went."""
-    from bench.report import write_views
-
-    path = save(name, result)
-    viewed = write_views(name, path, result)
-    if as_json:
-        print(json.dumps(result))
-    else:
-        print(f"saved {path}" + (" (+ .md)" if viewed else ""), file=sys.stderr)
-    return path

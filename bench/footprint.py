@@ -38,7 +38,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.common import machine_info, prompt_tokens, publish
+from bench.common import machine_info, prompt_tokens
+from bench.report import publish
 from bench.llamacpp import binary
 from bench.server_process import free_port
 

@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
-    from bench.common import apply_quick, machine_info, publish
+    from bench.common import apply_quick, machine_info
+    from bench.report import publish
 
     apply_quick(args, QUICK, argv)
 

@@ -1,27 +1,23 @@
 """Results as people read them: markdown tables and PNG plots, written beside the
-JSON every benchmark saves (bench/results/NAME-TIME.{json,md,png}); and, run with no
-files, the docs' results table (bench.summary) and bench/results/INDEX.md
-(bench.results_index), both from the saved JSON."""
+JSON every benchmark saves (bench/results/NAME-TIME.{json,md,png}; `publish` does
+both); and, run with no files, the docs' results table (bench.summary) and
+bench/results/INDEX.md (bench.results_index), both from the saved JSON."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 from bench.capacity_report import capacity_markdown, capacity_plot, capacity_ratio  # noqa: F401  (views by suite)
-
-
-def _machine_line(m: dict) -> str:
-    blas = m.get("blas")
-    if m.get("worker_blas") and not str(blas).startswith(m["worker_blas"]):
-        blas = f"{m['worker_blas']} in fresh (worker) processes, {blas} in the harness"
-    return (f"{m.get('cpu')} x{m.get('cores')}, {m.get('memory_gib')} GiB, MLX {m.get('mlx')} "
-            f"({m.get('mlx_backend')}), mlx-lm {m.get('mlx_lm')}, BLAS {blas}, commit {m.get('commit')}, "
-            f"{m.get('date')}")
+from bench.common import machine_line, save
 
 
 def _table(title: str, result: dict, columns: str, second: str, cells) -> str:
     """`columns` ("name:align | ..."), one row per system from `cells(row)`; a failed
     system's row names it, its `second` field and the error."""
     names, aligns = zip(*(c.strip().split(":") for c in columns.split("|")))
-    lines = [f"# {title}; machine: {_machine_line(result['machine'])}", "", "| " + " | ".join(names) + " |",
+    lines = [f"# {title}; machine: {machine_line(result['machine'])}", "", "| " + " | ".join(names) + " |",
              "|" + "|".join("---:" if a == "r" else "---" for a in aligns) + "|"]
     for r in result["systems"]:
         row = [r["system"], str(r.get(second, "")), f"error: {r['error']}"] if "error" in r else cells(r)
@@ -76,6 +72,19 @@ def write_views(suite: str, path, result: dict) -> bool:
     if plot:
         plot(result, path.with_suffix(".png"))
     return True
+
+
+def publish(name: str, result: dict, as_json: bool) -> Path:
+    """Save `result` (JSON, plus its markdown table and plot where the suite has them,
+    `write_views`), then print it as one JSON object on stdout (--json) or say where it
+    went."""
+    path = save(name, result)
+    viewed = write_views(name, path, result)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"saved {path}" + (" (+ .md)" if viewed else ""), file=sys.stderr)
+    return path
 
 
 def render(path) -> None:
@@ -135,8 +144,8 @@ def combine_capacity(paths) -> dict:
 def _remodel(row: dict) -> None:
     """A row stopped by its clock, modeled again from its saved steps (so a corrected
     term, e.g. a newly measured attention transient, reaches rows already run)."""
-    from bench.capacity import modelable
     from bench.capacity_model import model_row
+    from bench.capacity_rows import modelable
 
     if row.get("ended_by") != "time limit" or not row.get("steps") or "positions" not in row \
             or not modelable(row["system"], row):
@@ -184,8 +193,6 @@ if __name__ == "__main__":
             print(f"rewrote the results table in {doc}")
         print(f"wrote {results_index.write()}")
     elif args.combine:
-        from bench.common import publish
-
         publish("capacity", combine_capacity(args.files), False)
     else:
         for name in args.files:

@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds, the systems taking turns; times are medians")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
-    from bench.common import machine_info, publish
+    from bench.common import machine_info
+    from bench.report import publish
 
     systems = args.systems.split(",")
     unknown = set(systems) - {"justfit", "llama-server"}

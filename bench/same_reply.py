@@ -217,7 +217,8 @@ def run(model: str, count: int, max_tokens: int, max_prompt: int, deterministic:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench.common import machine_info, publish
+    from bench.common import machine_info
+    from bench.report import publish
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")

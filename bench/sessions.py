@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK}")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
-    from bench.common import apply_quick, machine_info, publish
+    from bench.common import apply_quick, machine_info
+    from bench.report import publish
     from justfit.memory import parse_size
 
     apply_quick(args, QUICK, argv)

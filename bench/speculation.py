@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown systems {sorted(set(args.systems) - set(SYSTEMS))}: choose from {', '.join(SYSTEMS)}")
     if set(args.workloads) - set(WORKLOADS):
         ap.error(f"unknown workloads {sorted(set(args.workloads) - set(WORKLOADS))}: choose from {', '.join(WORKLOADS)}")
-    from bench.common import machine_info, publish
+    from bench.common import machine_info
+    from bench.report import publish
 
     rows = [asyncio.run(measure(make_system(name, args), args)) for name in args.systems]  # one server at a time
     identity(rows)

@@ -110,7 +110,7 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
     cache = make_prompt_cache(loaded.model)
     note = ""
     if setup.kv_bits:
-        from bench.capacity_worker import quantize_what_mlx_lm_can
+        from bench.stock import quantize_what_mlx_lm_can
 
         note = quantize_what_mlx_lm_can(cache, setup.kv_bits)
     kw = {"kv_bits": setup.kv_bits, "kv_group_size": setup.kv_group_size, "quantized_kv_start": 0} \
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(_worker(system, model, int(context), int(decode), kv_format, synthetic == "1")))
         return {}
 
-    from bench.common import machine_info, progress_bar, publish, run_worker
+    from bench.common import machine_info, progress_bar, run_worker
+    from bench.report import publish
     from bench.floor import disk_read_bandwidth, floor_fields, read_bandwidth
 
     bandwidth = [read_bandwidth()]  # again at the end: the machine is shared

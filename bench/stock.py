@@ -104,6 +104,34 @@ def kv_dtype(cache: list) -> str:
     return ""
 
 
+def quantize_what_mlx_lm_can(cache: list, bits: int = 4) -> str:
+    """mlx-lm raises on `kv_bits` for sliding-window caches (RotatingKVCache:
+    "Quantization NYI"), so on models that have them (Gemma 3) the quantized systems
+    quantize every other cache, as mlx-lm's own `maybe_quantize_kv_cache` does, and
+    leave those in float16 (they hold one window each). Returns a note saying so, or ""."""
+    import importlib
+
+    from mlx_lm.models.cache import RotatingKVCache
+
+    generate = importlib.import_module("mlx_lm.generate")  # the package's `generate` is the function
+
+    rotating = sum(isinstance(c, RotatingKVCache) for c in cache)
+    if not rotating:
+        return ""
+    quantize = generate.maybe_quantize_kv_cache
+
+    def skipping_rotating(prompt_cache, *args, **kwargs):
+        keep = [i for i, c in enumerate(prompt_cache) if not isinstance(c, RotatingKVCache)]
+        part = [prompt_cache[i] for i in keep]
+        quantize(part, *args, **kwargs)
+        for i, c in zip(keep, part):
+            prompt_cache[i] = c
+
+    generate.maybe_quantize_kv_cache = skipping_rotating  # read when generate_step starts
+    return (f"kv{bits} on {len(cache) - rotating} of {len(cache)} layers; sliding-window layers float16 "
+            "(mlx-lm: NYI)")
+
+
 def load_stock(model: str, setup: StockSetup):
     """The model as a user of mlx-lm loads it: float16 parameters (dense, if asked)."""
     from justfit.model.models import load
@@ -131,8 +159,6 @@ def make_stock(system: str, model: str):
     eos = list(loaded.tokenizer.eos_token_ids)
     note = ""
     if setup.kv_bits:
-        from bench.capacity_worker import quantize_what_mlx_lm_can
-
         note = quantize_what_mlx_lm_can(cache, setup.kv_bits)
 
     def no_eos(tokens, logits):

@@ -195,7 +195,7 @@ def test_capacity_kv4_quantizes_what_mlx_lm_can_on_sliding_window_models(tiny_ge
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-    from bench.capacity_worker import quantize_what_mlx_lm_can
+    from bench.stock import quantize_what_mlx_lm_can
     from justfit.model.models import load
 
     # the bench's worker replaces mlx-lm's function for its process; here, only for this test
@@ -270,12 +270,12 @@ def test_bench_kv_decode_runs_each_row_in_its_own_process(monkeypatch, capsys):
 
 
 def test_the_machine_line_names_the_workers_blas_where_the_harness_has_another():
-    from bench.report import _machine_line
+    from bench.common import machine_line
 
     same = {"blas": "OpenBLAS (/usr/lib/x/libopenblas.so.0)", "worker_blas": "OpenBLAS (/usr/lib/x/libopenblas.so.0)"}
-    assert "BLAS OpenBLAS (/usr/lib/x/libopenblas.so.0), commit" in _machine_line(same)
+    assert "BLAS OpenBLAS (/usr/lib/x/libopenblas.so.0), commit" in machine_line(same)
     harness = {**same, "blas": "reference BLAS bundled with mlx[cpu]"}
-    line = _machine_line(harness)
+    line = machine_line(harness)
     assert "OpenBLAS (/usr/lib/x/libopenblas.so.0) in fresh (worker) processes" in line
     assert "reference BLAS bundled with mlx[cpu] in the harness" in line
-    assert "BLAS reference BLAS, commit" in _machine_line({"blas": "reference BLAS"})  # results saved before the key
+    assert "BLAS reference BLAS, commit" in machine_line({"blas": "reference BLAS"})  # results saved before the key
