@@ -279,3 +279,19 @@ def test_the_machine_line_names_the_workers_blas_where_the_harness_has_another()
     assert "OpenBLAS (/usr/lib/x/libopenblas.so.0) in fresh (worker) processes" in line
     assert "reference BLAS bundled with mlx[cpu] in the harness" in line
     assert "BLAS reference BLAS, commit" in _machine_line({"blas": "reference BLAS"})  # results saved before the key
+
+
+def test_bench_trace_lists_the_functions_one_streamed_request_runs_through(tiny_gemma3_dir, tmp_path, monkeypatch):
+    import bench.common
+    from bench.trace import main as trace
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    out = trace(["--model", str(tiny_gemma3_dir), "--max-tokens", "3", "--long-lines", "40"])
+    modules = {f["module"] for f in out["all"]}
+    # from the socket (the listener, the route) to the stored state, through the engine and the mechanisms
+    assert {"justfit.server.connections", "justfit.engine.sequence", "kvexec.cache"} <= modules
+    assert any(m.startswith("statetrans.") for m in modules)
+    assert out["functions"] == len(out["all"]) == sum(out["by_package"].values()) > 50
+    assert all(f["lines"] > 40 for f in out["over_40_lines"])
+    assert out["longest"][0]["lines"] == max(f["lines"] for f in out["all"])
+    assert next(tmp_path.glob("trace-*.json")).is_file()
