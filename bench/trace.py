@@ -72,12 +72,13 @@ class CallRecorder:
     def functions(self) -> list[dict]:
         """Every function recorded: its module, name and length (lambdas and
         comprehensions, which have no definition of their own, are left out)."""
-        out = []
+        out, names = [], Counter((path, _lengths(path).get(line, ("",))[0]) for path, line in self.seen)
         for path, line in sorted(self.seen):
             found = _lengths(path).get(line)
             if found is not None:
                 module = ".".join(Path(path).relative_to(ROOT).with_suffix("").parts)
-                out.append({"module": module, "function": found[0], "lines": found[1]})
+                name = found[0] if names[path, found[0]] == 1 else f"{found[0]}:{line}"  # a property's getter and setter
+                out.append({"module": module, "function": name, "lines": found[1]})
         return out
 
 
@@ -136,13 +137,18 @@ def _until_idle(server, timeout: float = 120.0) -> None:
 
 
 def summarize(functions: list[dict], long_lines: int) -> dict:
-    """The figures: how many functions, by package, every one over `long_lines`, the longest."""
+    """The figures: how many functions, by package, every one over `long_lines`, the
+    longest ten, and all of them by module ({module: {function: lines}})."""
     longest = sorted(functions, key=lambda f: -f["lines"])
+    by_module: dict[str, dict[str, int]] = {}
+    for f in functions:
+        by_module.setdefault(f["module"], {})[f["function"]] = f["lines"]
     return {"functions": len(functions),
             "by_package": dict(Counter(f["module"].split(".")[0] for f in functions).most_common()),
-            "by_module": dict(Counter(f["module"] for f in functions).most_common()),
-            f"over_{long_lines}_lines": [f for f in longest if f["lines"] > long_lines],
-            "longest": longest[:10]}
+            f"over_{long_lines}_lines": {f"{f['module']}.{f['function']}": f["lines"] for f in longest
+                                         if f["lines"] > long_lines},
+            "longest": {f"{f['module']}.{f['function']}": f["lines"] for f in longest[:10]},
+            "by_module": by_module}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -154,14 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--long-lines", type=int, default=60, help="report every function longer than this")
     args = ap.parse_args(argv)
     functions = trace_request(args.model, args.max_tokens)
-    result = {"machine": machine_info(), "settings": vars(args), **summarize(functions, args.long_lines),
-              "all": functions}
+    result = {"machine": machine_info(), "settings": vars(args), **summarize(functions, args.long_lines)}
     path = save("trace", result)
     over = result[f"over_{args.long_lines}_lines"]
     print(f"{result['functions']} functions from the socket to the stored state "
           f"({', '.join(f'{p} {n}' for p, n in result['by_package'].items())}); "
-          f"{len(over)} over {args.long_lines} lines" + "".join(f"\n  {f['lines']:4d}  {f['module']}.{f['function']}"
-                                                             for f in over))
+          f"{len(over)} over {args.long_lines} lines" + "".join(f"\n  {n:4d}  {name}" for name, n in over.items()))
     print(f"saved {path}")
     return result
 

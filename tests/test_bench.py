@@ -287,11 +287,12 @@ def test_bench_trace_lists_the_functions_one_streamed_request_runs_through(tiny_
 
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
     out = trace(["--model", str(tiny_gemma3_dir), "--max-tokens", "3", "--long-lines", "40"])
-    modules = {f["module"] for f in out["all"]}
+    modules = set(out["by_module"])
     # from the socket (the listener, the route) to the stored state, through the engine and the mechanisms
     assert {"justfit.server.connections", "justfit.engine.sequence", "kvexec.cache"} <= modules
     assert any(m.startswith("statetrans.") for m in modules)
-    assert out["functions"] == len(out["all"]) == sum(out["by_package"].values()) > 50
-    assert all(f["lines"] > 40 for f in out["over_40_lines"])
-    assert out["longest"][0]["lines"] == max(f["lines"] for f in out["all"])
+    lengths = [n for functions in out["by_module"].values() for n in functions.values()]
+    assert out["functions"] == len(lengths) == sum(out["by_package"].values()) > 50
+    assert out["over_40_lines"] and all(n > 40 for n in out["over_40_lines"].values())
+    assert sorted(lengths, reverse=True)[:10] == list(out["longest"].values())
     assert next(tmp_path.glob("trace-*.json")).is_file()
