@@ -296,3 +296,23 @@ def test_bench_trace_lists_the_functions_one_streamed_request_runs_through(tiny_
     assert out["over_40_lines"] and all(n > 40 for n in out["over_40_lines"].values())
     assert sorted(lengths, reverse=True)[:10] == list(out["longest"].values())
     assert next(tmp_path.glob("trace-*.json")).is_file()
+
+
+def test_before_after_alternates_the_checkouts_and_compares_medians(tmp_path, monkeypatch):
+    import bench.before_after as ba
+    import bench.common
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    order, figures = [], {"before": iter([10.0, 30.0, 20.0]), "after": iter([11.0, 22.0, 33.0])}
+
+    def one_round(tree, args):
+        name = "after" if tree == ba.ROOT else "before"
+        order.append(name)
+        return dict.fromkeys(ba.FIGURES, next(figures[name]))
+
+    monkeypatch.setattr(ba, "one_round", one_round)
+    ratios = ba.main(["--before", str(tmp_path), "--rounds", "3"])
+    assert order == ["before", "after", "after", "before", "before", "after"]  # each goes first in turn
+    assert ratios == dict.fromkeys(ba.FIGURES, round(22.0 / 20.0, 4))  # the medians' ratio
+    saved = json.loads(next(tmp_path.glob("before-after-*.json")).read_text())
+    assert saved["medians"]["before"]["decode_tps"] == 20.0 and len(saved["rounds"]["after"]) == 3
