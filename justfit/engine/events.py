@@ -1,7 +1,7 @@
 """What the engine thread tells a request's HTTP side, one frozen event at a time
-(justfit.engine.job: `Job.emit`, `Job.stream`). A request's events are some Progress
-and Token events, at most one Failure, then one End; Tick is made on the loop side when
-nothing arrived for a while. The HTTP side turns them into a reply
+(justfit.engine.job: `Job.emit`, `Job.stream`). A request's events are Progress and
+Token events, a Failure when it fails (or a server's stop ends it), then one End; a Tick
+is made on the loop side when nothing arrived for a while. The HTTP side turns them into a reply
 (justfit.server.pump)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ its JSON body (justfit.server.openai_format, ollama_format, anthropic_format).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
@@ -21,6 +21,9 @@ from justfit.server.schema import BadRequest
 from justfit.server.sessions import STATE_HEADER, StateOutcome, state_outcome
 from justfit.server.tools import ToolCalls
 
+if TYPE_CHECKING:
+    from justfit.engine.stats import GenerationStats
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -28,7 +31,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 class Ending:
     """What a stream's end is made of, once the job's End arrived."""
 
-    stats: object  # the engine's GenerationStats, or None (cancelled, failed)
+    stats: GenerationStats | None  # None: cancelled before it ran, or failed
     stored: StateOutcome | None  # the turn's session state, where the format reports it
     tail: str  # visible text held back until the end (what looked like a tool-call marker's start)
     calls: list[dict]  # the tool calls parsed from the reply, OpenAI's shape, indexed
@@ -41,7 +44,7 @@ class Whole:
 
     text: str  # the visible text
     calls: list[dict]  # the tool calls parsed from it, OpenAI's shape
-    stats: object  # the engine's GenerationStats, or None (cancelled)
+    stats: GenerationStats | None  # None: cancelled before it ran
     entries: list[dict]  # the tokens' log-probability entries, where the format asks for them
     token_ids: list[int]  # the tokens generated
     stored: StateOutcome | None  # the turn's session state, where the format reports it
