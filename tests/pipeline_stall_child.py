@@ -24,7 +24,11 @@ if group.rank() > 0:
     os.kill(os.getpid(), signal.SIGSTOP)
     os._exit(0)
 
-from justfit.engine.scheduler import Job, Scheduler  # noqa: E402
+from justfit.engine.events import End, Failure, Progress, Token  # noqa: E402
+from justfit.engine.job import Job  # noqa: E402
+from justfit.engine.scheduler import Scheduler  # noqa: E402
+
+KINDS = {Progress: "progress", Token: "chunk", Failure: "error", End: "done"}  # the names the test reads
 
 
 async def request(scheduler: Scheduler) -> list:
@@ -32,7 +36,8 @@ async def request(scheduler: Scheduler) -> list:
                                                                                ignore_eos=True),
               asyncio.get_running_loop())
     scheduler.submit(job)
-    return [(kind, type(p).__name__) async for kind, p in job.stream()]
+    return [(KINDS[type(e)], type(e.error).__name__ if isinstance(e, Failure) else "")
+            async for e in job.stream()]
 
 
 scheduler = Scheduler(engine, stall_s=2.0)

@@ -10,7 +10,7 @@ import pytest
 from justfit import Engine
 from justfit.config import EngineConfig
 from justfit.server.anthropic_request import chat_messages, openai_tools
-from justfit.server.anthropic_routes import tool_blocks, tool_events
+from justfit.server.anthropic_format import tool_blocks, tool_events
 from justfit.server.schema import BadRequest
 from tests.test_server import LiveServer, request
 

@@ -129,7 +129,9 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
     besides MLX after each request; the batch does so each time it drains."""
     import asyncio
 
-    from justfit.engine.scheduler import Job, Scheduler
+    from justfit.engine.events import End
+    from justfit.engine.job import Job
+    from justfit.engine.scheduler import Scheduler
 
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=2**30, budget_covers_process=True))
     calls = []
@@ -143,8 +145,8 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
         for job in jobs:
             sched.submit(job)
         for job in jobs:
-            async for kind, _ in job.stream():
-                if kind == "done":
+            async for event in job.stream():
+                if isinstance(event, End):
                     break
         sched.close()
 

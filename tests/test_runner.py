@@ -18,7 +18,9 @@ from justfit.config import SamplingParams
 from justfit.engine.facade import Engine
 from justfit.engine.pipeline_runner import PipelineRunner
 from justfit.engine.runner import LocalRunner
-from justfit.engine.scheduler import Job, Scheduler
+from justfit.engine.events import End
+from justfit.engine.job import Job
+from justfit.engine.scheduler import Scheduler
 from justfit.errors import PipelineLost
 from justfit.pipeline.layers import STOP, Pipeline, Split
 from justfit.server.app import Server, ServerConfig
@@ -45,7 +47,7 @@ class FakeRunner:
             if job is None:
                 return
             sched.finished(job, "completed")
-            job.emit("done", None)
+            job.emit(End(None))
 
     def watch(self, sched, stall_s: float):
         watch = SimpleNamespace(stall_s=stall_s, stopped=False)
@@ -70,7 +72,7 @@ def test_the_scheduler_runs_its_worker_and_watch_from_the_runner():
         job = Job([1, 2], SamplingParams(max_tokens=1), loop)
         sched.submit(job)
         got = loop.run_until_complete(asyncio.wait_for(job.events.get(), 10))
-        assert got == ("done", None) and sched.completed == 1
+        assert got == End(None) and sched.completed == 1
     finally:
         sched.close()
         loop.close()

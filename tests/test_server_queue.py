@@ -15,7 +15,8 @@ import pytest
 
 from justfit import Engine
 from justfit.config import EngineConfig, SamplingParams
-from justfit.engine.scheduler import Job, QueueFull, Scheduler
+from justfit.engine.job import Job
+from justfit.engine.scheduler import QueueFull, Scheduler
 from justfit.engine.tickets import TICKET_HEADER, Tickets
 from tests.server_harness import CHAT, Gate, LiveServer, Starting, request
 
