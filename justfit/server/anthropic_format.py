@@ -99,6 +99,7 @@ class AnthropicFormat:
 
     # -- streamed -------------------------------------------------------------------------
     def opening(self, ahead: int) -> list[bytes]:
+        """Nothing: the message starts with the first event that knows its cached tokens."""
         return []
 
     def tick(self, tick: Tick) -> list[bytes]:
@@ -106,15 +107,19 @@ class AnthropicFormat:
         return self._start(0) + [event("ping", {})]
 
     def progress(self, progress: Progress) -> list[bytes]:
+        """The message's start, once: the first report says what the stored state held."""
         return self._start(progress.processed)  # the first report: what the stored state held
 
     def token(self, shown: str, entry: dict | None) -> list[bytes]:
+        """A text delta in the open text block."""
         return self._start(0) + (self._text(shown) if shown else [])
 
     def failure(self, answer: BadRequest) -> list[bytes]:
+        """An `error` event in Anthropic's error shape."""
         return [event("error", {"error": anthropic_error(answer)})]
 
     def ending(self, ending: Ending) -> list[bytes]:
+        """The text block closed, tool-use blocks, the stop reason and usage, message_stop."""
         out = self._start(0) + [stream_note(ending.stored)]
         if ending.tail or not ending.calls:
             out += self._text(ending.tail)
@@ -128,6 +133,7 @@ class AnthropicFormat:
 
     # -- whole ----------------------------------------------------------------------------
     def whole(self, reply: Whole) -> dict:
+        """An Anthropic message: text and tool-use blocks, stop reason, usage."""
         content = ([{"type": "text", "text": reply.text}] if reply.text or not reply.calls else [])
         reason, sequence = stop_reason(reply.stats, reply.calls)
         return {**self.head, "content": content + tool_blocks(reply.calls), "stop_reason": reason,

@@ -50,28 +50,35 @@ class OllamaFormat:
 
     # -- streamed -------------------------------------------------------------------------
     def opening(self, ahead: int) -> list[bytes]:
+        """Nothing: Ollama's stream opens with its first line."""
         return []
 
     def tick(self, tick: Tick) -> list[bytes]:
+        """Nothing: an NDJSON stream has no comments to keep it alive."""
         return []
 
     def progress(self, progress: Progress) -> list[bytes]:
+        """A line with the prompt's progress."""
         info = {"total": progress.total, "processed": progress.processed, "elapsed": round(progress.elapsed, 3)}
         return [_ndjson(self._line("", prompt_progress=info))]
 
     def token(self, shown: str, entry: dict | None) -> list[bytes]:
+        """A line with the text."""
         return [_ndjson(self._line(shown))] if shown else []
 
     def failure(self, answer: BadRequest) -> list[bytes]:
+        """A line with the error's stable message."""
         # A stable message (the scheduler logged the details), never the exception's text.
         return [_ndjson({"error": answer.message})]
 
     def ending(self, ending: Ending) -> list[bytes]:
+        """The held-back text's line, then the final line with timings."""
         final = self._final("", ending.stats, ending.calls, ending.token_ids)
         return [_ndjson(self._line(ending.tail)) if ending.tail else b"", _ndjson(final)]
 
     # -- whole ----------------------------------------------------------------------------
     def whole(self, reply: Whole) -> dict:
+        """The final line as one JSON body."""
         return self._final(reply.text, reply.stats, reply.calls, reply.token_ids)
 
     def _final(self, text: str, stats, calls: list[dict], token_ids: list[int]) -> dict:

@@ -50,6 +50,7 @@ class OpenAIFormat:
 
     # -- streamed -------------------------------------------------------------------------
     def opening(self, ahead: int) -> list[bytes]:
+        """A queued comment when requests are ahead; a chat's role delta."""
         queued = [comment(f"queued {json.dumps({'ahead': ahead})}")] if ahead else []
         return queued + ([self._piece(role="assistant", content="")] if self.chat else [])
 
@@ -61,19 +62,23 @@ class OpenAIFormat:
         return [comment("queued" if s.started is None else "keepalive")]
 
     def progress(self, progress: Progress) -> list[bytes]:
+        """A prompt_progress comment."""
         self.total = progress.total
         self.cached = progress.processed if self.cached is None else self.cached
         return [self._prompt_progress(self.cached, progress.processed, progress.elapsed)]
 
     def token(self, shown: str, entry: dict | None) -> list[bytes]:
+        """A choice delta with the text (its log-probabilities held until text is sent)."""
         if entry is not None:
             self.entries.append(entry)
         return [self._piece(shown)] if shown else []
 
     def failure(self, answer: BadRequest) -> list[bytes]:
+        """The error body as one data event."""
         return [f"data: {json.dumps(answer.body())}\n\n".encode()]
 
     def ending(self, ending: Ending) -> list[bytes]:
+        """The state note, held-back text, tool calls, finish reason, usage, then [DONE]."""
         out = [stream_note(ending.stored), self._piece(ending.tail) if ending.tail else b""]
         if ending.calls:
             out.append(self._piece(tool_calls=ending.calls))
@@ -108,6 +113,7 @@ class OpenAIFormat:
 
     # -- whole ----------------------------------------------------------------------------
     def whole(self, reply: Whole) -> dict:
+        """A chat.completion or text_completion body."""
         reason = "tool_calls" if reply.calls else (reply.stats.finish_reason if reply.stats else "stop")
         logprobs = None if not self.logprob_entries else (
             chat_logprobs(reply.entries) if self.chat else completion_logprobs(reply.entries))

@@ -60,13 +60,20 @@ class Format(Protocol):
     reports_state: bool  # whether the reply says what became of the session state
     logprob_entries: bool  # whether tokens' log-probabilities are turned into entries
 
-    def opening(self, ahead: int) -> list[bytes]: ...
-    def tick(self, tick: Tick) -> list[bytes]: ...
-    def progress(self, progress: Progress) -> list[bytes]: ...
-    def token(self, shown: str, entry: dict | None) -> list[bytes]: ...
-    def failure(self, answer: BadRequest) -> list[bytes]: ...
-    def ending(self, ending: Ending) -> list[bytes]: ...
-    def whole(self, reply: Whole) -> dict: ...
+    def opening(self, ahead: int) -> list[bytes]:
+        """The stream's first pieces (`ahead`: requests before it in the queue)."""
+    def tick(self, tick: Tick) -> list[bytes]:
+        """Pieces for a silent stretch (queued, or a long prefill chunk)."""
+    def progress(self, progress: Progress) -> list[bytes]:
+        """Pieces for the prompt's progress."""
+    def token(self, shown: str, entry: dict | None) -> list[bytes]:
+        """Pieces for the text `shown` (tool-call spans held back) and its log-probability entry."""
+    def failure(self, answer: BadRequest) -> list[bytes]:
+        """Pieces for a failure, answered as the family answers errors."""
+    def ending(self, ending: Ending) -> list[bytes]:
+        """The stream's last pieces: held-back text, tool calls, finish reason, usage."""
+    def whole(self, reply: Whole) -> dict:
+        """The JSON body of a reply not streamed."""
 
 
 async def reply(server, request: web.Request, job, fmt: Format, tools: list | None, stream: bool,
