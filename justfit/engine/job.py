@@ -19,27 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from justfit.config import SamplingParams
 from justfit.errors import ServerStopping
-from justfit.engine.events import End, Event, Failure, Progress, Tick, Token
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """A running job as last published by the engine thread."""
-
-    started: float | None = None  # when it left the queue (monotonic); None while it waits
-    processed: int = 0  # prompt positions computed so far (cached ones included)
-    generated: int = 0  # tokens generated so far
-    phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
-    last_event: float = field(default_factory=time.monotonic)  # for a runner's watch (justfit.pipeline.stall)
-
-    def after(self, event: Event) -> JobStatus:
-        """This status once `event` is sent: a Progress or Token moves it on."""
-        now = time.monotonic()
-        if isinstance(event, Progress):
-            return replace(self, processed=event.processed, last_event=now)
-        if isinstance(event, Token):
-            return replace(self, generated=self.generated + (event.chunk.token is not None), last_event=now)
-        return self
+from justfit.engine.events import End, Event, Failure, JobStatus, Progress, Tick, Token
 
 
 @dataclass
