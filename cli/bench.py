@@ -11,7 +11,7 @@ import click
 
 from .common import UserError
 
-SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "trace", "before_after")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -36,6 +36,8 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     batch    several requests at once vs one at a time: decode throughput, TTFT during a long prefill
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
+    before_after  this checkout's speed against another's, in alternating rounds
+    trace    one streamed chat request from the socket to the stored state: the functions it runs through
     """
     _find_benchmarks()
     importlib.import_module(f"bench.{suite}").main(list(args))

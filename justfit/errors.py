@@ -1,9 +1,20 @@
-"""Errors the user can act on; their message is one readable line."""
+"""Errors the user can act on; their message is one readable line. Each class names the
+stable code the server answers with when it ends a request (justfit.server.failures
+maps codes to HTTP)."""
+
+# The code of a failure that is no JustFitError: a bug, whose details stay in the log.
+INTERNAL_ERROR = "internal_error"
 
 
 class JustFitError(Exception):
     """An error the user can act on; its message says how."""
-    pass
+
+    code = "context_length_exceeded"  # most say the request does not fit; subclasses say otherwise
+
+
+def error_code(error: BaseException) -> str:
+    """The stable code of an engine failure: its class's, else INTERNAL_ERROR."""
+    return error.code if isinstance(error, JustFitError) else INTERNAL_ERROR
 
 
 class ContextTooLong(JustFitError):
@@ -65,6 +76,8 @@ class KVDiskFull(BudgetExceeded):
 class PipelineLost(JustFitError):
     """A rank of the layer pipeline stopped answering: nothing can run until it is back."""
 
+    code = "pipeline_degraded"
+
     def __init__(self, reason: str):
         self.reason = reason
         super().__init__(f"a rank of the layer pipeline is gone ({reason}); restart all ranks")
@@ -72,6 +85,8 @@ class PipelineLost(JustFitError):
 
 class ServerStopping(JustFitError):
     """The server is stopping (a service manager's SIGTERM, Ctrl-C): retry elsewhere or later."""
+
+    code = "server_stopping"
 
     def __init__(self):
         super().__init__("the server is stopping; retry once it is back")

@@ -1,7 +1,7 @@
 """Crash points for the kill-injection tests: a test process that calls
 `install(Faults.parse("POINT:N"))` SIGKILLs itself the N-th time a StateTiers made
 afterwards reaches POINT (write, fsync, publish, published, cleanup, spill). Only the
-test harness installs one (tests/state_crash_child.py): production code reads no
+test harness installs one (tests/helpers/state_crash_child.py): production code reads no
 fault switch, and without one reaching a point does nothing."""
 
 from __future__ import annotations

@@ -54,14 +54,14 @@ def gemma3_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from tests.tiny_models import write_mlx_folder
+    from tests.helpers.tiny_models import write_mlx_folder
 
     return write_mlx_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> Path:
-    from tests.tiny_models import write_mlx_folder
+    from tests.helpers.tiny_models import write_mlx_folder
 
     return write_mlx_folder(tmp_path_factory.mktemp("tiny") / "gemma3", "gemma3_text")
 
@@ -70,7 +70,7 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 def q8_dir(tmp_path_factory) -> Path:
     """8-bit stored weights, 4 layers, vocab padded to a multiple of 32 so the tied head
     gets its own q8t form (PhaseSwap's tests)."""
-    from tests.tiny_models import write_mlx_folder
+    from tests.helpers.tiny_models import write_mlx_folder
 
     return write_mlx_folder(tmp_path_factory.mktemp("ps") / "q8", "llama", seed=5, quantize_bits=8,
                             layers=4, vocab_size=288)

@@ -13,6 +13,7 @@ import time
 
 from justfit import runtime
 from justfit.engine.batch import BatchRunner
+from justfit.engine.events import End, Failure, Progress, Token
 from justfit.errors import JustFitError
 from justfit.engine.sequence import Sequence
 
@@ -72,17 +73,18 @@ class _Worker:
             if job.cancel.is_set():  # its client left while it waited
                 sched.finished(job, "cancelled")
                 job.ended_by_stop()
-                job.emit("done", None)
+                job.emit(End(None))
                 continue
-            job.started = time.monotonic()
-            job.last_event = job.started  # its wait in the queue is no stall
+            now = time.monotonic()
+            job.publish(started=now, last_event=now)  # its wait in the queue is no stall
             sched.active = self._active() + [job]
             seq = self.planned[1] if self.planned and self.planned[0] is job else self._plan(job)
             self.planned = None
             if seq is None:
                 continue
             if not r.fits(seq):  # it waits at the head, planned, for room beside the batch
-                self.planned, job.started = (job, seq), None
+                self.planned = (job, seq)
+                job.publish(started=None)
                 sched.active = self._active()
                 sched.put_back(job)
                 return False
@@ -97,8 +99,7 @@ class _Worker:
         return False
 
     def _progress(self, job, processed: int, total: int) -> None:
-        job.processed = processed
-        job.emit("progress", (processed, total, time.monotonic() - job.started))
+        job.emit(Progress(processed, total, time.monotonic() - job.status.started))
 
     def _plan(self, job) -> Sequence | None:
         """The job's sequence (the planner refuses what cannot fit alone), or None
@@ -114,8 +115,8 @@ class _Worker:
             log.exception("request failed")
         self.sched.active = self._active()
         self.sched.finished(job, "failed")
-        job.emit("error", error)
-        job.emit("done", None)
+        job.emit(Failure.of(error))
+        job.emit(End(None))
 
     def _drop_cancelled(self) -> None:
         r = self.runner
@@ -132,19 +133,18 @@ class _Worker:
             log.exception("batched step failed")
             for seq in r.running + r.parked:
                 r.leave(seq)
-                self.jobs[id(seq)].emit("error", e)
+                self.jobs[id(seq)].emit(Failure.of(e))
                 self._finish(seq, "failed")
             return
         for seq, chunk in results:
             job = self.jobs.get(id(seq))
             if job is None:  # finished earlier in this step's results
                 continue
-            if chunk is None or job.processed < len(seq.tokens):  # a prefill chunk, or the prompt's last
+            if chunk is None or job.status.processed < len(seq.tokens):  # a prefill chunk, or the prompt's last
                 self._progress(job, len(seq.tokens) if chunk is not None else len(seq.held), len(seq.tokens))
             if chunk is None:
                 continue
-            job.generated += chunk.token is not None
-            job.emit("chunk", chunk)
+            job.emit(Token(chunk))
             if seq.finished and chunk.finish_reason is not None:
                 self._finish(seq, "completed")
         self.sched.active = self._active()
@@ -153,7 +153,8 @@ class _Worker:
         """The jobs in the batch, running or set aside, oldest first, each with its phase."""
         r = self.runner
         for s in r.running + r.parked:
-            self.jobs[id(s)].phase = "preempted" if s.parked is not None else "decode" if s.remaining == 0 else "prefill"
+            self.jobs[id(s)].publish(phase="preempted" if s.parked is not None else "decode" if s.remaining == 0
+                                     else "prefill")
         return [self.jobs[id(s)] for s in sorted(r.running + r.parked, key=lambda s: s.admitted)]
 
     def _finish(self, seq: Sequence, outcome: str) -> None:
@@ -164,4 +165,4 @@ class _Worker:
         self.sched.active = [j for j in self.sched.active if j is not job]
         if outcome == "cancelled":
             job.ended_by_stop()
-        job.emit("done", stats)
+        job.emit(End(stats))

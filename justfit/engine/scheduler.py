@@ -3,21 +3,19 @@ with `max_batch` > 1, several at once (justfit.engine.batch: decode steps shared
 chunks interleaved, admitted while their plans fit the budget together); the rest wait
 in a bounded queue. How the worker runs them is the engine's runner's
 (justfit.engine.runner: `work`, and `watch`, a bound on a stalled request's wait).
-The HTTP side talks to it through `Job`s: events come back on the job's asyncio queue,
-and setting `cancel` stops the request within one decode step (or between prefill
-chunks), leaving the engine's state consistent."""
+The HTTP side talks to it through `Job`s (justfit.engine.job): typed events come back on
+the job's asyncio queue, and setting `cancel` stops the request within one decode step
+(or between prefill chunks), leaving the engine's state consistent."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import deque
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from justfit.config import SamplingParams
-from justfit.errors import JustFitError, ServerStopping
+from justfit.errors import JustFitError
+from justfit.engine.job import Job
 from justfit.engine.tickets import Tickets
 
 
@@ -29,64 +27,12 @@ TICKET_PERIODS, TICKET_FLOOR_S = 3, 30.0
 class QueueFull(JustFitError):
     """The queue is full: how many requests wait, when to retry, and the ticket that keeps the place."""
 
+    code = "server_busy"
+
     def __init__(self, waiting: int, retry_after: int, ticket: str = ""):
         self.waiting, self.retry_after, self.ticket = waiting, retry_after, ticket
         super().__init__(f"server busy: {waiting} requests already waiting; retry in about {retry_after} s"
                          " with the ticket to keep your place")
-
-
-@dataclass
-class Job:
-    """One request for the engine thread: its tokens and sampling, and the events it sends back."""
-
-    tokens: list[int]
-    sampling: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    session: str | None = None
-    scope: str = ""  # whose stored states it may reuse and write (a client key's hash; "": shared)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.monotonic)
-    started: float | None = None
-    processed: int = 0  # prompt positions computed so far (cached ones included)
-    generated: int = 0  # tokens generated so far
-    route: str = ""  # the API it came through, for the status page
-    phase: str = ""  # with batching: "prefill", "decode" or "preempted" (set aside on disk)
-    last_event: float = field(default_factory=time.monotonic)  # for a runner's watch (justfit.pipeline.stall)
-    stopping: bool = False  # cancelled by the server's stop, not by its client
-
-    def stop(self) -> None:
-        """Cancel for the server's stop: its client is told so (503), not left with a short reply."""
-        self.stopping = True
-        self.cancel.set()
-
-    def ended_by_stop(self) -> None:
-        """Tell the client a stop ended its request, when one did."""
-        if self.stopping:
-            self.emit("error", ServerStopping())
-
-    def emit(self, kind: str, payload: Any = None) -> None:
-        """Send an event to the job's loop; cancel the job when that loop is gone."""
-        self.last_event = time.monotonic()
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the server's loop is gone: nobody is listening
-            self.cancel.set()
-
-    async def stream(self, tick: float | None = None):
-        """(kind, payload) events until "done": "progress" (done, total, elapsed),
-        "chunk" (engine Chunk), "error" (exception), "done" (stats or None); with
-        `tick`, also ("tick", None) after every `tick` seconds without an event (a
-        long prefill chunk, a wait in the queue), so streams can keep proxies awake."""
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(self.events.get(), tick)
-            except TimeoutError:
-                yield "tick", None
-                continue
-            yield kind, payload
-            if kind == "done":
-                return
 
 
 class Scheduler:
@@ -221,10 +167,11 @@ class Scheduler:
         if outcome not in ("completed", "cancelled", "failed"):
             raise ValueError(f"unknown outcome {outcome!r}")
         setattr(self, outcome, getattr(self, outcome) + 1)
-        if job.started is not None:
-            self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - job.started)
+        started = job.status.started
+        if started is not None:
+            self._seconds = 0.7 * self._seconds + 0.3 * (time.monotonic() - started)
         if stats is not None:
-            stats.queue_s = job.started - job.submitted
+            stats.queue_s = started - job.submitted
             self.last_stats = stats
             if self.on_done:
                 self.on_done(stats)

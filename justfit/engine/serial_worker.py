@@ -10,6 +10,7 @@ import logging
 import time
 
 from justfit import runtime
+from justfit.engine.events import End, Failure, Progress, Token
 from justfit.errors import JustFitError
 
 log = logging.getLogger("justfit.scheduler")
@@ -30,10 +31,11 @@ def work_serially(sched) -> None:
         if job.cancel.is_set():  # its client left while it waited
             sched.finished(job, "cancelled")
             job.ended_by_stop()
-            job.emit("done", None)
+            job.emit(End(None))
             continue
-        sched.active, job.started = [job], time.monotonic()
-        job.last_event = job.started  # its wait in the queue is no stall
+        now = time.monotonic()
+        job.publish(started=now, last_event=now)  # its wait in the queue is no stall
+        sched.active = [job]
         try:
             _run(sched, job)
         finally:
@@ -44,16 +46,14 @@ def _run(sched, job) -> None:
     def progress(done: int, total: int) -> None:
         if job.cancel.is_set():
             raise _Cancelled
-        job.processed = done
-        job.emit("progress", (done, total, time.monotonic() - job.started))
+        job.emit(Progress(done, total, time.monotonic() - job.status.started))
 
     gen = sched.engine.generate(job.tokens, job.sampling, progress, session=job.session, scope=job.scope)
     failed, stats = False, None
     try:
         for chunk in gen:
-            job.generated += chunk.token is not None
             stats = chunk.stats or stats
-            job.emit("chunk", chunk)
+            job.emit(Token(chunk))
             if job.cancel.is_set():
                 break
     except _Cancelled:
@@ -62,11 +62,11 @@ def _run(sched, job) -> None:
         if not isinstance(e, JustFitError):
             log.exception("request failed")
         failed = True
-        job.emit("error", e)
+        job.emit(Failure.of(e))
     finally:
         gen.close()  # stores the state computed so far
         outcome = "failed" if failed else "cancelled" if job.cancel.is_set() else "completed"
         sched.finished(job, outcome, stats)
         if not failed:
             job.ended_by_stop()
-        job.emit("done", stats)
+        job.emit(End(stats))

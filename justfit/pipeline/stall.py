@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+from justfit.engine.events import End, Failure
 from justfit.errors import PipelineLost
 
 
@@ -30,12 +31,12 @@ class StallWatch(threading.Thread):
         """Until stopped, or until it has marked the group lost."""
         while not self.stopped.wait(self.every):
             job, run = self.scheduler.running, self.pipeline_run
-            if job is None or run.lost or time.monotonic() - job.last_event < self.stall_s:
+            if job is None or run.lost or time.monotonic() - job.status.last_event < self.stall_s:
                 continue
             run.lost = f"no answer from the layer pipeline for {self.stall_s:g} s"
             error = PipelineLost(run.lost)
             for waiting in [job, *self.scheduler.queued()]:
                 waiting.cancel.set()  # should the thread ever come back, it drops them
-                waiting.emit("error", error)
-                waiting.emit("done", None)
+                waiting.emit(Failure.of(error))
+                waiting.emit(End(None))
             return

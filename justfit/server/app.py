@@ -24,7 +24,8 @@ import justfit
 from justfit import runtime
 from justfit.planning.breakdown import process_breakdown
 from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerStopping
-from justfit.engine.scheduler import Job, QueueFull, Scheduler
+from justfit.engine.job import Job
+from justfit.engine.scheduler import QueueFull, Scheduler
 from justfit.engine.tickets import TICKET_HEADER
 from justfit.server import connections, keys, status_page
 from justfit.server.metrics import Metrics, acceptance_rate, memory, prometheus
@@ -328,7 +329,7 @@ def _dumps(obj) -> str:
 
 
 def _error_response(e: BadRequest, ollama: bool, anthropic: bool = False) -> web.Response:
-    from justfit.server.anthropic_routes import error_body
+    from justfit.server.anthropic_format import error_body
 
     body = {"error": e.message} if ollama else error_body(e) if anthropic else e.body()
     resp = web.json_response(body, status=e.status)

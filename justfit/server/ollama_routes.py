@@ -1,19 +1,17 @@
 """The Ollama-compatible subset editor plugins use: /api/chat, /api/generate (NDJSON
-streaming by default, or one object), /api/tags, /api/show, /api/version."""
+streaming by default, or one object: pumped by justfit.server.pump in the shapes of
+justfit.server.ollama_format), /api/tags, /api/show, /api/version."""
 
 from __future__ import annotations
-
-import json
-import time
-from datetime import datetime, timezone
 
 from aiohttp import web
 
 import justfit
 from justfit.model.chat_template import has_chat_template
-from justfit.server.openai_routes import chat_tokens, engine_error, vocab_size
+from justfit.server import pump
+from justfit.server.ollama_format import OllamaFormat, now_stamp
+from justfit.server.openai_routes import chat_tokens, vocab_size
 from justfit.server.schema import get, messages, ollama_options, parse_body, token_ids
-from justfit.server.tools import ToolCalls
 
 OLLAMA_VERSION = "0.6.0"  # the API level this subset follows (clients check it)
 
@@ -28,10 +26,6 @@ def add_routes(app: web.Application, server) -> None:
     app.router.add_get("/api/version", routes.version)
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
 class OllamaRoutes:
     """Handlers of the Ollama-compatible API over one server."""
 
@@ -40,7 +34,7 @@ class OllamaRoutes:
 
     def _model(self) -> dict:
         e = self.engine
-        return {"name": self.server.model_id, "model": self.server.model_id, "modified_at": _now(),
+        return {"name": self.server.model_id, "model": self.server.model_id, "modified_at": now_stamp(),
                 "size": e.stored_bytes(), "digest": "", "details": {
                     "format": "mlx", "family": e.model_config.get("model_type", ""),
                     "parameter_size": "", "quantization_level": e.policy.resident}}
@@ -82,7 +76,7 @@ class OllamaRoutes:
         prompt, system = get(body, "prompt", str, ""), get(body, "system", str, None)
         context = get(body, "context", list, [])
         if not prompt and not context:  # Ollama's "load the model" call
-            return web.json_response({"model": self.server.model_id, "created_at": _now(), "response": "",
+            return web.json_response({"model": self.server.model_id, "created_at": now_stamp(), "response": "",
                                       "done": True, "done_reason": "load"})
         await self.server.tokenizing.refuse_oversized(self.engine, prompt, system, ids=len(context), param="prompt")
         raw = get(body, "raw", bool, False) or not has_chat_template(self.engine.tokenizer)
@@ -97,78 +91,9 @@ class OllamaRoutes:
         return await self._generate(request, tokenize, opts, chat=False)
 
     async def _generate(self, request, tokenize, opts, chat: bool) -> web.StreamResponse:
-        """`tokenize()` and the plan on the tokenizer thread, then the request queued."""
+        """`tokenize()` and the plan on the tokenizer thread, then the request queued and
+        its reply pumped in Ollama's shape."""
         tokens = await self.server.prepare(tokenize, opts)
         job, _ = self.server.submit(tokens, opts, "ollama", request)
-        tools = ToolCalls(self.engine.tokenizer, opts.tools if chat else None)
-        start = time.perf_counter()
-        resp = None
-
-        def line(text: str, done: bool = False, **extra) -> dict:
-            out = {"model": self.server.model_id, "created_at": _now()}
-            if chat:
-                out["message"] = {"role": "assistant", "content": text}
-            else:
-                out["response"] = text
-            return {**out, "done": done, **extra}
-
-        try:
-            if opts.stream:
-                resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-                await resp.prepare(request)
-            parts, ids, stats, error = [], [], None, None
-            async for event, p in job.stream():
-                if event == "progress" and resp is not None:
-                    done, total, elapsed = p
-                    info = {"total": total, "processed": done, "elapsed": round(elapsed, 3)}
-                    await resp.write((json.dumps(line("", prompt_progress=info)) + "\n").encode())
-                elif event == "chunk":
-                    text = tools.feed(p.text)
-                    parts.append(text)
-                    ids += [p.token] if p.token is not None else []
-                    if resp is not None and text:
-                        await resp.write((json.dumps(line(text)) + "\n").encode())
-                elif event == "error":
-                    error = p
-                elif event == "done":
-                    stats = p
-            if error is not None:
-                if resp is None:
-                    raise engine_error(error)
-                # A stable message (the scheduler logged the details), never the exception's text.
-                await resp.write((json.dumps({"error": engine_error(error).message}) + "\n").encode())
-                await resp.write_eof()
-                return resp
-            tail = tools.flush()
-            parts.append(tail)
-            final = line("" if resp is not None else "".join(parts), True, **self._timings(stats, start))
-            if resp is not None and tail:
-                await resp.write((json.dumps(line(tail)) + "\n").encode())
-            calls = tools.calls()
-            if calls and chat:
-                final["message"]["tool_calls"] = [
-                    {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
-                    for c in calls]
-            if not chat:
-                final["context"] = tokens + ids
-            if resp is None:
-                return web.json_response(final)
-            await resp.write((json.dumps(final) + "\n").encode())
-            await resp.write_eof()
-            return resp
-        except ConnectionError:
-            job.cancel.set()
-            return resp
-        finally:
-            job.cancel.set()
-
-    @staticmethod
-    def _timings(stats, start: float) -> dict:
-        if stats is None:
-            return {"done_reason": "stop"}
-        ns = 1_000_000_000
-        return {"done_reason": stats.finish_reason or "stop", "total_duration": int((time.perf_counter() - start) * ns),
-                "load_duration": 0, "prompt_eval_count": stats.prompt_tokens - stats.cached_tokens,
-                "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.generated_tokens,
-                "eval_duration": int(stats.decode_s * ns),
-                "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens}
+        fmt = OllamaFormat(self.server.model_id, chat, tokens)
+        return await pump.reply(self.server, request, job, fmt, opts.tools if chat else None, opts.stream)

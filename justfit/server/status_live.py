@@ -100,12 +100,13 @@ class LiveStatus:
 
         def row(j) -> dict:
             return {"route": j.route or "-", "prompt_tokens": len(j.tokens), "max_tokens": j.sampling.max_tokens,
-                    "waited_s": round((j.started or now) - j.submitted, 2)}
+                    "waited_s": round((j.status.started or now) - j.submitted, 2)}
 
         def computing(j) -> dict:
-            return {**row(j), "processed": j.processed, "generated": j.generated,
-                    "phase": j.phase or ("decode" if j.generated else "prefill"),
-                    "elapsed_s": round(now - (j.started or now), 2)}
+            s = j.status  # one snapshot, as the engine thread last published it
+            return {**row(j), "processed": s.processed, "generated": s.generated,
+                    "phase": s.phase or ("decode" if s.generated else "prefill"),
+                    "elapsed_s": round(now - (s.started or now), 2)}
 
         batch = [computing(j) for j in list(sched.active)]  # every request computing (batching)
         return (computing(job) if job is not None else None), batch, [row(j) for j in sched.queued()]
