@@ -213,7 +213,7 @@ def test_state_command_lists_verifies_removes_and_collects(tiny_llama_dir, tmp_p
               f"from kvexec import KVConfig; e = Engine({str(tiny_llama_dir)!r}, config=EngineConfig(kv=KVConfig("
               f"format='fp16', page_size=16, hot_window=16, block_tokens=64), state_dir={str(tmp_path)!r}, "
               f"state_memory=0)); list(e.generate('gone ' * 9, SamplingParams(max_tokens=2)))")
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[2])
     assert len(json.loads(run("ls", "--json").output)) == 3
     assert "removed 1 snapshots" in run("gc", "--keep", "0").output
     rows = json.loads(run("ls", "--json").output)
