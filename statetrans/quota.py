@@ -1,6 +1,7 @@
-"""Disk quotas of stored states: the default size of a state directory, its split
-between named sessions, anonymous states and the quarantine, the shares of scopes,
-and the sessions' quota.
+"""Disk quotas of stored states, as policies that decide and return (their owners
+apply them: statetrans.session_ledger, statetrans.tiers): the default size of a state
+directory, its split between named sessions, anonymous states and the quarantine, the
+shares of scopes, and which sessions the sessions' quota evicts.
 
 Sessions are counted apart from anonymous states (a prefix cache's churn never evicts
 a conversation); the quarantine's bytes come out of the anonymous states' part. Past
@@ -17,17 +18,12 @@ others leave of the limit."""
 
 from __future__ import annotations
 
-import heapq
-import logging
 import shutil
-import threading
-import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
-from statetrans.sessions import SessionStore, Usage
-
-log = logging.getLogger("justfit.statetrans")
+from statetrans.sessions import Usage
 
 STATE_DISK_CAP = 20 * 2**30  # the default state directory size at most ...
 FREE_SHARE = 0.5  # ... and at most this share of the free space where it lives
@@ -70,111 +66,92 @@ def share(limit: int, scope: str, scopes: frozenset[str]) -> int | None:
     return limit // len(scopes) if scope in scopes else None
 
 
+def unshared_limit(limit: int, shared_bytes: int) -> int:
+    """What the states of scopes without a share may hold together: what the scopes
+    with one (holding `shared_bytes`, each within its share) leave of `limit`."""
+    return limit - shared_bytes
+
+
+def anonymous_room(disk_limit: int, quarantined: int) -> int:
+    """What the anonymous states may hold on disk: their limit less the quarantine's
+    bytes (negative when the quarantine holds more: then none may stay)."""
+    return disk_limit - quarantined
+
+
+def anonymous_shares(room: int, scopes: frozenset[str]) -> dict[str, int]:
+    """Each of `scopes`' share of the anonymous states' `room`."""
+    return {scope: max(0, room) // len(scopes) for scope in scopes}
+
+
+@dataclass(frozen=True)
+class DiskShares:
+    """One scope's disk shares in bytes (None: no share of its own, or no limit)."""
+
+    sessions: int | None
+    anonymous: int | None
+
+    def as_dict(self) -> dict[str, int | None]:
+        """{"sessions": ..., "anonymous": ...}."""
+        return {"sessions": self.sessions, "anonymous": self.anonymous}
+
+
+def disk_shares(session_limit: int | None, room: int, scope: str, scopes: frozenset[str]) -> DiskShares:
+    """`scope`'s shares of the sessions' limit (None: unbounded) and of the anonymous
+    states' `room` (anonymous_room) when the limits are divided among `scopes`."""
+    return DiskShares(None if session_limit is None else share(session_limit, scope, scopes),
+                      share(max(0, room), scope, scopes))
+
+
+@dataclass(frozen=True)
+class Trim:
+    """Evict from `folders`, in `order` (least recently touched first; never the
+    session just written), until they hold at most `limit` bytes less what the folders
+    of `less` hold then (the scopes with a share: applied after those were trimmed)."""
+
+    folders: frozenset[str]
+    order: tuple[str, ...]
+    limit: int
+    less: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class SessionQuota:
     """The sessions' disk limit over one model's session folders (all scopes, all
-    processes), divided among `scopes` when there are any: a ledger of their sizes,
-    kept by this process's writes and re-read from disk every REFRESH_S, and the
-    eviction that keeps them within the limit and each scope within its share."""
+    processes), divided among `scopes` when there are any. `decide` says which of them
+    to evict from a snapshot of their usage; the ledger that owns the snapshot applies
+    it (statetrans.session_ledger)."""
 
-    def __init__(self, limit: int | None = None, keep_s: float = SESSION_KEEP_S, refresh_s: float = REFRESH_S,
-                 scopes: frozenset[str] = frozenset()):
-        self.limit, self.keep_s, self.refresh_s, self.scopes = limit, keep_s, refresh_s, scopes
-        self._ledger: dict[str, Usage] = {}  # folder name -> usage
-        self._scopes: dict[str, str] = {}  # folder name -> its scope (a folder's name is bound to its scope)
-        self._read_at: float | None = None  # monotonic time the ledger was read from disk
-        self._lock = threading.Lock()
-        self.evicted = self.evicted_recent = 0  # sessions evicted in all, and of those recent ones
+    limit: int | None = None  # None: unbounded
+    keep_s: float = SESSION_KEEP_S
+    refresh_s: float = REFRESH_S  # the owner re-reads its snapshot from disk this often
+    scopes: frozenset[str] = frozenset()
 
     def shared_among(self, scopes: Iterable[str]) -> SessionQuota:
-        """This quota's limit divided among `scopes` instead (none: one share for all): a
-        new quota, whose ledger is read from disk at its first enforcement."""
-        return SessionQuota(self.limit, self.keep_s, self.refresh_s, frozenset(scopes))
+        """This quota with its limit divided among `scopes` instead (none: one share for all)."""
+        return replace(self, scopes=frozenset(scopes))
 
-    @property
-    def total(self) -> int:
-        """Bytes the sessions take on disk, as the ledger knows it."""
-        with self._lock:
-            return sum(u.bytes for u in self._ledger.values())
-
-    def noted(self, folder: str, usage: Usage | None, scope: str | None = None) -> None:
-        """Folder `folder` (of `scope`, when known) now holds `usage` (None: it is gone)."""
-        with self._lock:
-            if usage is None:
-                self._ledger.pop(folder, None)
-                self._scopes.pop(folder, None)
-                return
-            self._ledger[folder] = usage
-            if scope is not None:
-                self._scopes[folder] = scope
-
-    def scope_bytes(self, store: SessionStore, scope: str) -> int:
-        """Bytes `scope`'s sessions take on disk, as the ledger knows it."""
-        with self._lock:
-            return sum(u.bytes for f, u in self._ledger.items() if self._scope_of(store, f) == scope)
-
-    def enforce(self, store: SessionStore, spare: str, scope: str = "") -> list[tuple[str, bool]]:
-        """Evict the least recently touched sessions, never folder `spare` (the one just
-        written, of `scope`), until `scope`'s sessions fit its share (when the limit is
-        divided) and then the sessions of scopes without a share fit what the others
-        leave of the limit; (folder, was recent) of each."""
+    def decide(self, usage: Mapping[str, Usage], scope_of: Mapping[str, str | None], spare: str,
+               scope: str = "") -> tuple[Trim, ...]:
+        """What to evict after a write of folder `spare` (of `scope`), given each
+        folder's usage and scope (absent or None: unknown): first `scope`'s sessions to
+        its share (when the limit is divided), then the sessions of scopes without a
+        share to what the others leave of the limit. Applied in order."""
         if self.limit is None:
-            return []
-        with self._lock:
-            if self._read_at is None or time.monotonic() - self._read_at > self.refresh_s:
-                self._ledger = store.usage()
-                self._scopes = {f: s for f, s in self._scopes.items() if f in self._ledger}
-                self._read_at = time.monotonic()
-            evicted: list[tuple[str, bool]] = []
-            own = share(self.limit, scope, self.scopes)
-            if own is not None:
-                self._evict(store, {f for f in self._ledger if self._scope_of(store, f) == scope}, own, spare, evicted)
-            rest = {f for f in self._ledger if self._scope_of(store, f) not in self.scopes}
-            shared = sum(u.bytes for f, u in self._ledger.items() if f not in rest)  # each within its share
-            self._evict(store, rest, self.limit - shared, spare, evicted)
-            self.evicted += len(evicted)
-            self.evicted_recent += sum(recent for _, recent in evicted)
-        if evicted:
-            log.info("session quota: evicted %d sessions (%d recent) to stay within %d bytes",
-                     len(evicted), sum(recent for _, recent in evicted), self.limit)
-        return evicted
+            return ()
+        trims = []
+        own = share(self.limit, scope, self.scopes)
+        if own is not None:
+            trims.append(self._trim(usage, {f for f in usage if scope_of.get(f) == scope}, own, spare))
+        rest = {f for f in usage if scope_of.get(f) not in self.scopes}
+        trims.append(self._trim(usage, rest, self.limit, spare, frozenset(usage) - rest))
+        return tuple(trims)
 
-    def _scope_of(self, store: SessionStore, folder: str) -> str | None:
-        """Folder `folder`'s scope (None: unknown, or no division to know it for)."""
-        if not self.scopes:
-            return None
-        if folder not in self._scopes:
-            found = store.folder_scope(folder)  # another process's session, or one from an earlier run
-            if found is None:
-                return None  # (not kept: it may be readable once its first generation is published)
-            self._scopes[folder] = found
-        return self._scopes[folder]
+    def recent(self, touched: float, now: float) -> bool:
+        """Whether a session last touched at `touched` is a recent one at wall time `now`."""
+        return now - touched < self.keep_s
 
-    def _evict(self, store: SessionStore, folders: set[str], limit: int, spare: str,
-               evicted: list[tuple[str, bool]]) -> None:
-        """Evict the least recently touched of `folders`, never `spare`, until they hold
-        at most `limit` bytes; each as (folder, was recent) onto `evicted`."""
-        total = sum(self._ledger[f].bytes for f in folders)
-        if total <= limit:
-            return
-        now = time.time()
-        heap = [(self._ledger[f].touched, f) for f in folders if f != spare]
-        heapq.heapify(heap)
-        while total > limit and heap:
-            touched, folder = heapq.heappop(heap)
-            usage = self._ledger.get(folder)
-            if usage is None or usage.touched != touched:
-                continue
-            fresh = store.folder_usage(folder)  # another process may have used it since
-            if fresh is None:
-                total -= self._ledger.pop(folder).bytes
-                continue
-            if fresh.touched > usage.touched:
-                total += fresh.bytes - usage.bytes
-                self._ledger[folder] = fresh
-                heapq.heappush(heap, (fresh.touched, folder))
-                continue
-            if not store.drop_folder(folder):  # a live process is writing it
-                continue
-            total -= self._ledger.pop(folder).bytes
-            self._scopes.pop(folder, None)
-            evicted.append((folder, now - fresh.touched < self.keep_s))
+    @staticmethod
+    def _trim(usage: Mapping[str, Usage], folders: set[str], limit: int, spare: str,
+              less: frozenset[str] = frozenset()) -> Trim:
+        order = tuple(f for _, f in sorted((usage[f].touched, f) for f in folders if f != spare))
+        return Trim(frozenset(folders), order, limit, less)

@@ -38,10 +38,13 @@ from statetrans.disk_tier import DiskTier
 from statetrans.faults import Faults, installed as installed_faults
 from statetrans.identity import identity_key, read_checked
 from statetrans.index import Entry, Index, Reuse, cache_nbytes
+from statetrans.parking import Parked, check_unparked, parked_as, parked_entry, to_park
 from statetrans.quarantine import quarantine, quarantine_bytes
-from statetrans.quota import REFRESH_S, SESSION_KEEP_S, SessionQuota, share
+from statetrans.quota import (REFRESH_S, SESSION_KEEP_S, SessionQuota, anonymous_room, anonymous_shares,
+                              disk_shares, unshared_limit)
 from statetrans.reuse import Candidate, ranked
 from statetrans.schema import Expect
+from statetrans.session_ledger import SessionLedger
 from statetrans.sessions import SessionStore, folder_name
 from statetrans.snapshot import SnapshotError, load_snapshot
 from statetrans.state import capture, copy_cache
@@ -66,9 +69,9 @@ class StateTiers:
         self.disk = DiskTier(self.dir, identity, self.faults, Expect(layers, vocab), quarantine_limit)
         self.store = SessionStore(self.dir, identity, self.faults, Expect(layers, vocab), quarantine_limit)
         # sessions' disk bytes (None: unbounded), each scope of `scopes` within its share
-        self.quota = SessionQuota(session_disk_limit, session_keep_s, scopes=frozenset(scopes))
+        self.ledger = SessionLedger(SessionQuota(session_disk_limit, session_keep_s, scopes=frozenset(scopes)))
         self._quarantined: tuple[float, int] | None = None  # (monotonic time read, the quarantine's bytes)
-        self.writer = WriteThrough(self.store)  # each job carries the quota enforced after it
+        self.writer = WriteThrough(self.store)  # each job carries the ledger that applies the quota after it
         self.last: Entry | None = None  # the most recently stored state
         self.spilled = self.restored = 0  # counts, for stats
         self.failures: deque[str] = deque(maxlen=KEPT_FAILURES)  # the latest spills that could not be written
@@ -76,6 +79,11 @@ class StateTiers:
         self._spill_error = ""  # why the latest spill failed, until one succeeds
         self._settling = threading.Lock()
         self._scan()
+
+    @property
+    def quota(self) -> SessionQuota:
+        """The sessions' disk quota (the ledger applies it)."""
+        return self.ledger.quota
 
     @property
     def session_disk_limit(self) -> int | None:
@@ -91,16 +99,15 @@ class StateTiers:
         """Divide the sessions' and the anonymous states' disk limits among `scopes`
         (e.g. one for each API key a server accepts): each has an equal share, and only
         its own states are evicted to keep it within it. States of other scopes share
-        what these leave; none given: one share for all, as before. A new quota
-        divided so governs the session writes queued from now on."""
-        self.quota = self.quota.shared_among(scopes)
+        what these leave; none given: one share for all, as before. A new ledger
+        of the quota divided so governs the session writes queued from now on."""
+        self.ledger = self.ledger.shared_among(scopes)
 
     def disk_shares(self, scope: str = "") -> dict[str, int | None]:
         """`scope`'s disk shares, in bytes (None: no share of its own): "sessions" and
         "anonymous" (its part of what the quarantine leaves of the anonymous limit)."""
-        limit = self.session_disk_limit
-        return {"sessions": None if limit is None else share(limit, scope, self.scopes),
-                "anonymous": share(max(0, self.disk_limit - self.quarantine_bytes()), scope, self.scopes)}
+        room = anonymous_room(self.disk_limit, self.quarantine_bytes())
+        return disk_shares(self.session_disk_limit, room, scope, self.scopes).as_dict()
 
     def quarantine_bytes(self) -> int:
         """Bytes in this model's quarantine: read again after a load quarantined a
@@ -204,7 +211,7 @@ class StateTiers:
         # Computed here, on the thread that computes: the writer's thread then only reads
         # buffers (MLX evaluating on two threads at once can crash).
         mx.eval([a for a in arrays.values() if isinstance(a, mx.array)])
-        return Job(e, arrays, meta, e.base, origin or e.session, quota=self.quota)
+        return Job(e, arrays, meta, e.base, origin or e.session, ledger=self.ledger)
 
     def _retire(self, prev: Entry) -> None:
         """A session's superseded (or evicted) state: an anonymous checkpoint of its
@@ -357,13 +364,12 @@ class StateTiers:
                 break
             if self.spill(e):
                 total -= e.nbytes
-        room, scopes = self.disk_limit - self.quarantine_bytes(), self.scopes
-        for scope in scopes:
-            self._trim_anonymous([e for e in self.index.anonymous_on_disk() if e.scope == scope],
-                                 share(max(0, room), scope, scopes))
+        room, scopes = anonymous_room(self.disk_limit, self.quarantine_bytes()), self.scopes
+        for scope, limit in anonymous_shares(room, scopes).items():
+            self._trim_anonymous([e for e in self.index.anonymous_on_disk() if e.scope == scope], limit)
         on_disk = self.index.anonymous_on_disk()
         shared = sum(e.disk_bytes for e in on_disk if e.scope in scopes)  # each within its share
-        self._trim_anonymous([e for e in on_disk if e.scope not in scopes], room - shared)
+        self._trim_anonymous([e for e in on_disk if e.scope not in scopes], unshared_limit(room, shared))
 
     def _trim_anonymous(self, entries: list[Entry], limit: int) -> None:
         """Delete the disk copies of `entries` (least recently used first), those this
@@ -417,6 +423,35 @@ class StateTiers:
         self.writer.wait(job.key)
         self._settle()
         return job.write.ok
+
+    # -- parking (statetrans.parking decides) -----------------------------------------
+    def park_state(self, tokens: list[int], cache: list, sampler: dict | None = None, scope: str = "") -> Parked:
+        """Write `cache` (holding exactly `tokens`) to the disk tier, kept out of the
+        index; raises (nothing published) when the write fails."""
+        start = time.perf_counter()
+        arrays, layers = capture(cache, lazy=True)
+        e = to_park(tokens, sampler, scope)
+        path, size, owner = self.disk.write(e, arrays, layers)
+        return parked_as(e, path, size, owner, layers, time.perf_counter() - start)
+
+    def unpark_state(self, parked: Parked) -> tuple[list, float]:
+        """A parked cache read back and checked, and the seconds reading took; its
+        snapshot deleted once read. Raises SnapshotError for a damaged or foreign one."""
+        start = time.perf_counter()
+        cache, manifest, _ = self.read(parked.path)
+        check_unparked(parked, manifest)
+        self.disk.delete(parked_entry(parked))
+        return cache, time.perf_counter() - start
+
+    def keep_parked_state(self, parked: Parked) -> None:
+        """Index a parked state as an anonymous disk state, unless the index holds its
+        tokens already (then its snapshot is deleted)."""
+        e = parked_entry(parked)
+        if self.index.same_tokens(e.tokens, None, e.scope) is not None:
+            self.disk.delete(e)
+            return
+        self.index.add(e)
+        self.fit()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Until every session's latest state is on disk: queued writes published
@@ -504,7 +539,7 @@ class StateTiers:
         """Session entry `e` is being used: the quota's clock (its folder's mtime,
         seen by every process) and the listing's."""
         e.touched = time.time()
-        self.quota.noted(folder_name(e.session, e.scope), self.store.touch(e.session, e.scope), e.scope)
+        self.ledger.noted(folder_name(e.session, e.scope), self.store.touch(e.session, e.scope), e.scope)
 
     def session_list(self, scope: str = "") -> list[dict]:
         """`scope`'s sessions this process knows, most recently touched first: name,
@@ -551,7 +586,7 @@ class StateTiers:
             if self.last is e:
                 self.last = None
         found = self.store.drop(session, scope)
-        self.quota.noted(folder_name(session, scope), None)
+        self.ledger.noted(folder_name(session, scope), None)
         return found or e is not None
 
     def clear(self) -> None:

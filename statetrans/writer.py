@@ -6,8 +6,8 @@ be durable first, so a crash loses at most the last turn, never more.
 Each write has a handle (`Write`, statetrans/write_outcome.py) whoever must know the
 turn is durable waits on (a server, before a response's last byte), saying what became
 of it: stored, stored as a fork (the session had moved on since the turn began), or not
-stored and why. After each write the sessions' disk quota the job carries is enforced
-(statetrans.quota). Failures are kept, the latest few with their reasons, all of them
+stored and why. After each write the sessions' ledger the job carries applies the
+disk quota (statetrans.session_ledger). Failures are kept, the latest few with their reasons, all of them
 as counts."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from statetrans.index import Entry
-from statetrans.quota import SessionQuota
+from statetrans.session_ledger import SessionLedger
 from statetrans.sessions import SessionStore, folder_name
 from statetrans.write_outcome import Write
 
@@ -36,8 +36,8 @@ KEPT_FAILURES = 32  # failure messages kept (the counts cover all)
 class Job:
     """A session's state waiting to be published: its entry, arrays and manifest, the
     generation the turn started from (None: unchecked), the name the turn asked for
-    (a fork's origin), the handle its outcome goes to and the sessions' disk quota
-    enforced once it is written (None: none)."""
+    (a fork's origin), the handle its outcome goes to and the sessions' ledger that
+    applies their disk quota once it is written (None: none)."""
 
     entry: Entry
     arrays: dict[str, mx.array]  # shallow copies: the store's later in-place writes do not reach them
@@ -45,7 +45,7 @@ class Job:
     base: int | None = None
     origin: str = ""
     write: Write | None = None  # made here when not given
-    quota: SessionQuota | None = None
+    ledger: SessionLedger | None = None
 
     def __post_init__(self) -> None:
         self.origin = self.origin or self.entry.session
@@ -121,10 +121,10 @@ class WriteThrough:
         self.written += 1
         self.last_error = ""
         evicted: list[tuple[str, bool]] = []
-        if job.quota is not None:
-            job.quota.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name), e.scope)
+        if job.ledger is not None:
+            job.ledger.noted(got.path.parent.name, self.store.folder_usage(got.path.parent.name), e.scope)
             try:
-                evicted = job.quota.enforce(self.store, folder_name(got.name, e.scope), e.scope)
+                evicted = job.ledger.enforce(self.store, folder_name(got.name, e.scope), e.scope)
             except OSError as err:  # the write itself stands
                 log.warning("could not enforce the sessions' disk quota: %s", err)
         self.last_seconds = time.perf_counter() - start

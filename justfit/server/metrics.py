@@ -126,7 +126,7 @@ def prometheus(m: Metrics, engine, scheduler) -> str:
     metric("state_writes_failing", "gauge", "1 while the latest session write or spill failed (see /health).",
            [("", 1 if states.degraded() else 0)])
     metric("sessions_evicted_total", "counter", "Sessions dropped by the disk quota (recent: used in the last "
-           "minutes).", [('{recent="false"}', states.quota.evicted - states.quota.evicted_recent),
-                         ('{recent="true"}', states.quota.evicted_recent)])
+           "minutes).", [('{recent="false"}', states.ledger.evicted - states.ledger.evicted_recent),
+                         ('{recent="true"}', states.ledger.evicted_recent)])
     metric("uptime_seconds", "gauge", "Seconds since the server started.", [("", time.time() - m.started)])
     return "\n".join(lines) + "\n"

@@ -50,7 +50,7 @@ def _flood(engine, tmp_path, names: int, scopes: tuple[str, ...]) -> dict:
                   if fresh.take(tokens + [5], name, scope=B).length == len(tokens)]
     return {"a": {r["name"] for r in fresh.session_list(A)}, "b": {r["name"] for r in fresh.session_list(B)},
             "b_restorable": restorable, "b_total": len(b_prompts), "seconds": seconds, "room": room,
-            "a_bytes": tiers.quota.scope_bytes(tiers.store, A), "a_share": share(tiers.session_disk_limit, A,
+            "a_bytes": tiers.ledger.scope_bytes(tiers.store, A), "a_share": share(tiers.session_disk_limit, A,
                                                                                  frozenset(scopes))}
 
 

@@ -54,7 +54,7 @@ def test_a_flood_of_names_stays_within_the_quota_and_keeps_the_newest(engine, tm
     assert _session_bytes(tiers) <= tiers.session_disk_limit
     kept = {r["name"] for r in tiers_like(engine, tmp_path / "state").session_list()}
     assert kept == {f"client-{i}" for i in range(names - room, names)}
-    assert tiers.quota.evicted == names - room and tiers.quota.evicted_recent == 0
+    assert tiers.ledger.evicted == names - room and tiers.ledger.evicted_recent == 0
 
 
 def test_evicting_a_recent_session_is_reported(engine, tmp_path):
