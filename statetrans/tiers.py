@@ -6,7 +6,9 @@ whose tokens share its prefix; spilled to `anon/` when memory is short, deleted 
 the anonymous disk limit is reached) or a named session's: user data, written through
 to disk at the end of every turn (statetrans.writer) as the session's next generation
 (statetrans.sessions), deleted by `drop` or, past the sessions' own disk limit, by the
-quota's least-recently-used eviction (statetrans.quota).
+quota's least-recently-used eviction (statetrans.quota decides, statetrans.session_ledger
+applies it). A parked state (statetrans.parking decides) is written, read back and
+indexed here.
 
 Every state has a scope (whose it is: e.g. a hash of a client's API key; "" is the
 shared default). Requests see only their own scope's states, sessions are named within
