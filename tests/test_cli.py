@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import justfit
 from cli import common
 from cli.main import main
-from justfit.planning.outside import Budget
+from justfit.planning.budget import Budget
 from justfit import Engine, SamplingParams
 from justfit.model.models import ModelNotFound
 
