@@ -64,6 +64,7 @@ class Parts:
 
     @property
     def swap(self) -> PhaseSwap:
+        """The model's PhaseSwap: its weights' components, residency and leases."""
         return self.adapted.swap
 
     def reconfigured(self, config: EngineConfig) -> Parts:

@@ -1,6 +1,9 @@
-"""The outside share of a whole-process budget: what the process holds besides MLX
-(interpreter, libraries, tokenizer, BLAS buffers, Python objects), measured after
-each request and kept as a decaying maximum over recent requests.
+"""The engine's memory budget now (`Budget`), one of the engine's parts.
+
+Under a whole-process budget, the engine's share is the budget less the outside share:
+what the process holds besides MLX (interpreter, libraries, tokenizer, BLAS buffers,
+Python objects), measured after each request and kept as a decaying maximum over
+recent requests.
 
 The peak of a request counts, not only what is left after it: while requests run, a
 thread (`OutsideWatch`) samples the process's resident set less MLX's active bytes every

@@ -86,10 +86,12 @@ class Planner:
 
     @property
     def config(self) -> EngineConfig:
+        """The engine's settings the plans follow."""
         return self.costs.config
 
     @property
     def budget(self) -> Budget:
+        """The budget now (its measured share and reserve change inside it)."""
         return self.costs.budget
 
     @property
@@ -99,6 +101,7 @@ class Planner:
 
     @property
     def head_dim(self) -> int:
+        """The attention heads' width (which KV formats, and ladder steps, apply)."""
         return attention_shape(self.costs.model, self.costs.model_config)[2]
 
     def footprint(self, positions: int, offloaded: tuple[str, ...] = (),
