@@ -67,12 +67,14 @@ class Parts:
         """The model's PhaseSwap: its weights' components, residency and leases."""
         return self.adapted.swap
 
-    def reconfigured(self, config: EngineConfig) -> Parts:
-        """These parts planning and running requests by `config` instead (a benchmark's
-        replay at another prefill chunk or KV format); the model, budget and stored
-        states are the same objects."""
-        planner = replace(self.planner, costs=replace(self.planner.costs, config=config))
-        return replace(self, config=config, planner=planner)
+    def reconfigured(self, config: EngineConfig | None = None, budget: Budget | None = None) -> Parts:
+        """These parts planning and running requests by `config` and `budget` instead
+        (None: as now), for a benchmark's replay at another prefill chunk or KV format,
+        or a test's budget; the model and stored states are the same objects."""
+        config = self.config if config is None else config
+        budget = self.budget if budget is None else budget
+        planner = replace(self.planner, costs=replace(self.planner.costs, config=config, budget=budget))
+        return replace(self, config=config, budget=budget, planner=planner)
 
 
 def predict_first_load(model: str | None, config: EngineConfig) -> FirstLoad:
