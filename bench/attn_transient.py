@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from bench.common import machine_info, save
     from justfit.model.models import load
-    from justfit.planning.planner import attention_shape
+    from justfit.planning.cost_model import attention_shape
 
     loaded = load(args.model)
     heads, kv_heads, head_dim = attention_shape(loaded.model, loaded.config)

@@ -27,7 +27,7 @@ def _engine(args):
     engine.reply(prompt_tokens(engine.tokenizer, args.context), SamplingParams(temperature=0, max_tokens=args.tokens,
                                                                               ignore_eos=True))
     engine.reset()
-    one = engine.footprint(args.context + args.tokens)
+    one = engine.planner.footprint(args.context + args.tokens)
     engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
     return engine
 

@@ -37,7 +37,7 @@ class Peak(threading.Thread):
 
 def _stock_setup(system: str, model: str):
     from bench.stock import STOCK, make_stock
-    from justfit.planning.planner import footprint
+    from justfit.planning.cost_model import footprint
 
     loaded, step, details = make_stock(system, model)
     setup = STOCK[system]
@@ -90,8 +90,8 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
         head_dim = engine.kv_shape[2]
         usable = [f for f in FORMATS if get_format(f).supports_head_dim(head_dim)]
         # fewest bytes per position; of equals, per-channel keys (the better fidelity)
-        engine.config = replace(engine.config, kv=KVConfig(format=min(
-            usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim), not f.endswith("c")))))
+        engine.parts = engine.parts.reconfigured(replace(engine.config, kv=KVConfig(format=min(
+            usable, key=lambda f: (get_format(f).bytes_per_token(1, head_dim), not f.endswith("c"))))))
     history: list[int] = []
     last = None  # the last step's stats, from its reply
 
@@ -127,9 +127,9 @@ def _justfit(model: str, system: str, budget: int, retain: int, limit: int, star
 
     # what the planner says this budget holds (at its smallest prefill, pages stepping down
     # where the ladder is on): a prediction beside the measurement, never in its place
-    planner = engine.edge_footprint(pressed=bool(kv.pressure))
+    planner = engine.planner.edge_footprint(pressed=bool(kv.pressure))
     if engine.config.kv_disk is not None:  # every growing layer's pages on disk at the budget's edge
-        planner = engine.edge_footprint(disk_layers=planner.shape.full_layers)
+        planner = engine.planner.edge_footprint(disk_layers=planner.shape.full_layers)
     planned = planner.max_positions(engine.budget.bytes)
     facts = {"trained_context": engine.model_config.get("max_position_embeddings"), "planned_positions": planned,
              "weights_bytes": planner.weights,

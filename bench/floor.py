@@ -34,7 +34,7 @@ def justfit_read_bytes(engine, context: int) -> int:
     comps = engine.swap.registry.components.values()
     tied = not any(c.kind == "head" for c in comps)
     weights = sum(c.nbytes for c in comps if c.kind != "embed" or tied)
-    return weights + engine.footprint(context).kv
+    return weights + engine.planner.footprint(context).kv
 
 
 def stock_read_bytes(model, cache: list) -> int:

@@ -63,7 +63,7 @@ def transient_terms(heads: int, hidden: int, intermediate: int, vocab: int, chun
     """(bytes per position seen, fixed bytes) of one prefill chunk: the attention
     scores, then MLP, hidden and logits rows. `score_bytes` is the measured peak of one
     attention call per (chunk x head x position seen) (bench/attn_transient.py); None
-    keeps the planner's float32 scores and exponentials (justfit/planning/planner.py)."""
+    keeps the planner's float32 scores and exponentials (justfit/planning/cost_model.py)."""
     per_position = chunk * heads * (4 * 2 if score_bytes is None else score_bytes)
     fixed = chunk * intermediate * 3 * act_bytes + chunk * hidden * 4 * act_bytes + vocab * 4
     return per_position, fixed

@@ -49,7 +49,7 @@ def peak_worker(model: str, fmt: str, context: int) -> dict:
     import mlx.core as mx
 
     engine = _engine(model, fmt)
-    predicted = engine.footprint(context)
+    predicted = engine.planner.footprint(context)
     _, stats = _generate(engine, context)
     measured = max(mx.get_peak_memory(), stats.memory.mlx_peak)
     return {"model": model, "format": fmt, "context": context, "predicted": predicted.total,
@@ -72,7 +72,7 @@ def stream_worker(model: str, budget: str, context: int) -> dict:
     del free
     mx.clear_cache()
     tight = _engine(model, "q8c", budget)
-    offloaded, predicted = tight.plan(context)
+    offloaded, predicted = tight.planner.plan(context)
     got, stats = _generate(tight, context)
     prefill, decode = stats.phases
     return {"model": model, "budget": parse_size(budget), "weights": weights, "context": context,

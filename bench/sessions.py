@@ -48,7 +48,7 @@ def ceiling(engine) -> int:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
-            engine.check_fits(mid, 0)
+            engine.planner.check_fits(mid, 0)
             lo = mid
         except (BudgetExceeded, ContextTooLong):
             hi = mid
@@ -76,7 +76,7 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
 
     if budget is None:
         probe = Engine(model, config=EngineConfig(state_dir=state_dir))
-        budget = probe.footprint(positions, tuple(probe.swap.offload_order())).total
+        budget = probe.planner.footprint(positions, tuple(probe.swap.offload_order())).total
         del probe
     engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))
     spill_s = _time_spills(engine)
@@ -141,7 +141,8 @@ def _run(model: str, positions: int, budget: int | None, turn: int, reply: int, 
         for t, (name, prompt, out) in zip(turns, replies):
             # The budget may have shrunk the prefill chunk, which decides which keys a
             # chunk's queries see in full precision: the replay uses the same one.
-            free.config = replace(free.config, prefill_chunk=t["prefill_chunk"] or engine.config.prefill_chunk)
+            free.parts = free.parts.reconfigured(replace(free.config, prefill_chunk=t["prefill_chunk"]
+                                                         or engine.config.prefill_chunk))
             t["identical"] = [c.token for c in free.generate(prompt, sp, session=name) if c.token is not None] == out
         free.flush_sessions()
         # Pages that stepped down KVExec's pressure ladder are lossy by design; the

@@ -62,7 +62,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
     engine = common.load_engine(model, None, gguf_bits, kv_format, policy)
     outside = 0
     if whole_process:  # what this process holds besides MLX, loaded: every rank holds as much
-        from justfit.planning.outside import measure_outside
+        from justfit.planning.budget import measure_outside
 
         outside = measure_outside()
         if min(budgets) <= outside:

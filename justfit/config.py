@@ -58,7 +58,7 @@ class EngineConfig:
     interpreter, libraries and tokenizer, is taken off). Under a budget on CPU, "auto"
     picks cpu-compact when cpu's weights leave too little for the whole context. The
     engine keeps the budget at load here; the one now (a whole-process budget's share,
-    `Engine.set_budget`) is `Engine.budget` (justfit.planning.outside.Budget).
+    `Engine.set_budget`) is `Engine.budget` (justfit.planning.budget.Budget).
     """
 
     budget_bytes: int | None = None

@@ -211,7 +211,7 @@ class PageReader:
     (layers' part shapes differ: a calibrated format's channel groups are per layer).
     Figures: bytes read, seconds the reader spent, seconds attention waited."""
 
-    SLACK = 1.125  # a slot made for a larger layer takes this much more: the context grows (justfit.planning.planner)
+    SLACK = 1.125  # a slot made for a larger layer takes this much more: the context grows (justfit.planning.cost_model)
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-pages")

@@ -161,17 +161,6 @@ def _planning_to_engine(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             if m.split(".")[:2] == ["justfit", "planning"] and t.split(".")[:2] == ["justfit", "engine"]}
 
 
-# The one pair that still points up (the plan search takes the engine's protocol) is
-# being moved by another change: drop it here, and the xfail mark below, with it.
-PLANNING_TO_ENGINE_LEFT = {("justfit.planning.budget", "justfit.engine.context"),
-                           ("justfit.planning.budget", "justfit.engine.numerics")}
-
-
-def test_no_other_import_from_the_planning_up_to_the_engine() -> None:
-    assert _planning_to_engine(_graph()) <= PLANNING_TO_ENGINE_LEFT
-
-
-@pytest.mark.xfail(reason="justfit/planning/budget.py still imports justfit/engine/context.py and numerics.py")
 def test_the_planning_imports_nothing_of_the_engine() -> None:
     assert _planning_to_engine(_graph()) == set()
 

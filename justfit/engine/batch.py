@@ -22,7 +22,7 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from justfit.engine.context import EngineContext, measure_request
+from justfit.planning.plan import measure_request
 from justfit.engine.generate import ProgressFn
 from justfit.memory import trim_heap
 from justfit.engine.sequence import Sequence
@@ -69,7 +69,7 @@ class BatchRunner:
     anything new joins, once it fits again: nothing is recomputed. Without it, each
     sequence is counted at its plan's end and nothing is ever parked."""
 
-    def __init__(self, engine: EngineContext, max_batch: int = 4, step_tokens: int = 128, preempt: bool = True):
+    def __init__(self, engine, max_batch: int = 4, step_tokens: int = 128, preempt: bool = True):
         if max_batch < 1 or step_tokens < 1:
             raise ValueError("max_batch and step_tokens must be >= 1")
         # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
@@ -200,7 +200,7 @@ class BatchRunner:
         seq.store()
         if not self.running and not self.parked:  # as after a lone request: stored states back within what the budget leaves
             e = self.engine
-            e.states.fit(e.state_allowance(e.footprint(1, e.swap.offloaded)))
+            e.states.fit(e.planner.state_allowance(e.planner.footprint(1, e.swap.offloaded)))
 
     def _groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """The decoding sequences as batched steps: all paged ones together, any other
@@ -209,12 +209,12 @@ class BatchRunner:
         return ([paged] if paged else []) + [[s] for s in seqs if s not in paged]
 
 
-def run_alone(engine: EngineContext, seq: Sequence, progress: ProgressFn | None = None) -> Iterator[Chunk]:
+def run_alone(engine, seq: Sequence, progress: ProgressFn | None = None) -> Iterator[Chunk]:
     """Run `seq` as a batch of one on `engine`, streaming its chunks; `progress(done,
     total)` after each prefill chunk. Closing the iterator early stops it between
     steps, the state computed so far stored."""
     runner = BatchRunner(engine, max_batch=1)
-    measure = measure_request(engine)
+    measure = measure_request(engine.planner)
     runner.admit(seq)
     try:
         if progress:

@@ -46,7 +46,7 @@ class _Worker:
                 if was_busy and not busy:
                     # The batch drained: what the process holds besides MLX is measured again
                     # (a whole-process budget's outside share), its peak while it ran too.
-                    self.runner.engine.remeasure_outside(seen=watch.stop() if watch is not None else 0)
+                    self.runner.engine.budget.remeasure(seen=watch.stop() if watch is not None else 0)
                     watch = None
                 was_busy = busy
                 closing = self._admit(block=not busy)
@@ -55,7 +55,7 @@ class _Worker:
                 self._drop_cancelled()
                 if self.busy:
                     if watch is None:
-                        watch = self.runner.engine.watch_outside()
+                        watch = self.runner.engine.budget.watch()
                     self._step()
         finally:
             if watch is not None:

@@ -1,6 +1,6 @@
 """A request's KV pages bound to its plan, and let go after it.
 
-The planner (justfit.planning.budget) says how many growing layers keep their pages on disk and
+The planner (justfit.planning.plan) says how many growing layers keep their pages on disk and
 what the resident pages may take; here that becomes the cache's page limit, the layers
 spilled to a page file in the KV folder with a reader for them, and the pinned prompt.
 The lone request's runner and a batch's sequences bind the same way.
@@ -12,7 +12,7 @@ import kvexec
 from kvexec.cache import PagedKVCache
 from kvexec.disk_pages import PageFile, PageReader
 from justfit.config import EngineConfig
-from justfit.planning.planner import Footprint
+from justfit.planning.cost_model import Footprint
 
 
 def bind(config: EngineConfig, cache: list, plan: Footprint, room: int | None, prompt_tokens: int,

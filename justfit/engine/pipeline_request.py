@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from justfit.engine.context import EngineContext, measure_request
+from justfit.planning.plan import measure_request
 from justfit.config import SamplingParams
 from justfit.engine.generate import ProgressFn, decode, prefill, token_logprobs
 from justfit.memory import MemoryReport, memory_report, trimming
@@ -24,13 +24,13 @@ from justfit.pipeline.layers import Pipeline, PipelineRun, resume
 from statetrans import holds
 
 
-def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tokens: list[int], sp: SamplingParams,
+def run_request(engine, pipeline: Pipeline, run: PipelineRun, tokens: list[int], sp: SamplingParams,
                 progress: ProgressFn | None = None) -> Iterator[Chunk]:
     """Stream the reply to `tokens` on rank 0 of `pipeline` (see Engine.generate),
     resuming from and leaving `run.live`: closing the iterator early cancels cleanly,
     and the state kept then holds exactly the tokens computed."""
-    offloaded, request = engine.check_fits(len(tokens), sp.max_tokens)
-    measure = measure_request(engine)
+    offloaded, request = engine.planner.check_fits(len(tokens), sp.max_tokens)
+    measure = measure_request(engine.planner)
     engine.swap.offload(offloaded)
     stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=request.total)
     # A pipeline keeps its last state on every rank (stored states are one process's).
@@ -51,13 +51,13 @@ def run_request(engine: EngineContext, pipeline: Pipeline, run: PipelineRun, tok
         pages.release(cache, reader)
         kept = bool(held) and holds(cache, len(held))  # else an interrupt left cache and tokens apart
         run.live = (list(held), cache, rng) if kept else None
-        engine.states.fit(engine.state_allowance(engine.footprint(1, engine.swap.offloaded)))
+        engine.states.fit(engine.planner.state_allowance(engine.planner.footprint(1, engine.swap.offloaded)))
         stats.memory = _memory(engine, stats, cache)
         stats.kv_formats = kvexec.page_formats(cache)
         measure.done(request, len(held), stats.memory)
 
 
-def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
+def _run(engine, tokens: list[int], cache: list, held: list[int], rng: dict, sp: SamplingParams,
          stats: GenerationStats, progress: ProgressFn | None, chunk: int, dense_prefill: bool,
          reader=None) -> Iterator[Chunk]:
     cached = len(held)
@@ -87,14 +87,14 @@ def _run(engine: EngineContext, tokens: list[int], cache: list, held: list[int],
     yield Chunk(tail, finish_reason=stats.finish_reason, stats=stats)
 
 
-def _memory(engine: EngineContext, stats: GenerationStats, cache: list) -> MemoryReport:
+def _memory(engine, stats: GenerationStats, cache: list) -> MemoryReport:
     peak = max([p.peak_bytes for p in stats.phases] + [mx.get_peak_memory()])
     states = engine.states
     stored = states.memory_bytes - (states.last.nbytes if states.last and states.last.cache is cache else 0)
     return memory_report(engine.swap.registry.resident_bytes(), cache, peak, stored)
 
 
-def _decode(engine: EngineContext, logits, tokens, cache, sp, stats, sampler, processors, record):
+def _decode(engine, logits, tokens, cache, sp, stats, sampler, processors, record):
     """Yield a chunk per token; return the text held back at the end."""
     reply = ReplyText(engine.tokenizer, sp, stats)
     start = time.perf_counter()

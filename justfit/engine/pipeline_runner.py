@@ -17,7 +17,6 @@ from typing import ClassVar, Iterator
 import mlx.core as mx
 
 from justfit.config import SamplingParams
-from justfit.engine.context import EngineContext
 from justfit.engine.generate import ProgressFn
 from justfit.engine.numerics import Numerics
 from justfit.engine.pipeline_request import run_request
@@ -71,7 +70,7 @@ class PipelineRunner:
         order: each rank calls it at load, so rank 0 refuses before any work."""
         return gather(self.pipeline.group, own)
 
-    def generate(self, engine: EngineContext, tokens: list[int], sp: SamplingParams,
+    def generate(self, engine, tokens: list[int], sp: SamplingParams,
                  progress: ProgressFn | None = None, session: str | None = None,
                  scope: str = "") -> Iterator[Chunk]:
         """Stream the reply to `tokens` (see Engine.generate); a peer gone marks the

@@ -19,7 +19,7 @@ from justfit.engine.sequence import Sequence
 from justfit.engine.state_io import StateIO, export_state, import_state
 from justfit.engine.stats import Chunk
 from justfit.pipeline.layers import attach
-from justfit.planning.planner import MIN_PREFILL_CHUNK, footprint
+from justfit.planning.cost_model import MIN_PREFILL_CHUNK, footprint
 from phaseswap.predict import predict_working_bytes
 
 
@@ -36,7 +36,7 @@ class Runner(Protocol):
 
     def gather_limits(self, own: int) -> list[int]:
         """The positions every rank's plan holds, `own` this process's (at load): extra
-        limits the plan search refuses by (justfit.planning.budget); [] for one process."""
+        limits the plan search refuses by (justfit.planning.plan); [] for one process."""
 
     def generate(self, engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
                  session: str | None = None, scope: str = "") -> Iterator[Chunk]:

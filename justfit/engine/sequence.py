@@ -14,7 +14,6 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 import kvexec
-from justfit.engine.context import EngineContext
 from justfit.engine import pages
 from justfit.config import SamplingParams
 from justfit.engine.draft import NgramDrafter
@@ -36,7 +35,7 @@ class Sequence:
     """A request's state between steps: `remaining` prompt tokens to prefill, then a
     `pending` token to feed; `finished` once its reply ends."""
 
-    def __init__(self, engine: EngineContext, tokens: list[int], sampling: SamplingParams, session: str | None = None,
+    def __init__(self, engine, tokens: list[int], sampling: SamplingParams, session: str | None = None,
                  scope: str = "", drafter: Callable[[list[int]], NgramDrafter] | None = None):
         if not tokens:
             raise ValueError("empty prompt")
@@ -44,7 +43,7 @@ class Sequence:
         self.scope = scope  # whose stored states it may reuse and write
         self.base: int | None = None  # the session's generation it started from (lost updates are forks)
         # The planner's footprint for this sequence alone; refuses, before any work, what cannot fit.
-        self.offloaded, self.plan = engine.check_fits(len(tokens), sampling.max_tokens)
+        self.offloaded, self.plan = engine.planner.check_fits(len(tokens), sampling.max_tokens)
         self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.plan.total,
                                      prefill_chunk=self.plan.shape.chunk)
         self.cache: list | None = None

@@ -11,7 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from justfit.model.models import weight_files
+from justfit.model.models import LoadedModel, weight_files
+from kvexec import KVConfig
 from statetrans import save_snapshot, snapshot_bytes, state_bytes
 from statetrans.identity import weights_digest
 
@@ -57,12 +58,12 @@ def folder_identity(config: dict, path: Path | None, name: str, cache_dir: Path 
     return h.hexdigest()[:32]
 
 
-def state_identity(engine, cache_dir: Path | None = None) -> dict:
-    """What a stored state belongs to: the model, its KV settings and weight forms."""
+def state_identity(loaded: LoadedModel, kv: KVConfig | None, policy: str, cache_dir: Path | None = None) -> dict:
+    """What a stored state belongs to: the model, its KV settings and weight forms (`policy`'s name)."""
     # As JSON holds it (tuples come back as lists), to compare with a saved manifest.
-    kv = json.loads(json.dumps(asdict(engine.config.kv))) if engine.config.kv is not None else None
-    return {"model": model_identity(engine, cache_dir), "model_name": engine.name, "kv": kv,
-            "policy": engine.policy.name}
+    kv_json = json.loads(json.dumps(asdict(kv))) if kv is not None else None
+    return {"model": folder_identity(loaded.config, loaded.path, loaded.name, cache_dir), "model_name": loaded.name,
+            "kv": kv_json, "policy": policy}
 
 
 def export_state(engine, path: str, extra: dict | None = None, session: str | None = None) -> StateIO:

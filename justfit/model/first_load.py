@@ -24,8 +24,8 @@ from justfit.model.gguf.cache import RequantOptions, converted_folder
 from justfit.model.loader import calibration_candidates, calibration_dir
 from justfit.model.models import DEFAULT_MODEL, EMBEDDED
 from justfit.planning.fit_config import read_config
-from justfit.planning.outside import measure_outside
-from justfit.planning.planner import PRIOR_RESERVE, layers_footprint
+from justfit.planning.budget import measure_outside
+from justfit.planning.cost_model import PRIOR_RESERVE, layers_footprint
 from kvexec import KVConfig
 from kvexec.calibrate import LAYOUT, MAX_TOKENS, cached_measurement, measure_bytes
 from kvexec.layer_error import CHUNK

@@ -20,7 +20,7 @@ from justfit.config import EngineConfig
 from justfit.model.gguf.cache import RequantOptions, cache_root
 from justfit.memory import trim_heap
 from justfit.model.models import LoadedModel, load, weight_files
-from justfit.planning.planner import attention_shape
+from justfit.planning.cost_model import attention_shape
 from kvexec import KVConfig
 from kvexec.calibrate import (CANDIDATES, TOLERANCE, Calibration, cached_calibration, cached_measurement,
                               calibrated_config)

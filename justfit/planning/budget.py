@@ -1,127 +1,195 @@
-"""The budget accountant: the plan search that fits a request into the engine's budget (which components go to disk,
-whether pages step down the pressure ladder, how large a prefill chunk) or refuses it
-before any work."""
+"""The engine's memory budget now (`Budget`), one of the engine's parts.
+
+Under a whole-process budget, the engine's share is the budget less the outside share:
+what the process holds besides MLX (interpreter, libraries, tokenizer, BLAS buffers,
+Python objects), measured after each request and kept as a decaying maximum over
+recent requests.
+
+The peak of a request counts, not only what is left after it: while requests run, a
+thread (`OutsideWatch`) samples the process's resident set less MLX's active bytes every
+10 ms, since the kernel's high-water mark, once an earlier request set it, no longer
+says what a later one held besides MLX at its peak.
+
+The planner's reserve is measured the same way, under any budget: after each request,
+the share by which MLX's peak exceeded what the planner predicted for it (its
+footprint's terms at the request's own length and chunk: allocator rounding, transients
+the terms leave out), kept as a decaying maximum (`Budget.remeasure_reserve`); the
+planner's prior (2% + 256 KiB) until a request has run.
+
+A lifetime maximum would be a ratchet: one spike (a huge prompt's tokenization, a
+burst of objects) would shrink the engine's share for good. Here a sample above the
+estimate is taken at once (a sustained rise is honoured from its first request);
+below it, the excess over the latest sample halves every `half_life` requests.
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-from typing import Iterator
+import contextlib
+import threading
+from dataclasses import dataclass
 
-import kvexec
-from justfit.engine.context import EngineContext
-from justfit.errors import BudgetExceeded, ContextTooLong, KVDiskFull
-from justfit.engine.numerics import Numerics
-from justfit.planning.planner import MIN_PREFILL_CHUNK, PAGE_MARGIN, Footprint
+import mlx.core as mx
+import psutil
 
-
-
-def prefill_ways(chunk: int, budget: int | None, numerics: Numerics) -> Iterator[tuple[int, bool]]:
-    """(prefill chunk, on dense working copies) to try, cheapest first: a smaller chunk
-    shrinks the transient (scores, activations) at little cost; at the smallest, prefill
-    on the resident forms (no dense copy; their products may dequantize two weights side
-    by side where a dense lease holds one, so the planner takes whichever fits first).
-    Both come before offloading layers.
-    Deterministic numerics prefill on the decode (resident) forms only; one row at a
-    time, in chunks of one."""
-    if numerics.one_row:
-        yield 1, False
-        return
-    dense = not numerics.deterministic
-    yield chunk, dense
-    while budget is not None and chunk > MIN_PREFILL_CHUNK:
-        chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
-        yield chunk, dense
-    if budget is not None and dense:
-        yield chunk, False
+from justfit.memory import peak_rss_bytes, rss_bytes, trim_heap
+from justfit.planning.cost_model import PRIOR_RESERVE, Footprint, Reserve
 
 
-def _moves(engine: EngineContext, positions: int) -> list[str | None]:
-    """What the plan may move to disk, in the order it does: weight components (their
-    names) and growing layers' pages (None, one layer each). Either costs one byte read
-    per byte of memory it frees, per token decoded and per prefill chunk, so the larger
-    unit goes first: fewer reads for the same room. Pages move only with a KV folder."""
-    weights = engine.swap.offload_order() if engine.config.offload_weights else []
-    sizes = [(engine.swap.registry.components[n].nbytes, n) for n in weights]
-    kv = engine.config.kv
-    if engine.config.kv_disk is not None and kv is not None and engine.config.kv_disk_layers is None:
-        fp = engine.footprint(positions)
-        layer = (fp.pages + fp.disk) / max(1, fp.shape.full_layers - fp.shape.disk_layers)
-        sizes += [(layer, None)] * fp.shape.full_layers
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i][0], i))  # stable: weights keep their order
-    return [sizes[i][1] for i in order]
+@dataclass(frozen=True)
+class OutsideDecay:
+    """How fast the outside estimate forgets a past spike (see `decayed_max`)."""
+
+    half_life: float = 8.0  # requests over which a past spike's excess halves
+
+    def __post_init__(self) -> None:
+        if not self.half_life > 0:
+            raise ValueError(f"half_life must be > 0 requests, not {self.half_life}")
 
 
-def plan(engine: EngineContext, positions: int) -> tuple[tuple[str, ...], Footprint]:
-    """The fewest moves to disk (weight components, growing layers' pages: `_moves`),
-    then pages kept in their format rather than stepped down the pressure ladder, then
-    the largest prefill chunk (and dense prefill over resident), then drafted tokens
-    verified in a decode step, so `positions` fit the budget; and the footprint so
-    (`shape.chunk` is the chunk, `shape.dense_prefill` the prefill forms,
-    `shape.verify_rows` 1 when drafts do not fit, `shape.disk_layers` the layers whose pages are on disk,
-    `page_allowance` what the resident pages may take). With pages allowed on disk,
-    every layer's pages go there before any page steps down the ladder (the ladder loses
-    fidelity, disk only speed). The last tried, when nothing fits."""
-    budget = engine.budget.bytes
-    moves = _moves(engine, positions) if budget is not None else []
-    kv = engine.config.kv
-    # (pressed, the most the footprint may take): with the ladder to fall back on, wide
-    # pages keep a margin from the budget's edge (as the ladder's own page limit does).
-    tries: list[tuple[bool, float | None]] = [(False, budget)]
-    if budget is not None and kv is not None and len(kvexec.ladder(kv, engine.kv_shape[2])) > 1:
-        tries = [(False, budget * (1 - PAGE_MARGIN)), (True, budget)]
-    passes = [(tries, range(len(moves) + 1))]
-    if None in moves and len(tries) > 1:  # disk before the ladder: the ladder only once all is moved
-        passes = [(tries[:1], range(len(moves) + 1)), (tries[1:], [len(moves)])]
-    forced = engine.config.kv_disk_layers if engine.config.kv_disk is not None and kv is not None else None
-    for allowed, ks in passes:
-        for k in ks:
-            offloaded = tuple(m for m in moves[:k] if m is not None)
-            disk_layers = k - len(offloaded) if forced is None else forced
-            for pressed, edge in allowed:
-                for chunk, dense in prefill_ways(engine.config.prefill_chunk, budget, engine.numerics):
-                    # Drafts go first: a verify step's rows are a small transient, worth less than any other way.
-                    for rows in sorted({engine.verify_rows, 1}, reverse=True):
-                        fp = engine.footprint(positions, offloaded, chunk=chunk, pressed=pressed, dense_prefill=dense,
-                                              disk_layers=disk_layers, verify_rows=rows)
-                        if edge is None or fp.total <= edge:
-                            return offloaded, fp
-    return tuple(m for m in moves if m is not None), fp
+def decayed_max(estimate: int | float, sample: int | float, decay: OutsideDecay = OutsideDecay()) -> int | float:
+    """The next estimate: `sample` when it is higher, else `sample` plus the previous
+    excess over it, decayed by one request (whole bytes when both are ints)."""
+    if sample >= estimate:
+        return sample
+    excess = (estimate - sample) * 0.5 ** (1 / decay.half_life)
+    return sample + (int(excess) if isinstance(estimate, int) and isinstance(sample, int) else excess)
 
 
-def check_fits(engine: EngineContext, prompt_tokens: int, max_tokens: int) -> tuple[tuple[str, ...], Footprint]:
-    """Refuse, before any work, what the context or the budget cannot hold; return the
-    plan it fits with (see `plan`)."""
-    if prompt_tokens + max_tokens > engine.context_limit:
-        raise ContextTooLong(prompt_tokens, max_tokens, engine.context_limit)
-    kv = engine.config.kv
-    retain = kv.max_positions if kv is not None and kv.pin_prompt else None
-    if retain is not None and prompt_tokens > retain:  # the prompt is pinned: never evicted
-        raise ContextTooLong(prompt_tokens, 0, retain, "positions the KV retention budget keeps")
-    positions = prompt_tokens + max_tokens
-    # Extra limits, as data: the positions each other rank's own plan holds (the engine's
-    # runner gathered them at load; none for one process). Rank 0's is checked below, with its plan.
-    others = [(n, r) for r, n in enumerate(engine.rank_limits) if r and 0 <= n < positions]
-    if others:
-        n, r = min(others)
-        raise ContextTooLong(prompt_tokens, max_tokens, n, f"positions rank {r} of the layer pipeline holds in its "
-                             f"budget (per rank: {engine.rank_limits})")
-    offloaded, fp = plan(engine, positions)
-    budget = engine.budget.bytes
-    if budget is not None and fp.total > budget:
-        engine.remeasure_outside()  # a refused request counts too: a spike must not refuse all for good
-        raise BudgetExceeded(fp.total, budget, fp.max_positions(budget), positions)
-    if fp.disk:
-        room = kv_disk_room(engine.config.kv_disk, engine.config.kv_disk_limit)
-        if fp.disk > room:
-            raise KVDiskFull(fp.disk, room, positions, engine.config.kv_disk)
-    return offloaded, fp
+def reserve_sample(predicted: Footprint, mlx_peak: int, states: int = 0, besides: int = 0) -> float:
+    """The share of `predicted`'s terms (a request's footprint at its own length and
+    chunk, the reserve left out) by which its MLX peak `mlx_peak`, less the stored
+    states `states` and what else MLX held when it began (`besides`: not the engine's,
+    e.g. another engine in the process), exceeded them; 0 when the peak stayed within."""
+    terms = predicted.terms
+    return max(0, mlx_peak - states - besides - terms) / terms if terms > 0 else 0.0
 
 
-def kv_disk_room(folder: str, limit: int | None) -> int:
-    """Bytes of pages a request may keep in `folder`: `limit`, never more than the free
-    space there less a tenth of the disk (None: half the free space)."""
-    os.makedirs(folder, exist_ok=True)
-    usage = shutil.disk_usage(folder)
-    free = max(0, usage.free - usage.total // 10)
-    return min(free, limit) if limit is not None else free // 2
+class OutsideWatch:
+    """The most the process held besides MLX at any moment while it ran: its resident
+    set less MLX's active bytes, sampled every `every_s` by a thread until `stop`."""
+
+    def __init__(self, every_s: float = 0.01):
+        self.most = 0
+        self._every = every_s
+        self._stop = threading.Event()
+        self._process = psutil.Process()
+        self._thread = threading.Thread(target=self._run, name="justfit-outside-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            rss = self._process.memory_info().rss  # first: a buffer MLX allocates between the reads is not counted twice
+            self.most = max(self.most, rss - mx.get_active_memory())
+            if self._stop.wait(self._every):
+                return
+
+    def stop(self) -> int:
+        """Stop sampling; the most seen (bytes)."""
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def measure_outside(high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> int:
+    """What the process holds besides MLX now, after a heap trim; the most an
+    `OutsideWatch` saw while the request ran (`seen`); and, when the request raised the
+    process's high-water mark above `high_water` (the mark before it), the mark less the
+    request's MLX peak `mlx_peak`: the largest of these. (The kernel keeps one lifetime
+    mark, which JustFit does not reset: benchmarks read it.)"""
+    trim_heap()
+    outside = max(rss_bytes() - mx.get_active_memory(), seen)
+    peak = peak_rss_bytes()
+    if mlx_peak and peak > high_water:
+        outside = max(outside, peak - mlx_peak)
+    return outside
+
+
+@dataclass
+class ProcessShare:
+    """Under a whole-process budget, the engine's share: the budget less what the
+    process holds besides MLX, a decaying maximum over requests (`decayed_max`)."""
+
+    process_budget: int
+    outside: int = 0
+
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> int:
+        """Measure the outside share again (after a request: `high_water`, `mlx_peak`,
+        `seen`, see `measure_outside`); return the engine's share now."""
+        self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak, seen))
+        return self.process_budget - self.outside
+
+
+class Budget:
+    """The engine's memory budget now (None: none): fixed, or under a whole-process
+    budget the process's budget less what it holds besides MLX, measured again after
+    requests. The engine builds one and keeps it; the value changes here, under a lock,
+    never the engine's configuration (which keeps the budget given at load)."""
+
+    def __init__(self, nbytes: int | None, share: ProcessShare | None = None, decay: OutsideDecay = OutsideDecay()):
+        self._lock = threading.Lock()
+        self._bytes, self._share = nbytes, share
+        self._decay = decay
+        self._reserve: Reserve | None = None  # measured after requests under a budget (None: none yet)
+
+    @property
+    def reserve(self) -> Reserve:
+        """What plans keep back beyond their terms: under a budget, once a request ran,
+        the measured share (`remeasure_reserve`); the planner's prior otherwise."""
+        measured = self._reserve
+        return measured if measured is not None and self._bytes is not None else PRIOR_RESERVE
+
+    def remeasure_reserve(self, predicted: Footprint, mlx_peak: int, states: int = 0, besides: int = 0) -> None:
+        """Under a budget, after a request: how far its MLX peak went past `predicted`
+        (its footprint at the length it reached and the chunk it used, `reserve_sample`),
+        kept as a decaying maximum over requests; the first measurement replaces the
+        prior. Nothing without a budget or a peak (a request that computed nothing)."""
+        if self._bytes is None or mlx_peak <= 0 or predicted.terms <= 0:
+            return
+        sample = reserve_sample(predicted, mlx_peak, states, besides)
+        with self._lock:
+            last = self._reserve
+            share = sample if last is None else decayed_max(last.share, sample, self._decay)
+            self._reserve = Reserve(share, 0, True, (last.requests if last else 0) + 1)
+
+    @property
+    def bytes(self) -> int | None:
+        """The engine's budget in bytes now (None: no budget)."""
+        return self._bytes
+
+    @property
+    def process(self) -> int | None:
+        """The whole-process budget the engine's share comes from (None: the budget, if
+        any, covers the engine alone)."""
+        share = self._share
+        return share.process_budget if share is not None else None
+
+    def set(self, nbytes: int) -> None:
+        """Hold the engine to `nbytes` from now on (covering the engine alone)."""
+        with self._lock:
+            self._bytes, self._share = nbytes, None
+
+    def remeasure(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> None:
+        """Under a whole-process budget, take what the process holds besides MLX off the
+        engine's share again (`ProcessShare.remeasure`); nothing otherwise."""
+        with self._lock:
+            if self._share is not None:
+                self._bytes = self._share.remeasure(high_water, mlx_peak, seen)
+
+    def watch(self) -> OutsideWatch | None:
+        """Under a whole-process budget, a started watch of what the process holds
+        besides MLX while requests run (its `stop()` goes to `remeasure` as `seen`);
+        None otherwise (nothing to measure it for)."""
+        return OutsideWatch() if self._share is not None else None
+
+    @contextlib.contextmanager
+    def trial(self, nbytes: int | None):
+        """Within the block, plan as if the budget were `nbytes` (`justfit fit` asks
+        what another budget would hold); as before after it."""
+        with self._lock:
+            saved = self._bytes, self._share
+            self._bytes, self._share = nbytes, None
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._bytes, self._share = saved

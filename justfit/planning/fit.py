@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from justfit.memory import format_size
-from justfit.planning.planner import MIN_PREFILL_CHUNK, cache_layout, footprint
+from justfit.planning.cost_model import MIN_PREFILL_CHUNK, cache_layout, footprint
 from kvexec import FORMATS, KVConfig, get_format, ladder
 from kvexec.calibrate import layer_summary
 
@@ -38,13 +38,13 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     for name, kv in choices:
         # Capacities at the smallest prefill the planner would take under pressure (the
         # smallest chunk, on the resident forms).
-        probe = engine.edge_footprint(kv=kv)
+        probe = engine.planner.edge_footprint(kv=kv)
         rows.append({
             "format": name,
             "bytes_per_position": probe.shape.bytes_per_position,
-            "transient_bound": engine.footprint(engine.context_limit, kv=kv).transient,
+            "transient_bound": engine.planner.footprint(engine.context_limit, kv=kv).transient,
             "max_positions": probe.max_positions(budget),
-            "max_positions_offloaded": engine.edge_footprint(every_layer, kv).max_positions(budget),
+            "max_positions_offloaded": engine.planner.edge_footprint(every_layer, kv).max_positions(budget),
         })
     rows += comparison_rows(engine, budget)
     report = {
@@ -63,15 +63,15 @@ def fit_report(engine, budget: int, context: int | None = None, outside: int = 0
     steps = [f.label for f in ladder(base, head_dim, first_full_layer(engine.model))] if base else []
     if len(steps) > 1:  # the format in use, its pages stepping down under the budget
         report["pressure"] = {"ladder": steps,
-                              "max_positions": engine.edge_footprint(pressed=True).max_positions(budget)}
+                              "max_positions": engine.planner.edge_footprint(pressed=True).max_positions(budget)}
     if base is not None and engine.config.kv_disk is not None:  # every growing layer's pages on disk
-        layers = engine.edge_footprint().shape.full_layers
-        edge = engine.edge_footprint(disk_layers=layers)
+        layers = engine.planner.edge_footprint().shape.full_layers
+        edge = engine.planner.edge_footprint(disk_layers=layers)
         report["kv_disk"] = {"folder": engine.config.kv_disk, "layers": layers,
                              "max_positions": edge.max_positions(budget)}
     if context is not None:
         with engine.budget.trial(budget):  # planned under the budget asked about
-            offloaded, fp = engine.plan(context)
+            offloaded, fp = engine.planner.plan(context)
         report["plan"] = {
             "positions": context, "fits": fp.total <= budget and context <= engine.context_limit,
             "beyond_context": context > engine.context_limit,

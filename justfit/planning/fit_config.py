@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from justfit.planning.planner import MIN_PREFILL_CHUNK, layers_footprint
+from justfit.planning.cost_model import MIN_PREFILL_CHUNK, layers_footprint
 from kvexec import FORMATS, KVConfig, get_format, ladder
 
 GROUP = 64  # mlx-lm's default quantization group: an fp16 scale and bias per 64 weights

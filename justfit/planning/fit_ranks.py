@@ -15,7 +15,7 @@ def ranks_report(engine, budgets: list[int], split=None) -> dict:
     kinds = layer_facts(engine.model)[0]
     layer_bytes = [reg.components[f"layer.{i}"].nbytes for i in range(len(kinds))]
     shared = reg.total_bytes() - sum(layer_bytes)  # embedding and head: rank 0's
-    whole = engine.edge_footprint()
+    whole = engine.planner.edge_footprint()
     split = split or plan_split(whole, kinds, layer_bytes, shared, budgets)  # as the ranks split (pipeline.attach)
     ranks = []
     for r, budget in enumerate(budgets):

@@ -114,7 +114,7 @@ class Server:
             raise BadRequest("the prompt is empty", "messages")
         for _ in range(2):  # context first, then the budget
             try:
-                self.engine.check_fits(n, sp.max_tokens)
+                self.engine.planner.check_fits(n, sp.max_tokens)
                 return
             except (ContextTooLong, BudgetExceeded) as e:
                 limit = e.limit if isinstance(e, ContextTooLong) else e.fits_positions

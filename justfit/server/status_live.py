@@ -144,12 +144,12 @@ class LiveStatus:
         if not self._capacity or self._capacity[0] != key:
             offloaded, base = tuple(engine.swap.offloaded), engine.config.kv
             rows = [{"format": base.format if base else "mlx-lm", "label": kv_label(base) if base else "mlx-lm",
-                     "step": 0, "max_positions": engine.edge_footprint(offloaded).max_positions(budget)}]
+                     "step": 0, "max_positions": engine.planner.edge_footprint(offloaded).max_positions(budget)}]
             steps = ladder(base, engine.kv_shape[2], first_full_layer(engine.model)) if base else []
             for i, fmt in enumerate(steps[1:], 1):  # every page stepped down this far
                 kv = replace(base, format=fmt.name, layer_formats=())
                 rows.append({"format": fmt.name, "label": fmt.label, "step": i,
-                             "max_positions": engine.edge_footprint(offloaded, kv=kv).max_positions(budget)})
+                             "max_positions": engine.planner.edge_footprint(offloaded, kv=kv).max_positions(budget)})
             self._capacity = (key, rows)
         limit = engine.context_limit
         return [{**r, "in_use": r["step"] == 0, "left": max(0, r["max_positions"] - held),

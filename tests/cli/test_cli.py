@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import justfit
 from cli import common
 from cli.main import main
-from justfit.planning.outside import Budget
+from justfit.planning.budget import Budget
 from justfit import Engine, SamplingParams
 from justfit.model.models import ModelNotFound
 
@@ -46,7 +46,7 @@ def loads(engine, monkeypatch) -> list:
 
     def load(model, budget, gguf_bits="native", kv_format="q8c", policy="auto", whole_process=False, **more):
         calls.append((model, budget, whole_process) if whole_process else (model, budget))
-        monkeypatch.setattr(engine, "budget", Budget(budget))
+        monkeypatch.setattr(engine, "parts", engine.parts.reconfigured(budget=Budget(budget)))
         return engine
 
     monkeypatch.setattr(common, "load_engine", load)

@@ -108,7 +108,7 @@ def test_a_short_prompt_is_served_between_a_long_prompts_chunks(engine):
 
 def test_the_batch_is_admitted_on_the_sum_of_its_plans(tiny_llama_dir):
     probe = Engine(str(tiny_llama_dir))
-    one = probe.footprint(len(PROMPTS[1]) + 40, verify_rows=1)  # a plan gives up drafts before anything else
+    one = probe.planner.footprint(len(PROMPTS[1]) + 40, verify_rows=1)  # a plan gives up drafts before anything else
     # Room for one sequence's KV beside the weights, not for two.
     budget = one.total + one.kv // 2
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=budget))
@@ -135,8 +135,8 @@ def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
 
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=2**30, budget_covers_process=True))
     calls = []
-    measure = engine.remeasure_outside
-    engine.remeasure_outside = lambda *a, **k: (calls.append(k), measure(*a, **k))
+    measure = engine.budget.remeasure
+    engine.budget.remeasure = lambda *a, **k: (calls.append(k), measure(*a, **k))
 
     async def both():
         loop = asyncio.get_running_loop()

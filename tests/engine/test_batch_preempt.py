@@ -29,7 +29,7 @@ def _two_long(path, state_dir) -> Engine:
     engine = Engine(str(path), config=EngineConfig(budget_bytes=1 << 30, prefill_chunk=32, state_dir=str(state_dir)))
     engine.reply(PROMPTS[0], _greedy(NEW))  # the planner's reserve measured, as the requests below plan with it
     engine.reset()
-    one = engine.footprint(PROMPT + NEW)
+    one = engine.planner.footprint(PROMPT + NEW)
     engine.set_budget(one.weights + one.working + one.transient + 2 * one.kv + one.reserve)
     return engine
 

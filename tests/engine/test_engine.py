@@ -132,7 +132,7 @@ def test_budget_below_the_smallest_request_is_refused_at_load(tiny_llama_dir):
 def test_planner_max_positions_is_tight(llama):
     from dataclasses import replace
 
-    plan = llama.footprint(1)
+    plan = llama.planner.footprint(1)
     held = replace(plan, shape=replace(plan.shape, limited=True))  # pages held to the budget's limit
     # room past a page segment under every auto policy (the MLX-only path's `cpu` too, whose
     # dense prefill transient takes most of a smaller budget)
@@ -150,7 +150,7 @@ def test_policies_compute_the_same_function(tmp_path, policy):
     dense = Engine(str(path), config=EngineConfig(policy="dense"))
     other = Engine(str(path), config=EngineConfig(policy=policy))
     assert dense.policy.name == "dense" and other.policy.name == policy
-    assert dense.footprint(1).weights > other.footprint(1).weights
+    assert dense.planner.footprint(1).weights > other.planner.footprint(1).weights
     tokens = dense.encode("agree on this")
     a = dense.model(mx.array(tokens)[None])[0, -1]
     with other.swap.phase("prefill"):
@@ -178,7 +178,7 @@ def test_stop_matcher(stops, chunks, expected):
 
 
 def test_planner_counts_kv_format_and_bounded_transient(tiny_llama_dir):
-    from justfit.planning.planner import footprint
+    from justfit.planning.cost_model import footprint
     from kvexec import KVConfig
 
     engine = Engine(str(tiny_llama_dir))

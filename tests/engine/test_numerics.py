@@ -149,8 +149,8 @@ def test_one_row_numerics_prefill_a_token_at_a_time_and_never_draft(tmp_path, mo
     monkeypatch.setattr(numerics, "invariant_kernels", lambda: "no kernels here")
     folder = write_mlx_folder(tmp_path / "llama", "llama", head_dim=32)
     e = Engine(str(folder), config=EngineConfig(kv=KV, deterministic=True, state_dir=str(tmp_path / "s")))
-    assert e.numerics.one_row and e.verify_rows == 1
-    _, plan = e.check_fits(60, 20)
+    assert e.numerics.one_row and e.planner.verify_rows == 1
+    _, plan = e.planner.check_fits(60, 20)
     assert plan.shape.chunk == 1 and not plan.shape.dense_prefill
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     cold = e.reply(TOKENS[:60], sp)

@@ -17,7 +17,7 @@ from justfit.config import EngineConfig
 
 config = EngineConfig(**json.loads(os.environ.get("PIPELINE_CONFIG", "{}")))
 engine = Engine(model, budget=budget, config=config, group=group)
-facts = {"layers": len(engine.swap.registry.layers), "kv_4096": engine.footprint(4096).kv,
+facts = {"layers": len(engine.swap.registry.layers), "kv_4096": engine.planner.footprint(4096).kv,
          "weights": engine.swap.registry.total_bytes()}
 die_after = int(os.environ.get("PIPELINE_DIE_AFTER", "0"))
 if group is not None and group.rank() > 0:

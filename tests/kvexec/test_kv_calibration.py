@@ -193,7 +193,7 @@ def test_a_sliding_layers_bytes_count_as_its_share_of_the_trained_context():
 
 def test_calibration_weighs_sliding_layers_and_the_planner_counts_each_kind(tiny_gemma3_dir):
     from justfit.model.models import load
-    from justfit.planning.planner import footprint
+    from justfit.planning.cost_model import footprint
 
     loaded = load(str(tiny_gemma3_dir))
     kvexec.install(loaded.model)

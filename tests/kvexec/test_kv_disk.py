@@ -123,7 +123,7 @@ def _tokens(engine, prompt=PROMPT, sp=GREEDY) -> list[int]:
 def _tight(engine, positions: int, layers: int) -> int:
     """The footprint with `layers` growing layers on disk at the smallest prefill (the
     chunk, the cheaper of its two ways)."""
-    return min(engine.footprint(positions, chunk=16, dense_prefill=dense, disk_layers=layers).total
+    return min(engine.planner.footprint(positions, chunk=16, dense_prefill=dense, disk_layers=layers).total
                for dense in (False, True))
 
 
@@ -131,11 +131,11 @@ def test_a_budget_that_needs_disk_gives_the_resident_tokens(q4_dir, tmp_path):
     want = _tokens(Engine(str(q4_dir), config=_config(tmp_path)))
     probe = Engine(str(q4_dir), config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
     positions = len(PROMPT) + GREEDY.max_tokens
-    full_layers = probe.footprint(positions).shape.full_layers
+    full_layers = probe.planner.footprint(positions).shape.full_layers
     tight = _tight(probe, positions, full_layers)
     assert tight < _tight(probe, positions, 0)  # all on disk holds less than all resident
     engine = Engine(str(q4_dir), budget=tight, config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
-    offloaded, plan = engine.plan(positions)
+    offloaded, plan = engine.planner.plan(positions)
     assert plan.shape.disk_layers == full_layers and offloaded == () and plan.total <= tight
     reply = engine.reply(PROMPT, GREEDY)
     assert reply.tokens == want
@@ -158,12 +158,12 @@ def test_gemma3_with_its_full_layers_on_disk_gives_the_resident_tokens(gemma_dir
 def test_the_planner_moves_pages_to_disk_only_as_the_budget_needs(q4_dir, tmp_path):
     positions = len(PROMPT) + GREEDY.max_tokens
     probe = Engine(str(q4_dir), config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
-    layers = probe.footprint(positions).shape.full_layers
+    layers = probe.planner.footprint(positions).shape.full_layers
     totals = [_tight(probe, positions, n) for n in range(layers + 1)]
     chosen = []
     for budget in sorted({totals[0] * 4, *totals}, reverse=True):
         engine = Engine(str(q4_dir), budget=budget, config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
-        _, plan = engine.plan(positions)
+        _, plan = engine.planner.plan(positions)
         assert plan.total <= budget
         chosen.append(plan.shape.disk_layers)
     # the fewest layers on disk that fit: none while the budget is roomy, more as it tightens
@@ -171,7 +171,7 @@ def test_the_planner_moves_pages_to_disk_only_as_the_budget_needs(q4_dir, tmp_pa
     # without a folder, the same tight budget steps pages down the ladder instead
     ladder = Engine(str(q4_dir), budget=min(totals),
                     config=_config(tmp_path, kv=replace(ENGINE_KV, pressure=("q4c",))))
-    assert ladder.plan(positions)[1].shape.disk_layers == 0
+    assert ladder.planner.plan(positions)[1].shape.disk_layers == 0
 
 
 def test_pages_past_the_folders_room_are_refused_before_any_work(q4_dir, tmp_path):
@@ -201,7 +201,7 @@ def test_fit_shows_the_layers_on_disk_and_what_a_token_reads(q4_dir, tmp_path):
 
     engine = Engine(str(q4_dir), config=_config(tmp_path, kv_disk=str(tmp_path / "kv")))
     positions = len(PROMPT) + GREEDY.max_tokens
-    layers = engine.footprint(positions).shape.full_layers
+    layers = engine.planner.footprint(positions).shape.full_layers
     report = fit_report(engine, _tight(engine, positions, layers), positions)
     plan = report["plan"]["kv_layers"]
     assert plan["on_disk"] == layers and plan["resident"] == 0 and plan["read_per_token"] > 0

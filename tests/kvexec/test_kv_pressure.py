@@ -9,7 +9,7 @@ import pytest
 import kvexec
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from justfit.planning.planner import MIN_PREFILL_CHUNK
+from justfit.planning.cost_model import MIN_PREFILL_CHUNK
 from kvexec import KVConfig, PageStore, blockwise_attention, ladder
 from kvexec.export import export_store, restore_store
 
@@ -157,14 +157,14 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     positions = len(prompt) + sp.max_tokens
     probe = Engine(str(tiny_gemma3_dir), config=EngineConfig(**config))
     # at the smallest prefill (the chunk, the cheaper of its two ways): only stepping pages down is left
-    wide, narrow = (min(probe.footprint(positions, chunk=MIN_PREFILL_CHUNK, pressed=pressed, dense_prefill=dense).total
+    wide, narrow = (min(probe.planner.footprint(positions, chunk=MIN_PREFILL_CHUNK, pressed=pressed, dense_prefill=dense).total
                         for dense in (False, True)) for pressed in (False, True))
     assert narrow < wide
     assert set(probe.reply(prompt, sp).stats.kv_formats) == {"q8c"}  # no budget: pages keep their format
 
     budget = (narrow + wide) // 2
     engine = Engine(str(tiny_gemma3_dir), budget=budget, config=EngineConfig(**config))
-    offloaded, fp = engine.plan(positions)
+    offloaded, fp = engine.planner.plan(positions)
     assert offloaded == () and fp.total <= budget and fp.shape.page_row < fp.shape.top_row
     reply = engine.reply(prompt, sp)
     assert len(reply.tokens) == sp.max_tokens
@@ -176,8 +176,8 @@ def test_engine_steps_pages_down_only_when_the_budget_needs_it(tiny_gemma3_dir):
     # the planner's capacity at this budget counts the ladder's last step (both with the
     # reserve the request measured)
     way = dict(chunk=fp.shape.chunk, dense_prefill=fp.shape.dense_prefill)
-    wide_cap = engine.footprint(positions, **way).max_positions(budget)
-    assert engine.footprint(positions, pressed=True, **way).max_positions(budget) > wide_cap
+    wide_cap = engine.planner.footprint(positions, **way).max_positions(budget)
+    assert engine.planner.footprint(positions, pressed=True, **way).max_positions(budget) > wide_cap
 
 
 def test_justfit_fit_reports_the_ladder(tiny_gemma3_dir):

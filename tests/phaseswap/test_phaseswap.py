@@ -196,11 +196,11 @@ def test_tight_budget_streams_and_generates_identically(q8_dir, tmp_path, monkey
     expected = [c.token for c in free.generate("stream me please", sp)]
     weights = free.swap.registry.total_bytes()
     positions = len(free.encode("stream me please")) + 6
-    budget = free.footprint(positions, dense_prefill=False).total - weights // 2  # half the weights must live on disk
+    budget = free.planner.footprint(positions, dense_prefill=False).total - weights // 2  # half the weights must live on disk
     del free
     others = _settled_active()  # MLX memory is per process: earlier tests' arrays count too
     tight = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))  # free's weights
-    offloaded, fp = tight.plan(positions)
+    offloaded, fp = tight.planner.plan(positions)
     assert offloaded and fp.total <= budget and fp.weights < weights
     chunks = list(tight.generate("stream me please", sp))
     assert [c.token for c in chunks] == expected

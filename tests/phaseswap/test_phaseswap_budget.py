@@ -7,7 +7,7 @@ import pytest
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
-from justfit.planning.planner import MIN_PREFILL_CHUNK
+from justfit.planning.cost_model import MIN_PREFILL_CHUNK
 
 
 def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, monkeypatch):
@@ -17,17 +17,17 @@ def test_resident_weights_refuse_what_would_need_streaming(q8_dir, tmp_path, mon
     prompt = "x " * 200
     positions = len(free.encode(prompt)) + 50
     # just short, every weight resident, prefilled the cheapest way (the smallest chunk, no drafts)
-    budget = min(free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=dense, verify_rows=1).total
+    budget = min(free.planner.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=dense, verify_rows=1).total
                  for dense in (False, True)) - 1024
     del free
     resident = EngineConfig(policy="cpu", offload_weights=False)
     with pytest.raises(BudgetExceeded):  # not even the weights: refused at load, nothing converted
         Engine(str(q8_dir), budget=weights // 2, config=resident)
     streaming = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu"))
-    offloaded, fp = streaming.plan(positions)
+    offloaded, fp = streaming.planner.plan(positions)
     assert offloaded and fp.total <= budget  # streaming would run it
     eng = Engine(str(q8_dir), budget=budget, config=resident)
-    offloaded, fp = eng.plan(positions)
+    offloaded, fp = eng.planner.plan(positions)
     assert offloaded == () and fp.total > budget  # the plan keeps every weight in memory
     with pytest.raises(BudgetExceeded) as err:
         list(eng.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
@@ -43,14 +43,14 @@ def test_a_tight_budget_prefills_at_the_smallest_chunk_before_streaming(q8_dir, 
     want = reply.tokens
     assert any(p.materialized_bytes for p in reply.stats.phases)  # dense working copies, unconstrained
     positions = len(free.encode(prompt)) + 20
-    wide = free.footprint(positions)
-    dense = free.footprint(positions, chunk=MIN_PREFILL_CHUNK)
-    resident = free.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
+    wide = free.planner.footprint(positions)
+    dense = free.planner.footprint(positions, chunk=MIN_PREFILL_CHUNK)
+    resident = free.planner.footprint(positions, chunk=MIN_PREFILL_CHUNK, dense_prefill=False)
     # a dense lease holds one linear's copy at a time; the resident products dequantize two
     assert dense.working < resident.working and dense.total < wide.total
     del free
     eng = Engine(str(q8_dir), budget=dense.total + 4096, config=EngineConfig(policy="cpu"))
-    offloaded, fp = eng.plan(positions)
+    offloaded, fp = eng.planner.plan(positions)
     assert offloaded == () and fp.shape.dense_prefill and fp.shape.chunk == MIN_PREFILL_CHUNK
     reply = eng.reply(prompt, sp)
     assert reply.tokens == want and reply.stats.prefill_chunk == MIN_PREFILL_CHUNK
@@ -62,20 +62,20 @@ def test_with_every_weight_resident_a_budget_the_tightest_plan_fits_loads(q8_dir
     planner takes (the smallest chunk, on the resident forms or one dense linear at a
     time, whichever holds less), not a wider chunk."""
     free = Engine(str(q8_dir), config=EngineConfig(policy="cpu"))
-    edge = free.edge_footprint()
-    ways = [free.footprint(1, chunk=MIN_PREFILL_CHUNK, dense_prefill=d, verify_rows=1).total for d in (False, True)]
-    assert edge.total == min(ways) < free.footprint(1).total
+    edge = free.planner.edge_footprint()
+    ways = [free.planner.footprint(1, chunk=MIN_PREFILL_CHUNK, dense_prefill=d, verify_rows=1).total for d in (False, True)]
+    assert edge.total == min(ways) < free.planner.footprint(1).total
     budget = edge.total + 4096
     del free
     eng = Engine(str(q8_dir), budget=budget, config=EngineConfig(policy="cpu", offload_weights=False))
-    assert eng.edge_footprint().total <= budget
+    assert eng.planner.edge_footprint().total <= budget
     with pytest.raises(BudgetExceeded):
         Engine(str(q8_dir), budget=edge.total - 64 * 1024, config=EngineConfig(policy="cpu", offload_weights=False))
 
 
 def test_refused_when_even_offloading_cannot_fit(q8_dir):
     eng = Engine(str(q8_dir))
-    floor = eng.footprint(1, tuple(eng.swap.offload_order()))
+    floor = eng.planner.footprint(1, tuple(eng.swap.offload_order()))
     eng.budget.set(floor.total + 4096)
     with pytest.raises(BudgetExceeded) as err:
         list(eng.generate("x " * 200, SamplingParams(max_tokens=100)))

@@ -279,10 +279,11 @@ def test_the_server_answers_503_and_reports_degraded_when_the_pipeline_stalls(ti
 def test_a_request_some_rank_cannot_hold_is_refused_before_any_work_with_the_per_rank_numbers():
     from types import SimpleNamespace
 
-    from justfit.planning.budget import check_fits
+    from justfit.planning.plan import Costs, Planner
     from justfit.errors import ContextTooLong
 
-    engine = SimpleNamespace(context_limit=1 << 20, config=SimpleNamespace(kv=None), rank_limits=[90_000, 4_000])
+    costs = Costs(None, {}, SimpleNamespace(kv=None), 2, None)  # nothing sized: the ranks' limits refuse first
+    planner = Planner(costs, None, None, False, False, 1 << 20, 0, rank_limits=(90_000, 4_000))
     with pytest.raises(ContextTooLong, match=r"rank 1 of the layer pipeline .*\[90000, 4000\]") as e:
-        check_fits(engine, 3_900, 200)
+        planner.check_fits(3_900, 200)
     assert e.value.limit == 4_000  # the server shrinks an unset max_tokens to it, as for one process

@@ -8,7 +8,7 @@ from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.memory import weight_bytes
 from justfit.model.models import load
-from justfit.planning.planner import MIN_PREFILL_CHUNK
+from justfit.planning.cost_model import MIN_PREFILL_CHUNK
 from phaseswap.predict import predict_resident_bytes, predict_working_bytes
 from tests.helpers.tiny_models import write_mlx_folder
 
@@ -35,7 +35,7 @@ def test_auto_keeps_the_fast_weights_while_the_whole_context_fits(q4_dir, monkey
     import phaseswap.native
 
     fast = Engine(str(q4_dir), config=EngineConfig(policy="cpu"))
-    whole = fast.footprint(fast.context_limit, chunk=MIN_PREFILL_CHUNK).total
+    whole = fast.planner.footprint(fast.context_limit, chunk=MIN_PREFILL_CHUNK).total
     if phaseswap.native.available():  # the stored weights at full speed, whatever the budget
         native = "cpu-int16" if phaseswap.native.rounded_available() else "cpu-native"
         assert Engine(str(q4_dir), budget=whole + 2**16).policy.name == native
@@ -55,10 +55,10 @@ def test_tight_budget_shrinks_the_prefill_chunk_before_offloading(q4_dir):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     probe = Engine(str(q4_dir), config=EngineConfig(policy="cpu"))
     positions = len(prompt) + sp.max_tokens
-    small = probe.footprint(positions, chunk=MIN_PREFILL_CHUNK).total
-    assert probe.footprint(positions).total > small  # a 512-token chunk needs more
+    small = probe.planner.footprint(positions, chunk=MIN_PREFILL_CHUNK).total
+    assert probe.planner.footprint(positions).total > small  # a 512-token chunk needs more
     engine = Engine(str(q4_dir), budget=small, config=EngineConfig(policy="cpu"))
-    offloaded, fp = engine.plan(positions)
+    offloaded, fp = engine.planner.plan(positions)
     assert offloaded == () and MIN_PREFILL_CHUNK <= fp.shape.chunk < 512 and fp.total <= small
     reply = engine.reply(prompt, sp)
     got = reply.tokens
@@ -68,7 +68,7 @@ def test_tight_budget_shrinks_the_prefill_chunk_before_offloading(q4_dir):
     same = Engine(str(q4_dir), config=EngineConfig(policy="cpu", prefill_chunk=fp.shape.chunk))
     assert [c.token for c in same.generate(prompt, sp) if c.token is not None] == got
     # without a budget the configured chunk is kept
-    assert probe.plan(positions)[1].shape.chunk == 512
+    assert probe.planner.plan(positions)[1].shape.chunk == 512
 
 
 def test_whole_process_budget_leaves_the_engine_what_the_process_does_not_hold(q4_dir):

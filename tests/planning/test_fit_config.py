@@ -110,7 +110,7 @@ def test_matches_the_offline_models_plans(model, request):
     does): KV (pages, windows, hot rows) and transients equal at every size, in every
     KV format; parameters as the loaded model's."""
     from justfit.model.models import load
-    from justfit.planning.planner import footprint
+    from justfit.planning.cost_model import footprint
     from kvexec import KVConfig
 
     loaded = load(str(request.getfixturevalue(f"{model}_gguf")), lazy=True)

@@ -8,8 +8,8 @@ import pytest
 
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
-from justfit.planning.outside import Budget, OutsideDecay, reserve_sample
-from justfit.planning.planner import PAGE_MARGIN, PRIOR_RESERVE, RESERVE, RESERVE_FLOOR, Reserve
+from justfit.planning.budget import Budget, OutsideDecay, reserve_sample
+from justfit.planning.cost_model import PAGE_MARGIN, PRIOR_RESERVE, RESERVE, RESERVE_FLOOR, Reserve
 from tests.helpers.tiny_models import write_mlx_folder
 
 MiB = 2**20
@@ -34,7 +34,7 @@ def test_the_prior_is_the_old_padding_and_a_reserve_is_never_negative():
 
 
 def test_a_budget_measures_the_excess_as_a_decaying_maximum(tiny_dir):
-    fp = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).footprint(64)
+    fp = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).planner.footprint(64)
     terms = fp.terms
     assert fp.total == terms + fp.reserve and fp.reserve == PRIOR_RESERVE.bytes(terms)
     assert reserve_sample(fp, terms // 2) == 0  # the peak within the prediction: nothing kept back
@@ -63,19 +63,19 @@ def test_a_budget_measures_the_excess_as_a_decaying_maximum(tiny_dir):
 def test_after_requests_the_reserve_is_the_measured_excess_and_plans_use_it(tiny_dir):
     engine = Engine(str(tiny_dir), budget=BUDGET, config=EngineConfig(policy="cpu"))
     prompt, sp = list(range(3, 203)), _greedy(4)
-    before = engine.footprint(len(prompt) + sp.max_tokens)
+    before = engine.planner.footprint(len(prompt) + sp.max_tokens)
     assert before.shape.reserve is PRIOR_RESERVE and before.reserve == PRIOR_RESERVE.bytes(before.terms)
     seen = []
-    measure = engine.remeasure_reserve
-    engine.remeasure_reserve = lambda *a: (seen.append(a), measure(*a))
+    measure = engine.budget.remeasure_reserve
+    engine.budget.remeasure_reserve = lambda *a: (seen.append(a), measure(*a))
     reply = engine.reply(prompt, sp)
-    (plan, positions, peak, states, besides), = seen
-    assert plan.shape.chunk == reply.stats.prefill_chunk and peak == reply.stats.memory.mlx_peak
-    assert positions in (len(prompt) + sp.max_tokens - 1, len(prompt) + sp.max_tokens)  # the length it reached
+    (predicted, peak, states, besides), = seen  # the plan at the length the request reached
+    assert predicted.shape.chunk == reply.stats.prefill_chunk and peak == reply.stats.memory.mlx_peak
+    assert predicted.positions in (len(prompt) + sp.max_tokens - 1, len(prompt) + sp.max_tokens)
     reserve = engine.budget.reserve
     assert reserve.measured and reserve.requests == 1 and reserve.floor == 0
-    assert reserve.share == reserve_sample(plan.at(positions), peak, states, besides)  # the measured excess, not 2%
-    after = engine.footprint(len(prompt) + sp.max_tokens)
+    assert reserve.share == reserve_sample(predicted, peak, states, besides)  # the measured excess, not 2%
+    after = engine.planner.footprint(len(prompt) + sp.max_tokens)
     assert after.reserve == int(reserve.share * after.terms) and after.terms == before.terms
     assert after.reserve != before.reserve and after.as_dict()["reserve_measured"]
     assert "measured" in after.as_dict()["reserve_from"]
@@ -86,8 +86,8 @@ def test_a_peak_over_the_prediction_raises_the_reserve_and_narrows_plans(tiny_di
     prompt, sp = list(range(3, 203)), _greedy(2)
     engine.reply(prompt, sp)
     quiet = engine.budget.reserve.share
-    fp = engine.footprint(len(prompt) + sp.max_tokens)
-    allowance, most = fp.page_allowance(BUDGET), engine.edge_footprint().max_positions(BUDGET)
+    fp = engine.planner.footprint(len(prompt) + sp.max_tokens)
+    allowance, most = fp.page_allowance(BUDGET), engine.planner.edge_footprint().max_positions(BUDGET)
     assert allowance == fp.pages + int((BUDGET * (1 - PAGE_MARGIN) - fp.total) / (1 + quiet))
 
     extra = 16 * MiB
@@ -104,10 +104,10 @@ def test_a_peak_over_the_prediction_raises_the_reserve_and_narrows_plans(tiny_di
     list(engine.generate(prompt, sp, progress=progress))
     raised = engine.budget.reserve
     assert raised.requests == 2 and raised.share > quiet
-    wider = engine.footprint(len(prompt) + sp.max_tokens)
+    wider = engine.planner.footprint(len(prompt) + sp.max_tokens)
     assert wider.reserve >= extra * 0.9  # measured at this request's own length and chunk: it transfers back whole
     assert wider.page_allowance(BUDGET) < allowance  # what the pages may take shrinks by it
-    assert engine.edge_footprint().max_positions(BUDGET) < most
+    assert engine.planner.edge_footprint().max_positions(BUDGET) < most
     assert wider.page_allowance(BUDGET) == wider.pages + int((BUDGET * (1 - PAGE_MARGIN) - wider.total)
                                                              / (1 + raised.share))
 

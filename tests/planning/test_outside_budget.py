@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-import justfit.planning.outside as outside_module
+import justfit.planning.budget as outside_module
 from justfit import Engine, SamplingParams
 from justfit.config import EngineConfig
 from justfit.errors import BudgetExceeded
-from justfit.planning.outside import OutsideDecay, decayed_max, measure_outside
+from justfit.planning.budget import OutsideDecay, decayed_max, measure_outside
 from tests.helpers.tiny_models import write_mlx_folder
 
 MiB = 2**20
@@ -64,7 +64,7 @@ def test_engine_share_recovers_after_a_spike_and_honours_a_rise(tiny_dir, monkey
     outside = {"now": 64 * MiB}
     monkeypatch.setattr(outside_module, "measure_outside", lambda high_water=0, mlx_peak=0, seen=0: outside["now"])
     prompt, sp = list(range(3, 103)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    need = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).footprint(len(prompt) + sp.max_tokens).total
+    need = Engine(str(tiny_dir), config=EngineConfig(policy="cpu")).planner.footprint(len(prompt) + sp.max_tokens).total
     slack = 4 * MiB
     budget = 64 * MiB + need + slack
     engine = Engine(str(tiny_dir), budget=budget, config=EngineConfig(policy="cpu", budget_covers_process=True))

@@ -116,7 +116,7 @@ def test_too_long_is_refused_before_any_work_with_the_numbers(live, tiny_engine)
 
 def test_budget_refusal_reports_what_fits(tiny_gemma3_dir):
     probe = Engine(str(tiny_gemma3_dir))
-    budget = probe.footprint(100).total
+    budget = probe.planner.footprint(100).total
     live = LiveServer(Engine(str(tiny_gemma3_dir), budget=budget))
     try:
         body = {**CHAT, "messages": [{"role": "user", "content": "y " * 150}], "max_tokens": 4}

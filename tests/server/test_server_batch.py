@@ -123,7 +123,7 @@ def test_four_clients_outgrowing_the_budget_get_their_replies_with_preemption(ti
     assert longest < 400
     engine.reply(prompts[0], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))  # the reserve measured
     engine.reset()
-    one, early = engine.footprint(longest), engine.footprint(longest - 40)
+    one, early = engine.planner.footprint(longest), engine.planner.footprint(longest - 40)
     # three join while their replies are short, and no longer fit together as they grow
     engine.set_budget(one.weights + one.working + one.transient + 3 * early.kv + one.reserve)
     bodies = [{**_completion(p, 48), "ignore_eos": True} for p in prompts]

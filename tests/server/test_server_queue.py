@@ -122,7 +122,7 @@ def test_a_ticket_lapses_when_its_client_does_not_return():
 
 def test_many_clients_all_complete_or_get_a_clean_503(tiny_gemma3_dir):
     probe = Engine(str(tiny_gemma3_dir))
-    budget = probe.footprint(512).total
+    budget = probe.planner.footprint(512).total
     engine = Engine(str(tiny_gemma3_dir), budget=budget)
     live = LiveServer(engine, max_queue=3)
     outcomes = []

@@ -138,7 +138,7 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
     probe = _engine(tiny_llama_dir, tmp_path / "probe")
     # Plans keep back the reserve measured after each request (none on this tiny model,
     # whose terms over-estimate its peak): the budget is one session's terms.
-    budget = probe.footprint(positions).terms
+    budget = probe.planner.footprint(positions).terms
     engine = Engine(str(tiny_llama_dir), budget=budget, config=EngineConfig(
         kv=SMALL_PAGES, prefill_chunk=16, policy="cpu", state_dir=str(tmp_path / "tiers")))
     convo, sources = {"a": [], "b": []}, []
@@ -151,12 +151,12 @@ def test_two_sessions_share_one_budget_by_swapping(tiny_llama_dir, tmp_path):
                 sources.append(got.stats.restored_from)
                 assert got.stats.cached_tokens == len(convo[name])
             convo[name] = engine.cached_tokens
-            idle = budget - engine.footprint(1, engine.swap.offloaded).total
+            idle = budget - engine.planner.footprint(1, engine.swap.offloaded).total
             assert engine.states.memory_bytes <= idle
     assert sources.count("disk") >= 2 and sources[0] == "memory"  # once both no longer fit, turns swap
     held = sum(len(t) for t in convo.values())
     assert held > 1.5 * positions > max(len(t) for t in convo.values())
-    assert engine.footprint(held).total > budget  # both at once would not fit
+    assert engine.planner.footprint(held).total > budget  # both at once would not fit
 
 
 def test_fork_starts_an_independent_session(tiny_llama_dir, tmp_path):

@@ -20,8 +20,6 @@ from justfit.memory import tree_bytes, weight_bytes
 from kvexec import KVConfig, ladder, page_bytes_per_token, transient_bytes
 from kvexec.disk_pages import PageReader
 from kvexec.segments import allocated_positions
-from phaseswap.policy import default_policy, get_policy
-from phaseswap.predict import predict_resident_bytes, predict_working_bytes
 
 # The reserve before any request has measured one (`Reserve`): allocator slack and small
 # temporaries the terms below do not model, as a share of them plus a floor that matters
@@ -43,7 +41,7 @@ class Reserve:
     transient): `share` of them plus `floor` bytes. Before any request the prior
     (RESERVE, RESERVE_FLOOR); under a budget, once requests ran, the measured share by
     which MLX's peak exceeded the terms predicted at each request's own length and chunk
-    (justfit.planning.outside.Budget.remeasure_reserve), no floor."""
+    (justfit.planning.budget.Budget.remeasure_reserve), no floor."""
 
     share: float = RESERVE
     floor: int = RESERVE_FLOOR
@@ -361,18 +359,3 @@ def _is_fp32(model: nn.Module) -> bool:
     emb = getattr(getattr(model, "model", model), "embed_tokens", None)
     weight = getattr(emb, "scales", None) if hasattr(emb, "scales") else getattr(emb, "weight", None)
     return weight is not None and weight.dtype == mx.float32
-
-
-def choose_policy(model: nn.Module, config: dict, name: str, context: int, kv: KVConfig | None,
-                  budget: int | None) -> str:
-    """`name`, or for "auto" under a budget on CPU without the native kernel the
-    faster weights form unless it leaves too little for `context` positions: then
-    cpu-compact (the stored weights, about half of cpu's q8t bytes, a slower decode).
-    With the native kernel "auto" is cpu-int16 (cpu-native without AVX2), the stored
-    weights at full speed, whatever the budget. Decided from shapes, before any weight is converted."""
-    if name != "auto" or budget is None or default_policy() != "cpu":
-        return name
-    fast = get_policy("cpu")
-    weights = predict_resident_bytes(model, fast.resident, mx.float32)
-    need = footprint(model, config, context, MIN_PREFILL_CHUNK, kv, weights, predict_working_bytes(model), 4)
-    return fast.name if need.total <= budget else "cpu-compact"
