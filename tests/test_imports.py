@@ -10,7 +10,6 @@ import ast
 import shutil
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("justfit", "kvexec", "phaseswap", "statetrans", "cli", "bench")
