@@ -88,7 +88,8 @@ class RequestMeasure:
         """After the request planned as `plan`, which reached `positions` and reported
         `memory` (None: it failed before any)."""
         mlx_peak = memory.mlx_peak if memory is not None else 0
-        self.engine.remeasure_outside(self.high_water, mlx_peak, self.watch.stop() if self.watch is not None else 0)
+        seen = self.watch.stop() if self.watch is not None else 0
+        self.engine.remeasure_outside(high_water=self.high_water, mlx_peak=mlx_peak, seen=seen)
         if memory is not None:  # the planner's reserve: what MLX peaked at against the plan at the length reached
             self.engine.remeasure_reserve(plan, positions, mlx_peak, memory.states, self.besides)
 
