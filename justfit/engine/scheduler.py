@@ -554,14 +554,20 @@ def _tell_done(job: Job, stats) -> None:
 # -- Engine.generate -------------------------------------------------------------------
 @dataclass
 class _CallerJob(Job):
-    """A job whose events the caller's thread takes itself (no server loop)."""
+    """A job whose events the caller's thread takes itself (no server loop); its
+    progress is reported as it happens, within the step (a caller may act on it
+    before the next chunk is computed)."""
 
     loop: Any = None
+    progress: ProgressFn | None = None
     inbox: deque = field(default_factory=deque)
 
     def emit(self, kind: str, payload: Any = None) -> None:
         self.last_event = time.monotonic()
-        self.inbox.append((kind, payload))
+        if kind != "progress":
+            self.inbox.append((kind, payload))
+        elif self.progress is not None:
+            self.progress(payload[0], payload[1])
 
 
 def generate_here(engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
@@ -570,16 +576,14 @@ def generate_here(engine, tokens: list[int], sp: SamplingParams, progress: Progr
     lone request is a batch of one (see Engine.generate). Closing the iterator early
     cancels it between steps, the state computed so far stored."""
     sched = Scheduler(engine, max_batch=1, serve=False)
-    job = _CallerJob(tokens, sp, session=session, scope=scope)
+    job = _CallerJob(tokens, sp, session=session, scope=scope, progress=progress)
     sched.submit(job)
     try:
         while True:
             sched.step()
             while job.inbox:
                 kind, payload = job.inbox.popleft()
-                if kind == "progress" and progress is not None:
-                    progress(payload[0], payload[1])
-                elif kind == "chunk":
+                if kind == "chunk":
                     yield payload
                 elif kind == "error":
                     raise payload
