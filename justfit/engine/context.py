@@ -1,6 +1,6 @@
 """What the request path reads from an engine, as a typing protocol.
 
-The step loop (justfit.engine.batch, justfit.engine.sequence), the planner's search (justfit.planning.budget)
+The step loop (justfit.engine.scheduler, justfit.engine.sequence), the planner's search (justfit.planning.budget)
 and the runners (justfit.engine.runner) take an `EngineContext`, not the engine class: justfit.engine.facade
 imports them, so they never import it back (no import circle), and a test may pass
 any object with these members. `justfit.engine.facade.Engine` is the one implementation.

@@ -353,10 +353,11 @@ class Scheduler:
 
     def _fail_all(self, error: Exception) -> None:
         """End every sequence after a failed step, their jobs told what it means."""
-        for seq in self.live + self.parked:
+        ended = self.live + self.parked
+        if not any(isinstance(s.source.failure(error), JustFitError) for s in ended):
+            log.exception("step failed", exc_info=error)
+        for seq in ended:
             told = seq.source.failure(error)
-            if not isinstance(told, JustFitError):
-                log.exception("step failed", exc_info=error)
             self.leave(seq)
             job = self._jobs.get(id(seq))
             if job is not None:
@@ -392,8 +393,7 @@ class Scheduler:
 
     def _start(self, job: Job) -> bool:
         """Plan `job` and admit it when it fits; False when it must wait for room."""
-        job.started = time.monotonic()
-        job.last_event = job.started  # its wait in the queue is no stall
+        _tell_started(job)
         self._admitting = job
         try:
             seq = self._planned[1] if self._planned and self._planned[0] is job else self._plan(job)
@@ -401,7 +401,8 @@ class Scheduler:
             if seq is None:
                 return True
             if not self.fits(seq):  # it waits at the head, planned, for room beside the batch
-                self._planned, job.started = (job, seq), None
+                self._planned = (job, seq)
+                _tell_waiting(job)
                 self._put(job, 0)
                 return False
             try:
@@ -528,6 +529,16 @@ class Scheduler:
 
 
 # -- a job's events: every interaction with a job is here ---------------------------
+def _tell_started(job: Job) -> None:
+    job.started = time.monotonic()
+    job.last_event = job.started  # its wait in the queue is no stall
+
+
+def _tell_waiting(job: Job) -> None:
+    """Back at the head of the queue, waiting for room."""
+    job.started = None
+
+
 def _tell_progress(job: Job, processed: int, total: int) -> None:
     job.processed = processed
     job.emit("progress", (processed, total, time.monotonic() - job.started))
