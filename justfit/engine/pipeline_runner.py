@@ -4,8 +4,8 @@ as a Sequence on the scheduler's step loop, one at a time (max_batch 1, no draft
 numerics), its state resumed from and left in what every rank keeps (`PipelineStates`),
 a request that stops moving bounded by a watch (justfit.pipeline.stall), a peer gone
 turned into PipelineLost for it and every later request; ranks > 0 `follow`. Named
-sessions are one process's stored states: a pipeline refuses them, and saves and restores the conversation every rank holds instead
-(justfit.pipeline.state)."""
+sessions are one process's stored states: a pipeline refuses them, and saves and
+restores the conversation every rank holds instead (justfit.pipeline.state)."""
 
 from __future__ import annotations
 
