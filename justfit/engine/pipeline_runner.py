@@ -46,16 +46,19 @@ class PipelineStates:
     run: PipelineRun
 
     def take(self, tokens: list[int], session: str | None, allowance: int | None, scope: str) -> Reuse:
+        """What every rank still holds, where it begins `tokens`; else every rank resets."""
         if self.run.lost:
             raise PipelineLost(self.run.lost)
         reuse, self.run.live = resume(self.pipeline.link, self.run.live, tokens), None
         return reuse
 
     def put(self, tokens: list[int], cache: list, session: str | None, rng: dict, scope: str, base: int):
+        """Kept on every rank as the live state (no session is written)."""
         self.run.live = (list(tokens), cache, rng)
         return None
 
     def page_room(self, plan: Footprint, budget: int | None) -> int | None:
+        """The plan's pages and what the budget leaves over: it runs alone."""
         return None if budget is None else plan.page_allowance(budget)
 
     def failure(self, error: Exception) -> Exception:

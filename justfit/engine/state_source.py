@@ -37,14 +37,18 @@ class StoredStates:
         self.engine = engine
 
     def take(self, tokens: list[int], session: str | None, allowance: int | None, scope: str) -> Reuse:
+        """The stored state of `scope` sharing the longest prefix (statetrans.StateTiers.take)."""
         return self.engine.states.take(tokens, session, allowance, scope=scope)
 
     def put(self, tokens: list[int], cache: list, session: str | None, rng: dict, scope: str, base: int):
+        """Kept in the stored states; a named session's write-through."""
         stored = self.engine.states.put(tokens, cache, session, rng, scope=scope, base=base)
         return stored.write if session else None
 
     def page_room(self, plan: Footprint, budget: int | None) -> int | None:
+        """Its own plan's pages: the batch was admitted on the sum of the plans."""
         return None if budget is None else plan.page_allowance(plan.total)
 
     def failure(self, error: Exception) -> Exception:
+        """The error itself."""
         return error
