@@ -123,6 +123,29 @@ def test_the_batch_is_admitted_on_the_sum_of_its_plans(tiny_llama_dir):
 
 
 
+def test_a_sequence_says_where_it_is(engine):
+    """A sequence's status: planned, prefilling, decoding, set aside on disk, finished."""
+    from justfit.engine.sequence import Status
+
+    engine.reset()
+    sched = Scheduler(engine, max_batch=4, serve=False)
+    seq = plan_sequence(engine, PROMPTS[1], _greedy(3))  # 100 tokens: chunks of 32
+    assert seq.status is Status.WAITING and seq.cache is None and seq.remaining == 0
+    sched.admit(seq)
+    assert seq.status is Status.PREFILLING and seq.remaining == len(PROMPTS[1])
+    while seq.remaining:
+        sched.step()
+    assert seq.status is Status.DECODING and seq.pending is not None
+    seq.park()
+    assert seq.status is Status.PARKED and seq.remaining == 0
+    seq.resume()
+    assert seq.status is Status.DECODING
+    while sched.live:
+        sched.step()
+    assert seq.status is Status.FINISHED and seq.finished and seq.cache is None
+    engine.reset()
+
+
 def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):
     """Under a whole-process budget the lone path re-measures what the process holds
     besides MLX after each request; the batch does so each time it drains."""
