@@ -50,7 +50,7 @@ def _decode_rows(args) -> list[dict]:
                         first.append(int(logits.argmax().item()))
                 tokens, seqs = list(first), [[t] for t in first]
                 start = time.perf_counter()
-                if mode == "batched":  # one step for all, as justfit.engine.batch.BatchRunner runs it
+                if mode == "batched":  # one step for all, as the scheduler's step runs it (justfit.engine.batch.forward)
                     steps = (lambda toks: decode_step(engine.model, toks, caches) for _ in range(args.tokens - 1))
                     phase = engine.swap.phase("decode")
                 else:  # each sequence's steps alone, in one decode phase

@@ -33,15 +33,15 @@ def _engine(args):
 
 
 def _batched(engine, prompts: list[list[int]], sampling, preempt: bool) -> dict:
-    from justfit.engine.batch import BatchRunner, run_all
-    from justfit.engine.sequence import Sequence
+    from bench.loop import run_all
+    from justfit.engine.scheduler import Scheduler, plan_sequence
 
     engine.reset()
-    runner = BatchRunner(engine, max_batch=len(prompts), preempt=preempt)
-    seqs, got, most = [Sequence(engine, p, sampling) for p in prompts], {}, 0
+    runner = Scheduler(engine, max_batch=len(prompts), preempt=preempt, serve=False)
+    seqs, got, most = [plan_sequence(engine, p, sampling) for p in prompts], {}, 0
     start = time.perf_counter()
     for seq, chunk in run_all(runner, seqs):
-        most = max(most, len(runner.running) + (seq not in runner.running))  # it may have just left
+        most = max(most, len(runner.live) + (seq not in runner.live))  # it may have just left
         if chunk is not None and chunk.token is not None:
             got.setdefault(id(seq), []).append(chunk.token)
     wall = time.perf_counter() - start

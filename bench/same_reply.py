@@ -103,14 +103,13 @@ def _cold(engine, tokens: list[int], sp) -> list[int]:
 
 
 def _preempted(engine, tokens: list[int], sp) -> list[int]:
-    """Set aside on disk after half the reply and resumed (justfit.engine.batch's preemption)."""
-    from justfit.engine.batch import BatchRunner
-    from justfit.engine.sequence import Sequence
+    """Set aside on disk after half the reply and resumed (justfit.engine.scheduler's preemption)."""
+    from justfit.engine.scheduler import Scheduler, plan_sequence
 
     engine.reset()
-    runner, seq, got, parked = BatchRunner(engine), Sequence(engine, tokens, sp), [], False
+    runner, seq, got, parked = Scheduler(engine, max_batch=4, serve=False), plan_sequence(engine, tokens, sp), [], False
     runner.admit(seq)
-    while runner.running:
+    while runner.live:
         if not parked and len(got) >= sp.max_tokens // 2:
             seq.park()
             seq.resume()
@@ -121,12 +120,12 @@ def _preempted(engine, tokens: list[int], sp) -> list[int]:
 
 def _batched(engine, prompts: list[list[int]], sp) -> list[int]:
     """The first prompt's reply, run in one batch with the others."""
-    from justfit.engine.batch import BatchRunner, run_all
-    from justfit.engine.sequence import Sequence
+    from bench.loop import run_all
+    from justfit.engine.scheduler import Scheduler, plan_sequence
 
     engine.reset()
-    runner = BatchRunner(engine, max_batch=len(prompts))
-    seqs = [Sequence(engine, p, sp) for p in prompts]
+    runner = Scheduler(engine, max_batch=len(prompts), serve=False)
+    seqs = [plan_sequence(engine, p, sp) for p in prompts]
     got = []
     for seq, chunk in run_all(runner, seqs):
         if seq is seqs[0] and chunk is not None and chunk.token is not None:

@@ -1,5 +1,5 @@
 """bench.sessions --batched: the same sessions, turns and budget, each round's turns run
-at once through the batch (justfit.engine.batch with preemption) instead of one after another.
+at once through the batch (justfit.engine.scheduler with preemption) instead of one after another.
 
 Every round gives each session with room its next turn; the turns join the batch while
 they fit the budget together and the newest are parked on disk when the batch would
@@ -18,12 +18,12 @@ def run_batched(model: str, budget: int, single: int, text: list[int], turn: int
                 state_dir: str, reference: list[tuple[str, list[int], list[int]]]) -> dict:
     """The batched row; `reference`: the round-robin run's (session, prompt, reply) per turn."""
     from justfit import Engine, SamplingParams
-    from justfit.engine.batch import BatchRunner, run_all
-    from justfit.engine.sequence import Sequence
+    from bench.loop import run_all
+    from justfit.engine.scheduler import Scheduler, plan_sequence
     from justfit.config import EngineConfig
 
     engine = Engine(model, budget=budget, config=EngineConfig(state_dir=state_dir))
-    runner = BatchRunner(engine, max_batch=sessions)
+    runner = Scheduler(engine, max_batch=sessions, serve=False)
     sp = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
     held: dict[str, list[int]] = {f"s{i + 1}": [] for i in range(sessions)}
     source = {name: 2 * i * single for i, name in enumerate(held)}
@@ -34,7 +34,7 @@ def run_batched(model: str, budget: int, single: int, text: list[int], turn: int
         for name in held:
             new = min(turn, single - len(held[name]) - reply - 1)
             if new >= 16:
-                waiting.append(Sequence(engine, held[name] + text[source[name]:source[name] + new], sp, name))
+                waiting.append(plan_sequence(engine, held[name] + text[source[name]:source[name] + new], sp, name))
                 source[name] += new
         if not waiting:
             break

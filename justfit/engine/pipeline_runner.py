@@ -1,11 +1,11 @@
 """The runner of a layer pipeline (justfit.pipeline.layers), chosen once at load
 (justfit.engine.runner) behind the interface of one process's: rank 0 runs each request
-(justfit.engine.pipeline_request) one at a time (the scheduler's serial worker,
-justfit.engine.serial_worker), a request that stops moving bounded by a watch
-(justfit.pipeline.stall), a peer gone turned into PipelineLost for it and every later
-request; ranks > 0 `follow`. Named sessions are one process's stored states: a pipeline
-refuses them, and saves and restores the conversation every rank holds instead
-(justfit.pipeline.state)."""
+as a Sequence on the scheduler's step loop, one at a time (max_batch 1, no drafts: its
+numerics), its state resumed from and left in what every rank keeps (`PipelineStates`),
+a request that stops moving bounded by a watch (justfit.pipeline.stall), a peer gone
+turned into PipelineLost for it and every later request; ranks > 0 `follow`. Named
+sessions are one process's stored states: a pipeline refuses them, and saves and
+restores the conversation every rank holds instead (justfit.pipeline.state)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,55 @@ import mlx.core as mx
 from justfit.config import SamplingParams
 from justfit.engine.generate import ProgressFn
 from justfit.engine.numerics import Numerics
-from justfit.engine.pipeline_request import run_request
-from justfit.engine.serial_worker import work_serially
+from justfit.engine.scheduler import generate_here
 from justfit.engine.state_io import StateIO
 from justfit.engine.stats import Chunk
 from justfit.errors import PipelineLost
 from justfit.pipeline import state as pipeline_state
-from justfit.pipeline.layers import STOP, Pipeline, PipelineRun, control, follow, gather
+from justfit.pipeline.layers import STOP, Pipeline, PipelineRun, control, follow, gather, resume
 from justfit.pipeline.stall import StallWatch
-from statetrans import snapshot_bytes
+from justfit.planning.cost_model import Footprint
+from statetrans import Reuse, snapshot_bytes
 
 SESSIONS_REFUSED = ("named sessions are kept by one process, not by a layer pipeline; send the request "
                     "without a session (every rank keeps the latest conversation) or save it to a folder "
                     "(chat: /save ./FOLDER; Engine.save_state(path))")
+
+
+@dataclass(frozen=True)
+class PipelineStates:
+    """A pipeline's state source (justfit.engine.state_source): the state every rank
+    still holds (`run.live`; stored states are one process's), its pages given the whole
+    budget's slack (a pipeline runs one request at a time), and a peer gone turned
+    into PipelineLost, the pipeline marked lost."""
+
+    pipeline: Pipeline
+    run: PipelineRun
+
+    def take(self, tokens: list[int], session: str | None, allowance: int | None, scope: str) -> Reuse:
+        """What every rank still holds, where it begins `tokens`; else every rank resets."""
+        if self.run.lost:
+            raise PipelineLost(self.run.lost)
+        reuse, self.run.live = resume(self.pipeline.link, self.run.live, tokens), None
+        return reuse
+
+    def put(self, tokens: list[int], cache: list, session: str | None, rng: dict, scope: str, base: int):
+        """Kept on every rank as the live state (no session is written)."""
+        self.run.live = (list(tokens), cache, rng)
+        return None
+
+    def page_room(self, plan: Footprint, budget: int | None) -> int | None:
+        """The plan's pages and what the budget leaves over: it runs alone."""
+        return None if budget is None else plan.page_allowance(budget)
+
+    def failure(self, error: Exception) -> Exception:
+        """PipelineLost where a peer closed its doorbell or MLX's ring; else `error`."""
+        if not (isinstance(error, ConnectionError) or (isinstance(error, RuntimeError) and "[ring]" in str(error))):
+            return error
+        self.run.lost = self.run.lost or str(error)
+        lost = PipelineLost(self.run.lost)
+        lost.__cause__ = error
+        return lost
 
 
 @dataclass
@@ -78,17 +114,11 @@ class PipelineRunner:
         if self.run.lost:
             raise PipelineLost(self.run.lost)
         self.refuse_session(session)
-        try:
-            yield from run_request(engine, self.pipeline, self.run, tokens, sp, progress)
-        except (RuntimeError, ConnectionError) as e:  # a peer closed its doorbell or MLX's ring
-            if not (isinstance(e, ConnectionError) or "[ring]" in str(e)):
-                raise
-            self.run.lost = str(e)
-            raise PipelineLost(self.run.lost) from e
+        yield from generate_here(engine, tokens, sp, progress, session, scope)
 
-    def work(self, sched) -> None:
-        """The scheduler's worker: one request at a time."""
-        work_serially(sched)
+    def states(self, engine) -> PipelineStates:
+        """Where rank 0's sequences resume from and leave their state: what every rank keeps."""
+        return PipelineStates(self.pipeline, self.run)
 
     def watch(self, sched, stall_s: float) -> StallWatch:
         """A started watch that fails `sched`'s requests and marks the pipeline lost

@@ -1,6 +1,7 @@
 """How an engine runs its requests, chosen once when it is built (`choose_runner`): in
-one process (`LocalRunner`: every request a sequence in a batch, justfit.engine.batch)
-or as this process's part of a layer pipeline (justfit.engine.pipeline_runner). Both
+one process (`LocalRunner`: every request a sequence on the scheduler's step loop,
+its state in the stored states) or as this process's part of a layer pipeline
+(justfit.engine.pipeline_runner: the same loop, the state every rank keeps). Both
 answer the same `Runner` questions, so the engine, the scheduler and the server ask
 them and never test which runs."""
 
@@ -10,12 +11,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterator, Protocol
 
 from justfit.config import SamplingParams
-from justfit.engine.batch import run_alone
-from justfit.engine.batch_worker import work_batched
 from justfit.engine.generate import ProgressFn
 from justfit.engine.numerics import Numerics
 from justfit.engine.pipeline_runner import PipelineRunner
-from justfit.engine.sequence import Sequence
+from justfit.engine.scheduler import generate_here
+from justfit.engine.state_source import StateSource, StoredStates
 from justfit.engine.state_io import StateIO, export_state, import_state
 from justfit.engine.stats import Chunk
 from justfit.pipeline.layers import attach
@@ -42,8 +42,8 @@ class Runner(Protocol):
                  session: str | None = None, scope: str = "") -> Iterator[Chunk]:
         """Stream the reply to `tokens` on `engine` (see Engine.generate)."""
 
-    def work(self, sched) -> None:
-        """The scheduler's worker thread: run `sched`'s jobs until it closes."""
+    def states(self, engine) -> StateSource:
+        """Where a sequence's state comes from and goes to (justfit.engine.state_source)."""
 
     def watch(self, sched, stall_s: float):
         """A started watch bounding a request that stops moving (with a `stop()`), or None."""
@@ -72,8 +72,9 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class LocalRunner:
-    """One process: a lone request is a batch of one (justfit.engine.batch.run_alone),
-    the server's worker steps one batch for every client (justfit.engine.batch_worker)."""
+    """One process: a lone request is a batch of one on the step loop in the caller's
+    thread, the server's worker steps one batch for every client
+    (justfit.engine.scheduler); states kept in the engine's stored states."""
 
     kind: ClassVar[str] = "one process"
     max_batch: ClassVar[int | None] = None
@@ -90,11 +91,11 @@ class LocalRunner:
     def generate(self, engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
                  session: str | None = None, scope: str = "") -> Iterator[Chunk]:
         """The request as a batch of one (its plan refused here, before any work)."""
-        yield from run_alone(engine, Sequence(engine, tokens, sp, session, scope), progress)
+        yield from generate_here(engine, tokens, sp, progress, session, scope)
 
-    def work(self, sched) -> None:
-        """Batches of up to the scheduler's max_batch."""
-        work_batched(sched)
+    def states(self, engine) -> StoredStates:
+        """The engine's stored states (statetrans)."""
+        return StoredStates(engine)
 
     def watch(self, sched, stall_s: float) -> None:
         """None: nothing here waits on another process."""

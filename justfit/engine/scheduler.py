@@ -1,21 +1,43 @@
-"""One worker thread runs requests on the engine in arrival order, one at a time or,
-with `max_batch` > 1, several at once (justfit.engine.batch: decode steps shared, prefill
-chunks interleaved, admitted while their plans fit the budget together); the rest wait
-in a bounded queue. How the worker runs them is the engine's runner's
-(justfit.engine.runner: `work`, and `watch`, a bound on a stalled request's wait).
-The HTTP side talks to it through `Job`s (justfit.engine.job): typed events come back on
-the job's asyncio queue, and setting `cancel` stops the request within one decode step
-(or between prefill chunks), leaving the engine's state consistent."""
+"""The step loop every request runs on, and the bounded queue in front of it.
+
+The scheduler owns the queue (jobs waiting, in arrival order), admission (the head of
+the queue joins while its plan fits beside the sequences computing: the planner is
+asked here, `engine.planner.check_fits`, and the Sequence handed its plan), preemption (with
+`preempt`, the most recently admitted sequence is parked on disk through StateTrans
+when the next step would outgrow the budget, and resumed, before anything new joins,
+once it fits again) and `step()`: admit, forward (justfit.engine.batch.forward: one
+decode forward for every decoding sequence, one prefill chunk), postprocess (chunks
+and progress to the jobs, finished sequences stored and measured as they leave).
+
+The server's worker thread is `while not closing: step()` (blocking on the queue when
+idle); `Engine.generate` drives the same loop in the caller's thread (`generate_here`,
+a batch of one). The HTTP side talks to it through `Job`s (justfit.engine.job): typed
+events (justfit.engine.events) come back on the job's asyncio queue, and setting
+`cancel` stops the request within one step, its state stored. Every interaction with a
+job is in the `_tell_*` functions below, on the engine's thread.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
-from justfit.errors import JustFitError
+from justfit import runtime
+from justfit.config import SamplingParams
+from justfit.engine.batch import Produced, forward
+from justfit.planning.plan import RequestMeasure, measure_request
+from justfit.engine.drafting import DrafterFactory
+from justfit.engine.events import End, Event, Failure, Progress, Token
+from justfit.engine.generate import ProgressFn
 from justfit.engine.job import Job
+from justfit.engine.sequence import Sequence, Status
+from justfit.engine.stats import Chunk
+from justfit.errors import JustFitError
+from justfit.memory import trim_heap
 from justfit.engine.tickets import Tickets
 
 
@@ -35,30 +57,78 @@ class QueueFull(JustFitError):
                          " with the ticket to keep your place")
 
 
+log = logging.getLogger("justfit.scheduler")
+
+# The status page's word for a job's phase, from its sequence's status.
+PHASES = {Status.WAITING: "prefill", Status.PREFILLING: "prefill", Status.DECODING: "decode",
+          Status.PARKED: "preempted", Status.FINISHED: "decode"}
+
+
+def plan_sequence(engine, tokens: list[int], sp: SamplingParams, session: str | None = None, scope: str = "",
+                  drafter: DrafterFactory | None = None) -> Sequence:
+    """The planner's footprint for `tokens` alone (refusing, before any work, what cannot
+    fit) handed to a new Sequence, its state kept where the engine's runner keeps it."""
+    if not tokens:
+        raise ValueError("empty prompt")
+    offloaded, plan = engine.planner.check_fits(len(tokens), sp.max_tokens)
+    return Sequence(engine, tokens, sp, offloaded, plan, engine.runner.states(engine), session, scope, drafter)
+
+
 class Scheduler:
-    """The engine's worker thread and the bounded queue of jobs waiting for it; the
-    engine's runner (`engine.runner`, justfit.engine.runner) works the queue and, given
-    `stall_s`, may watch for a request that stops moving."""
+    """The queue, the sequences computing (`live`) and set aside (`parked`), and the
+    step loop over them (see the module doc); with `serve`, its own worker thread runs
+    the loop, and the engine's runner may watch, given `stall_s`, for a request that
+    stops moving."""
 
     def __init__(self, engine, max_queue: int = 16, on_done: Callable[[Any], None] | None = None,
-                 max_batch: int = 1, preempt: bool = True, stall_s: float | None = None):
-        if max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
+                 max_batch: int = 1, preempt: bool = True, stall_s: float | None = None,
+                 step_tokens: int = 128, serve: bool = True):
+        if max_batch < 1 or step_tokens < 1:
+            raise ValueError("max_batch and step_tokens must be >= 1")
         self.engine, self.max_queue, self.on_done, self.max_batch = engine, max_queue, on_done, max_batch
-        self.preempt = preempt  # batching: park sequences on disk rather than count each at its plan's end
-        self._queue: deque[Job | None] = deque()  # None: the worker's signal to stop
+        self.preempt = preempt  # park sequences on disk rather than count each at its plan's end
+        # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
+        # the decoding replies keep their pace during a long prefill.
+        self.step_tokens = step_tokens
+        self._queue: deque[Job | None] = deque()  # None: the signal to stop
         self._arrived = threading.Condition()  # guards _queue; notified on every put
-        self.active: list[Job] = []  # the jobs computing now, oldest first
+        self.live: list[Sequence] = []  # computing, in admission order
+        self.parked: list[Sequence] = []  # preempted, in admission order: resumed first
+        self._jobs: dict[int, Job] = {}  # id(Sequence) -> its job (none for a sequence admitted directly)
+        self._measures: dict[int, RequestMeasure] = {}  # id(Sequence) -> its measure, done as it leaves
+        self._shared: set[int] = set()  # ids of sequences that computed beside another
+        self._admitting: Job | None = None  # the queue's head while it is planned and started
+        self._planned: tuple[Job, Sequence] | None = None  # the head, planned, waiting for room
+        self._closing = False
+        self._admitted = 0
+        self.steps = 0  # decode forwards taken
+        self.preemptions, self.swap_s = 0, 0.0
         self.completed = self.cancelled = self.failed = self.rejected = 0
         self._seconds = 1.0  # recent request duration, for Retry-After
-        self.batch = None  # the BatchRunner its worker steps (justfit.engine.batch_worker)
         self.last_stats = None  # the stats of the request that finished last
         self.tickets = Tickets()  # places kept for clients turned away (touched on the server's loop only)
-        runner = engine.runner
-        self._thread = threading.Thread(target=runner.work, args=(self,), name="justfit-engine", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._serve, name="justfit-engine", daemon=True) if serve else None
+        if self._thread is not None:
+            self._thread.start()
         # The runner's bound on a request that stops moving, or None where it needs none.
-        self.watch = runner.watch(self, stall_s) if stall_s is not None else None
+        self.watch = engine.runner.watch(self, stall_s) if stall_s is not None else None
+
+    # -- what runs now, derived ----------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Sequences computing or set aside."""
+        return bool(self.live or self.parked)
+
+    @property
+    def active(self) -> list[Job]:
+        """The jobs computing now, oldest first (set aside ones included)."""
+        jobs = []
+        for seq in sorted(list(self.live) + list(self.parked), key=lambda s: s.admitted):
+            job = self._jobs.get(id(seq))
+            if job is not None:
+                jobs.append(job)
+        admitting = self._admitting
+        return jobs + ([admitting] if admitting is not None and admitting not in jobs else [])
 
     @property
     def running(self) -> Job | None:
@@ -68,7 +138,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Jobs waiting in the queue (the running one excluded)."""
+        """Jobs waiting in the queue (the running ones excluded)."""
         with self._arrived:
             return sum(j is not None for j in self._queue)
 
@@ -77,23 +147,27 @@ class Scheduler:
         with self._arrived:
             return [j for j in self._queue if j is not None]
 
+    def live_layers(self) -> list:
+        """Every layer of the running sequences' caches (the status page's KV), a snapshot."""
+        return [layer for s in list(self.live) if s.cache is not None for layer in s.cache]
+
+    def batch_stats(self) -> dict:
+        """Sequences set aside now, preemptions so far, seconds swapping."""
+        return {"preempted": len(self.parked), "preemptions": self.preemptions, "swap_s": round(self.swap_s, 3)}
+
+    def idle(self) -> bool:
+        """Nothing computing, set aside or waiting."""
+        return not self.busy and self._admitting is None and not self.waiting
+
+    def uses_session(self, name: str, scope: str) -> bool:
+        """Whether a job computing or waiting names session `name` of `scope`."""
+        return any(j.session == name and j.scope == scope for j in self.active + self.queued())
+
+    # -- the queue -------------------------------------------------------------------
     def _put(self, job: Job | None, at: int | None = None) -> None:
         with self._arrived:
             self._queue.insert(len(self._queue) if at is None else at, job)
             self._arrived.notify()
-
-    def live_layers(self) -> list:
-        """Every layer of the running sequences' caches (the status page's KV), a snapshot."""
-        b = self.batch
-        running = list(b.running) if b is not None else []
-        return [layer for s in running if s.cache is not None for layer in s.cache]
-
-    def batch_stats(self) -> dict:
-        """With batching: sequences set aside now, preemptions so far, seconds swapping."""
-        b = self.batch
-        if b is None:
-            return {}
-        return {"preempted": len(b.parked), "preemptions": b.preemptions, "swap_s": round(b.swap_s, 3)}
 
     def submit(self, job: Job, ticket: str | None = None) -> int:
         """Queue `job`; returns how many run or wait before it. Raises QueueFull with a
@@ -122,31 +196,6 @@ class Scheduler:
             self._put(job, at)
         return at + len(self.active)
 
-    def idle(self) -> bool:
-        """Nothing computing, set aside or waiting."""
-        b = self.batch
-        return not self.active and not self.waiting and not (b is not None and (b.running or b.parked))
-
-    def uses_session(self, name: str, scope: str) -> bool:
-        """Whether a job computing or waiting names session `name` of `scope`."""
-        return any(j.session == name and j.scope == scope for j in list(self.active) + self.queued())
-
-    def stop_all(self) -> int:
-        """Cancel every job, computing or waiting, for the server's stop; how many."""
-        jobs = list(self.active) + self.queued()
-        for job in jobs:
-            job.stop()
-        return len(jobs)
-
-    def close(self) -> None:
-        """Cancel the running jobs and stop the worker thread once what is queued is done."""
-        if self.watch is not None:
-            self.watch.stop()
-        for job in list(self.active):
-            job.cancel.set()
-        self._put(None)
-        self._thread.join(timeout=30)
-
     def next_job(self, block: bool) -> tuple[Job | None, bool]:
         """Take the first job waiting out of the queue (waiting for one if `block`);
         None when there is none or the scheduler is closing (the second value)."""
@@ -157,9 +206,22 @@ class Scheduler:
                 return None, bool(self._queue)
             return self._queue.popleft(), False
 
-    def put_back(self, job: Job) -> None:
-        """Return a job taken by `next_job` to the head of the queue (it waits for room)."""
-        self._put(job, 0)
+    def stop_all(self) -> int:
+        """Cancel every job, computing or waiting, for the server's stop; how many."""
+        jobs = self.active + self.queued()
+        for job in jobs:
+            job.stop()
+        return len(jobs)
+
+    def close(self) -> None:
+        """Cancel the running jobs and stop the worker thread once what is queued is done."""
+        if self.watch is not None:
+            self.watch.stop()
+        for job in self.active:
+            job.cancel.set()
+        self._put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     def finished(self, job: Job, outcome: str, stats=None) -> None:
         """Count `job` as "completed", "cancelled" or "failed" and hand its stats on
@@ -175,3 +237,328 @@ class Scheduler:
             self.last_stats = stats
             if self.on_done:
                 self.on_done(stats)
+
+    # -- the loop --------------------------------------------------------------------
+    def _serve(self) -> None:
+        """The worker thread: steps until the scheduler closes and its queue and batch drain."""
+        runtime.setup()  # this thread computes on the shared execution stream
+        while not (self._closing and not self.busy):
+            self.step(block=True)
+
+    def step(self, block: bool = False) -> Produced:
+        """Admit what fits from the queue (waiting for a job if `block` and nothing
+        runs), drop what was cancelled, run one forward and hand on what it produced;
+        what each sequence produced, in order (None: a prefill chunk)."""
+        self._admit(block and not self.busy)
+        self.drop_cancelled()
+        if not self.live and not self.parked:
+            return []
+        try:
+            produced = self._forward()
+        except Exception as e:  # a failed step leaves every sequence's cache unknown: end them all
+            self._fail_all(e)
+            return []
+        self._postprocess(produced)
+        return produced
+
+    def _forward(self) -> Produced:
+        """Resume and park to fit the budget, one forward, finished sequences out."""
+        if self.preempt:
+            self._resume()
+            self._make_room()
+        prefilling = any(s.remaining > 0 for s in self.live)
+        produced, forwards = forward(self.engine, self.live, self.step_tokens)
+        self.steps += forwards
+        # Under a budget the C heap's free pages go back to the system after each prefill
+        # chunk and every 16 decode steps: MLX's many small buffers fragment the heap, and
+        # what fragments hold counts against a budget but not in MLX's accounting.
+        if self.engine.budget.bytes is not None and (prefilling or self.steps % 16 == 0):
+            trim_heap()
+        for s in [s for s in self.live if s.finished]:
+            self.leave(s)
+        return produced
+
+    def _postprocess(self, produced: Produced) -> None:
+        """Progress and chunks to the jobs; a finished one is told it is done."""
+        for seq, chunk in produced:
+            job = self._jobs.get(id(seq))
+            if job is None:  # admitted directly, or finished earlier in these results
+                continue
+            if chunk is None or job.status.processed < len(seq.tokens):  # a prefill chunk, or the prompt's last
+                _tell_progress(job, len(seq.tokens) if chunk is not None else len(seq.held), len(seq.tokens))
+            if chunk is None:
+                continue
+            _tell_chunk(job, chunk)
+            if seq.finished and chunk.finish_reason is not None:
+                self._finish(seq, "completed")
+        for seq in self.live + self.parked:
+            job = self._jobs.get(id(seq))
+            if job is not None:
+                _tell_phase(job, PHASES[seq.status])
+
+    def drop_cancelled(self) -> None:
+        """Sequences whose client went away leave, their state stored."""
+        for seq in self.live + self.parked:
+            job = self._jobs.get(id(seq))
+            if job is not None and job.cancel.is_set():
+                self.leave(seq)
+                self._finish(seq, "cancelled")
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every sequence after a failed step, their jobs told what it means."""
+        ended = self.live + self.parked
+        if not any(isinstance(s.source.failure(error), JustFitError) for s in ended):
+            log.exception("step failed", exc_info=error)
+        for seq in ended:
+            told = seq.source.failure(error)
+            self.leave(seq)
+            job = self._jobs.get(id(seq))
+            if job is not None:
+                _tell_error(job, told)
+                self._finish(seq, "failed")
+
+    def _finish(self, seq: Sequence, outcome: str) -> None:
+        """Count the job, hand its stats on and tell its client it is done."""
+        job = self._jobs.pop(id(seq))
+        stats = seq.stats if outcome != "failed" else None
+        self.finished(job, outcome, stats)
+        if outcome == "cancelled":
+            _tell_stopped(job)
+        _tell_done(job, stats)
+
+    # -- admission -------------------------------------------------------------------
+    def _admit(self, block: bool) -> None:
+        """Start jobs from the head of the queue while a row is free and they fit (the
+        head waits, planned, for room: order is kept); notes when the queue closed."""
+        while len(self.live) < self.max_batch and not self.parked:
+            job, closing = self.next_job(block)
+            block = False
+            if job is None:
+                self._closing = self._closing or closing
+                return
+            if job.cancel.is_set():  # its client left while it waited
+                self.finished(job, "cancelled")
+                _tell_stopped(job)
+                _tell_done(job, None)
+                continue
+            if not self._start(job):
+                return
+
+    def _start(self, job: Job) -> bool:
+        """Plan `job` and admit it when it fits; False when it must wait for room."""
+        _tell_started(job)
+        self._admitting = job
+        try:
+            seq = self._planned[1] if self._planned and self._planned[0] is job else self._plan(job)
+            self._planned = None
+            if seq is None:
+                return True
+            if not self.fits(seq):  # it waits at the head, planned, for room beside the batch
+                self._planned = (job, seq)
+                _tell_waiting(job)
+                self._put(job, 0)
+                return False
+            try:
+                self.admit(seq, job)
+            except Exception as e:
+                self._fail(job, seq.source.failure(e))
+                return True
+            _tell_progress(job, len(seq.held), len(seq.tokens))  # what a stored state already holds
+            return True
+        finally:
+            self._admitting = None
+
+    def _plan(self, job: Job) -> Sequence | None:
+        """The job's sequence (the planner refuses what cannot fit alone), or None
+        when it was refused or failed (its client told)."""
+        try:
+            return plan_sequence(self.engine, job.tokens, job.sampling, job.session, job.scope)
+        except Exception as e:
+            self._fail(job, e)
+            return None
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        if not isinstance(error, JustFitError):
+            log.exception("request failed", exc_info=error)
+        self.finished(job, "failed")
+        _tell_error(job, error)
+        _tell_done(job, None)
+
+    def _counted(self, seq: Sequence) -> int:
+        """Positions `seq` is counted at: with `preempt`, what it holds after its next
+        step (its whole prompt from the start), so more fit; else its plan's end."""
+        if not self.preempt:
+            return seq.plan.positions
+        return min(seq.plan.positions, max(len(seq.tokens), len(seq.held)) + 1)
+
+    def _need(self, seqs: list[Sequence]) -> int:
+        """Bytes `seqs` need together: weights and the largest transient once, every
+        sequence's KV, the largest reserve."""
+        plans = [s.plan.at(self._counted(s)) for s in seqs]
+        shared = max(p.weights + p.working + p.transient for p in plans)
+        return shared + sum(p.kv for p in plans) + max(p.reserve for p in plans)
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may join now: nothing parked waits before it, a free row, the
+        same layers on disk as the batch, and within the budget beside the batch."""
+        if self.parked and seq is not self.parked[0]:
+            return False
+        if not self.live:
+            return True
+        if len(self.live) >= self.max_batch or seq.offloaded != tuple(self.engine.swap.offloaded):
+            return False
+        budget = self.engine.budget.bytes
+        return budget is None or self._need(self.live + [seq]) <= budget
+
+    def admit(self, seq: Sequence, job: Job | None = None) -> None:
+        """Start `seq` (for `job`, if any) beside the batch (the caller checked `fits`);
+        it is measured from here until it leaves."""
+        e = self.engine
+        if not self.live:
+            e.swap.offload(seq.offloaded)
+        budget = e.budget.bytes
+        # Stored states in memory keep out of what the batch needs now and of what this
+        # sequence needs at its plan's end (alone, nothing is set aside to make room).
+        need = max(self._need(self.live + [seq]), seq.plan.total)
+        measure = measure_request(e.planner)
+        try:
+            seq.start(None if budget is None else max(0, budget - need))
+        except BaseException:
+            if measure.watch is not None:
+                measure.watch.stop()
+            raise
+        if self.busy:  # the reserve is measured on requests that computed alone
+            self._shared.update([id(s) for s in self.live + self.parked] + [id(seq)])
+        self._admitted += 1
+        seq.admitted = self._admitted
+        self._measures[id(seq)] = measure
+        if job is not None:
+            self._jobs[id(seq)] = job
+        self.live.append(seq)
+
+    # -- preemption ------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Parked sequences back, oldest first, while they fit."""
+        while self.parked and self.fits(self.parked[0]):
+            seq = self.parked.pop(0)
+            if not self.live:
+                self.engine.swap.offload(seq.offloaded)
+            self.swap_s += seq.resume()
+            self.live.append(seq)
+            self.live.sort(key=lambda s: s.admitted)
+
+    def _make_room(self) -> None:
+        """Park the most recently admitted sequences until the next step fits (one always runs)."""
+        budget = self.engine.budget.bytes
+        while budget is not None and len(self.live) > 1 and self._need(self.live) > budget:
+            seq = self.live[-1]
+            try:
+                self.swap_s += seq.park()
+            except Exception as e:  # e.g. a full disk: it keeps running, over the estimate
+                log.warning("could not preempt a sequence to disk: %s", e)
+                return
+            self.live.pop()
+            self.parked.append(seq)
+            self.parked.sort(key=lambda s: s.admitted)
+            self.preemptions += 1
+
+    def leave(self, seq: Sequence) -> None:
+        """Take `seq` out, running or parked (finished, cancelled or failed), storing
+        what it computed; the one place a request is measured as it ends."""
+        if seq in self.live:
+            self.live.remove(seq)
+        if seq in self.parked:
+            self.parked.remove(seq)
+        try:
+            seq.store()
+            if not self.busy:  # as after a lone request: stored states back within what the budget leaves
+                e = self.engine
+                e.states.fit(e.planner.state_allowance(e.planner.footprint(1, e.swap.offloaded)))
+        finally:
+            measure, shared = self._measures.pop(id(seq), None), id(seq) in self._shared
+            self._shared.discard(id(seq))
+            if measure is not None:  # a batch's MLX peak is not one request's: only a lone one counts it
+                measure.done(seq.plan, len(seq.held), None if shared else seq.stats.memory)
+
+
+# -- a job's events: every interaction with a job is here ---------------------------
+def _tell_started(job: Job) -> None:
+    now = time.monotonic()
+    job.publish(started=now, last_event=now)  # its wait in the queue is no stall
+
+
+def _tell_waiting(job: Job) -> None:
+    """Back at the head of the queue, waiting for room."""
+    job.publish(started=None)
+
+
+def _tell_phase(job: Job, phase: str) -> None:
+    """What the status page shows it doing (prefill, decode, preempted)."""
+    if job.status.phase != phase:
+        job.publish(phase=phase)
+
+
+def _tell_progress(job: Job, processed: int, total: int) -> None:
+    job.emit(Progress(processed, total, time.monotonic() - job.status.started))
+
+
+def _tell_chunk(job: Job, chunk: Chunk) -> None:
+    job.emit(Token(chunk))
+
+
+def _tell_error(job: Job, error: Exception) -> None:
+    job.emit(Failure.of(error))
+
+
+def _tell_stopped(job: Job) -> None:
+    """A stop of the server ended the job, when one did (its client is told so)."""
+    job.ended_by_stop()
+
+
+def _tell_done(job: Job, stats) -> None:
+    job.emit(End(stats))
+
+
+# -- Engine.generate -------------------------------------------------------------------
+@dataclass
+class _CallerJob(Job):
+    """A job whose events the caller's thread takes itself (no server loop); its
+    progress is reported as it happens, within the step (a caller may act on it
+    before the next chunk is computed)."""
+
+    loop: Any = None
+    progress: ProgressFn | None = None
+    inbox: deque = field(default_factory=deque)
+
+    def emit(self, event: Event) -> None:
+        """Progress to the caller's callback at once; the rest to the caller's inbox."""
+        if isinstance(event, (Progress, Token)):
+            self.status = self.status.after(event)
+        if not isinstance(event, Progress):
+            self.inbox.append(event)
+        elif self.progress is not None:
+            self.progress(event.processed, event.total)
+
+
+def generate_here(engine, tokens: list[int], sp: SamplingParams, progress: ProgressFn | None = None,
+                  session: str | None = None, scope: str = "") -> Iterator[Chunk]:
+    """Stream the reply to `tokens` through the step loop in the caller's thread: a
+    lone request is a batch of one (see Engine.generate). Closing the iterator early
+    cancels it between steps, the state computed so far stored."""
+    sched = Scheduler(engine, max_batch=1, serve=False)
+    job = _CallerJob(tokens, sp, session=session, scope=scope, progress=progress)
+    sched.submit(job)
+    try:
+        while True:
+            sched.step()
+            while job.inbox:
+                event = job.inbox.popleft()
+                if isinstance(event, Token):
+                    yield event.chunk
+                elif isinstance(event, Failure):
+                    raise event.error
+                elif isinstance(event, End):
+                    return
+    finally:
+        job.cancel.set()
+        sched.drop_cancelled()

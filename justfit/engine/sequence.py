@@ -1,74 +1,89 @@
-"""One request from admission to its stored state: its plan, cache and tokens,
-prefilled chunk by chunk, then decoded one step at a time (a step feeds the sampled
-token, and with drafting on the tokens drafted after it: justfit.engine.draft). Every
-request is a `Sequence`; a lone one runs as a batch of one (justfit.engine.batch), so what
-is written here is written once: the seed, the pinned prompt, the sampling step, the
-exact rollback of rejected drafts, and storing the state only if the cache holds it."""
+"""One request from admission to its stored state: its plan (the scheduler's, from the
+planner), cache and tokens, prefilled chunk by chunk, then decoded one step at a time (a
+step feeds the sampled token, and with drafting on the tokens drafted after it:
+justfit.engine.drafting). Every request is a `Sequence` on the scheduler's step loop
+(justfit.engine.scheduler), so what is written here is written once: the seed, the
+pinned prompt, the exact rollback of rejected drafts, and storing the state only if the
+cache holds it. Sampling and stop text are its decoder's (justfit.engine.decoder); where
+its state comes from and goes, its state source's (justfit.engine.state_source)."""
 
 from __future__ import annotations
 
+import enum
 import time
-from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler
 
 import kvexec
-from justfit.engine import pages
 from justfit.config import SamplingParams
-from justfit.engine.draft import NgramDrafter
-from justfit.engine.generate import feed, prefill, token_logprobs
-from justfit.memory import MemoryReport, memory_report
-from justfit.engine.sampling import keyed_sampler, logits_processors, new_rng, sampling_logprobs
-from justfit.engine.speculate import TokenAcceptance, draft_length, greedy_accept, sampled_accept
+from justfit.engine import pages
+from justfit.engine.decoder import Decoder
+from justfit.engine.drafting import DraftPolicy, DrafterFactory, ngram_drafter
+from justfit.engine.generate import feed, prefill
+from justfit.engine.sampling import new_rng
+from justfit.engine.state_source import StateSource
 from justfit.engine.stats import Chunk, GenerationStats
-from justfit.engine.stops import ReplyText
+from justfit.memory import MemoryReport, memory_report
+from justfit.planning.cost_model import Footprint
 from phaseswap import PhaseStats
 from statetrans import Parked, holds, keep_parked, park, unpark
 
 
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
 
-PROBE_AFTER = 64  # drafts declined in a row before a short one is verified anyway
+    WAITING = "waiting"  # planned, not started
+    PREFILLING = "prefilling"  # prompt tokens left to feed
+    DECODING = "decoding"  # a sampled token pending
+    PARKED = "parked"  # set aside on disk (preempted)
+    FINISHED = "finished"  # its reply ended
 
 
 class Sequence:
     """A request's state between steps: `remaining` prompt tokens to prefill, then a
-    `pending` token to feed; `finished` once its reply ends."""
+    `pending` token to feed; FINISHED once its reply ends."""
 
-    def __init__(self, engine, tokens: list[int], sampling: SamplingParams, session: str | None = None,
-                 scope: str = "", drafter: Callable[[list[int]], NgramDrafter] | None = None):
+    def __init__(self, engine, tokens: list[int], sampling: SamplingParams,
+                 offloaded: tuple[str, ...], plan: Footprint, source: StateSource, session: str | None = None,
+                 scope: str = "", drafter: DrafterFactory | None = None):
         if not tokens:
             raise ValueError("empty prompt")
         self.engine, self.tokens, self.sp, self.session = engine, list(tokens), sampling, session
         self.scope = scope  # whose stored states it may reuse and write
-        self.base: int | None = None  # the session's generation it started from (lost updates are forks)
-        # The planner's footprint for this sequence alone; refuses, before any work, what cannot fit.
-        self.offloaded, self.plan = engine.planner.check_fits(len(tokens), sampling.max_tokens)
-        self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=self.plan.total,
-                                     prefill_chunk=self.plan.shape.chunk)
+        self.offloaded, self.plan, self.source = offloaded, plan, source  # the planner's, for this sequence alone
+        self.status = Status.WAITING
+        self.base = 0  # the session's generation it started from (lost updates are forks)
+        self.stats = GenerationStats(prompt_tokens=len(tokens), planned_bytes=plan.total,
+                                     prefill_chunk=plan.shape.chunk)
         self.cache: list | None = None
         self.reader = None  # reads the cache's pages on disk (justfit.engine.pages)
         self.held: list[int] = []  # exactly what `cache` holds
         self.pending: int | None = None  # sampled, not yet fed
-        self.finished = False
+        self.rng: dict = {}  # the sampler's position, once started
+        self.decoder: Decoder | None = None  # once the prompt is in
+        self.drafts: DraftPolicy | None = None  # once decoding, when drafting is on
+        self._new_drafter = drafter or ngram_drafter
         self._decode_started = 0.0
-        self.parked: Parked | None = None  # set aside on disk (justfit.engine.batch preempted it)
+        self.parked: Parked | None = None  # the snapshot while set aside on disk
         self._parked_at = 0.0
-        self.admitted = 0  # the batch's admission number: the latest admitted is parked first
-        # From the prompt: what drafts tokens to verify (justfit.engine.draft's interface); by
-        # default the n-gram drafter proposing all it has, `draft` weighing the length.
-        self._new_drafter = drafter or (lambda tokens: NgramDrafter(tokens, adapt_length=False))
-        self.drafter: NgramDrafter | None = None  # once decoding, when drafting is on
-        self.acceptance = TokenAcceptance()  # how likely its drafted tokens are accepted
-        self._declined = 0  # drafts proposed and not verified since the last verify
+        self.admitted = 0  # the scheduler's admission number: the latest admitted is parked first
+
+    @property
+    def finished(self) -> bool:
+        """Whether its reply ended."""
+        return self.status is Status.FINISHED
+
+    @property
+    def drafter(self) -> object | None:
+        """What drafts its tokens, when drafting is on."""
+        return self.drafts.drafter if self.drafts is not None else None
 
     def start(self, state_allowance: int | None) -> None:
         """Take the stored state sharing the longest prefix (the memory tier held to
         `state_allowance`), bound its pages to its plan, and pin its prompt."""
-        e = self.engine
-        reuse = e.states.take(self.tokens, self.session, state_allowance, scope=self.scope)
+        reuse = self.source.take(self.tokens, self.session, state_allowance, self.scope)
         self.base = reuse.base
-        self._bind(reuse.cache if reuse.cache is not None else e.new_cache())
+        self._bind(reuse.cache if reuse.cache is not None else self.engine.new_cache())
         # The same prompt again resumes from here (all but the last token): trimmed back
         # exactly, it computes the reply this request computes.
         kvexec.keep_exact(self.cache, len(self.tokens) - 1)
@@ -76,15 +91,14 @@ class Sequence:
         s = self.stats
         s.cached_tokens, s.restored_from, s.restore_s = len(self.held), reuse.source, reuse.seconds
         self.rng = new_rng(self.sp.seed) if self.sp.seed is not None else (reuse.sampler or new_rng())
+        self.status = Status.PREFILLING
 
     def _bind(self, cache: list) -> None:
-        """Use `cache`, its pages held to this sequence's plan and its prompt pinned."""
-        e, plan = self.engine, self.plan
-        # Each sequence's pages keep to its own plan: the batch was admitted on the sum
-        # of the plans (justfit.engine.batch.BatchRunner.fits).
-        room = None if e.budget.bytes is None else plan.page_allowance(plan.total)
+        """Use `cache`, its pages held to the room its source gives and its prompt pinned."""
+        e = self.engine
+        room = self.source.page_room(self.plan, e.budget.bytes)
         pages.release(self.cache, self.reader)
-        self.reader = pages.bind(e.config, cache, plan, room, len(self.tokens), e.numerics.deterministic)
+        self.reader = pages.bind(e.config, cache, self.plan, room, len(self.tokens), e.numerics.deterministic)
         self.cache = cache
 
     def park(self) -> float:
@@ -96,6 +110,7 @@ class Sequence:
         pages.release(self.cache, self.reader)
         self.cache = self.reader = None
         self._parked_at = started
+        self.status = Status.PARKED
         s = self.stats
         s.preemptions += 1
         s.swap_s += self.parked.write_s
@@ -107,6 +122,7 @@ class Sequence:
         cache, read_s = unpark(self.engine.states, self.parked)
         self.parked = None
         self._bind(cache)
+        self.status = Status.DECODING if self.pending is not None else Status.PREFILLING
         s = self.stats
         away = time.perf_counter() - self._parked_at
         s.swap_s += read_s
@@ -129,17 +145,15 @@ class Sequence:
     # -- prefill ---------------------------------------------------------------
     @property
     def remaining(self) -> int:
-        """Prompt tokens not yet in the cache (0 once decoding or finished)."""
-        if self.cache is None or self.pending is not None or self.finished:
-            return 0
-        return len(self.tokens) - len(self.held)
+        """Prompt tokens not yet in the cache (0 unless prefilling)."""
+        return len(self.tokens) - len(self.held) if self.status is Status.PREFILLING else 0
 
     def prefill(self, limit: int | None = None) -> Chunk | None:
         """Feed the next chunk of the prompt (the planned chunk, or `limit` tokens if
         fewer); after the last one, the first token's chunk."""
         e, done = self.engine, len(self.held)
         size = self.plan.shape.chunk if limit is None else max(1, min(limit, self.plan.shape.chunk))
-        if self.engine.numerics.deterministic:  # the pages a position sees do not depend on the chunk
+        if e.numerics.deterministic:  # the pages a position sees do not depend on the chunk
             size = kvexec.chunk_room(self.cache, size)
         piece = self.tokens[done:done + size]
         last = done + len(piece) == len(self.tokens)
@@ -155,15 +169,13 @@ class Sequence:
 
     def _first(self, logits: mx.array) -> Chunk:
         """Set up sampling once the prompt is in; the first token's chunk."""
-        sp = self.sp
-        self.reply = ReplyText(self.engine.tokenizer, sp, self.stats)
-        if sp.max_tokens == 0:
-            return self._end("")
-        self.sampler = keyed_sampler(sp, int(logits.shape[-1]), self.rng)
-        self.processors = logits_processors(sp, len(self.tokens))
-        self.context = mx.array(self.tokens)
+        self.decoder = Decoder(self.engine.tokenizer, self.sp, self.stats, self.tokens, int(logits.shape[-1]),
+                               self.rng)
+        self.status = Status.DECODING
+        if self.sp.max_tokens == 0:
+            return self._end(self.decoder.end(""))
         if self._may_draft():
-            self.drafter = self._new_drafter(self.tokens)
+            self.drafts = DraftPolicy(self._new_drafter(self.tokens), self.engine.step_costs)
         self._decode_started = time.perf_counter()
         return self.accept(logits)
 
@@ -174,49 +186,27 @@ class Sequence:
         batch, and changes which draws a sampled reply takes; a greedy reply does not
         change where the numerics are row-invariant: justfit.engine.numerics), every layer can
         drop rejected positions exactly, and a forward may compute several rows."""
-        return (self.engine.config.draft == "ngram" and self.sp.speculate and not self.processors
+        return (self.engine.config.draft == "ngram" and self.sp.speculate and not self.decoder.processors
                 and not self.engine.numerics.one_row
                 and (self.sp.temperature == 0 or self.sp.seed is None)
                 and all(isinstance(c, kvexec.PagedKVCache) for c in self.cache))
-
-    @property
-    def _plain(self) -> bool:
-        """Greedy with nothing to adjust or report: the argmax of the logits is the token
-        (the normalizing logsumexp over the vocabulary is a cost every token on the CPU)."""
-        return self.sampler is greedy_sampler and not self.processors and self.sp.logprobs is None
 
     # -- decode ----------------------------------------------------------------
     def accept(self, logits: mx.array) -> Chunk:
         """Sample from the logits after the last fed token; the chunk to send (the
         last one, with stats, when the reply ends)."""
-        if self._plain:
-            token, logprobs = int(mx.argmax(logits).item()), None
-        else:
-            for proc in self.processors:
-                logits = proc(self.context, logits[None])[0]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            token = int(self.sampler(logprobs[None]).item())
-            if self.processors:
-                self.context = mx.concatenate([self.context, mx.array([token])])
-        chunk = self._emit(token, logprobs)
+        token, chunk = self.decoder.accept(logits)
+        chunk = self._emitted(token, chunk)
         if not self.finished:
             self.pending = token
         return chunk
 
-    def _emit(self, token: int, logprobs: mx.array | None) -> Chunk:
-        """The chunk for a sampled `token` (drawn from `logprobs`, when known); ends the
-        reply at end-of-sequence, a stop string or the token limit."""
+    def _emitted(self, token: int, chunk: Chunk) -> Chunk:
+        """`chunk`, sampled as `token`, seen by the drafts and timed; the last one ends the sequence."""
         self.stats.decode_s = time.perf_counter() - self._decode_started
-        if self.drafter is not None:
-            self.drafter.extend([token])
-        text = self.reply.add(token)
-        if text is None:  # end-of-sequence
-            return self._end("")
-        logprob, top = (token_logprobs(token, logprobs, self.sp.logprobs) if self.sp.logprobs is not None
-                        else (None, None))
-        if self.reply.reason:
-            return self._end(text, token, logprob, top)
-        return Chunk(text, token, logprob=logprob, top_logprobs=top)
+        if self.drafts is not None:
+            self.drafts.saw(token)
+        return self._end(chunk) if self.decoder.ended else chunk
 
     def fed(self) -> None:
         """The pending token went through a decode step: the cache holds it."""
@@ -228,47 +218,27 @@ class Sequence:
         plain step). A draft never reaches a page flush, so rejected positions are
         dropped exactly (kvexec.chunk_room), nor past the reply's token limit or the
         rows the plan counted for a decode step."""
-        d = self.drafter
-        if d is None or not d.active or self.pending is None:
+        if self.drafts is None or self.pending is None:
             return []
-        rows = min(1 + d.max_draft, self.plan.shape.verify_rows)  # the plan may leave no room for drafts
+        rows = min(1 + self.drafts.max_draft, self.plan.shape.verify_rows)  # the plan may leave no room for drafts
         room = kvexec.chunk_room(self.cache, rows) - 1
-        limit = min(room, self.sp.max_tokens - self.stats.generated_tokens)
-        proposal = d.propose(limit) if limit > 0 else []
-        k = draft_length(len(proposal), self.acceptance.rate, self.engine.step_costs)
-        if proposal and not k:
-            # Declined while a step of more rows costs more than the tokens it is likely to
-            # add; now and then a short one measures the acceptance again.
-            self._declined += 1
-            if self._declined >= PROBE_AFTER and self.engine.step_costs.cost(1) is not None:
-                k = min(len(proposal), 2)
-        if k:
-            self._declined = 0
-        return proposal[:k]
+        return self.drafts.draft(min(room, self.sp.max_tokens - self.stats.generated_tokens))
 
     def verify(self, draft: list[int], logits: mx.array) -> list[Chunk]:
         """Take the logits after feeding the pending token and `draft` ([k+1, vocab]):
-        keep the drafted tokens the model agrees with (greedy: its argmax; sampled: the
-        speculative-sampling rule, the same distribution as one token at a time),
-        drop the rest from the cache exactly, and return a chunk per token the step
-        produced (the accepted drafts, then the model's own next one)."""
+        keep the drafted tokens the model agrees with, drop the rest from the cache
+        exactly, and return a chunk per token the step produced (the accepted drafts,
+        then the model's own next one)."""
         k = len(draft)
-        if self.sampler is greedy_sampler:
-            accepted, nxt = greedy_accept(logits, draft)
-            rows = None if self.sp.logprobs is None else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        else:
-            rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            accepted, nxt = sampled_accept(sampling_logprobs(self.sp, rows), draft, self.rng)
+        accepted, nxt, rows = self.decoder.verify(draft, logits)
         self.stats.drafted_tokens += k
         self.stats.accepted_tokens += accepted
-        self.drafter.feedback(k, accepted)
-        self.acceptance.add(k, accepted)
+        self.drafts.verified(k, accepted)
         self._drop(k - accepted)
-        self.held.append(self.pending)
-        self.pending = None
+        self.fed()
         chunks = []
         for i, token in enumerate(draft[:accepted] + [nxt]):
-            chunks.append(self._emit(token, None if rows is None else rows[i]))
+            chunks.append(self._emitted(token, self.decoder.emit(token, None if rows is None else rows[i])))
             if self.finished:  # the reply ended at a drafted token: it, and what follows, leave the cache
                 self._drop(accepted - i)
                 return chunks
@@ -282,14 +252,16 @@ class Sequence:
         if n > 0 and not kvexec.trim(self.cache, n):
             raise RuntimeError(f"could not drop {n} drafted positions from the cache")
 
-    def _end(self, text: str, token: int | None = None, logprob=None, top=None) -> Chunk:
-        tail = self.reply.end()
-        self.finished = True
+    def _end(self, chunk: Chunk) -> Chunk:
+        """The reply ended with `chunk`: it carries the complete stats."""
+        self.status = Status.FINISHED
+        self.pending = None
         s = self.stats
         s.decode_s = time.perf_counter() - self._decode_started if self._decode_started else 0.0
         s.memory = self.memory()
         s.kv_disk = pages.disk_stats(self.cache, self.reader)
-        return Chunk(text + tail, token, finish_reason=s.finish_reason, stats=s, logprob=logprob, top_logprobs=top)
+        chunk.stats = s
+        return chunk
 
     def memory(self) -> MemoryReport:
         """Memory now: resident weights, this sequence's KV, the peak of its phases, the
@@ -314,7 +286,5 @@ class Sequence:
         if cache is None:
             return
         if self.held and holds(cache, len(self.held)):
-            stored = self.engine.states.put(self.held, cache, self.session, self.rng, scope=self.scope,
-                                            base=self.base)
-            self.stats.state_write = stored.write if self.session else None
+            self.stats.state_write = self.source.put(self.held, cache, self.session, self.rng, self.scope, self.base)
         self.stats.kv_formats = kvexec.page_formats(cache)

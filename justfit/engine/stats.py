@@ -22,7 +22,7 @@ class GenerationStats:
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     queue_s: float = 0.0  # waited in the server's queue before running
-    preemptions: int = 0  # times a batch set this request aside on disk (justfit.engine.batch)
+    preemptions: int = 0  # times the scheduler set this request aside on disk (justfit.engine.scheduler)
     preempted_s: float = 0.0  # time spent set aside
     swap_s: float = 0.0  # writing its state out and reading it back, of that time
     planned_bytes: int = 0  # the planner's footprint for this request (what was checked against the budget)

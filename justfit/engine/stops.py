@@ -42,8 +42,7 @@ class StopMatcher:
 class ReplyText:
     """One reply's tokens turned into text: end-of-sequence, detokenizing, stop strings
     and the token limit, with the counts and finish kept in `stats` (GenerationStats).
-    Every request's sequence (justfit.engine.sequence) and a pipeline's requests
-    (justfit.engine.pipeline_request) emit through it."""
+    Every request's decoder (justfit.engine.decoder) emits through it."""
 
     def __init__(self, tokenizer, sp, stats):
         self.detok = tokenizer.detokenizer  # mlx-lm hands each caller its own copy

@@ -1,4 +1,4 @@
-"""Several requests at once (justfit.engine.batch): batched greedy decoding equals each
+"""Several requests at once (justfit.engine.scheduler): batched greedy decoding equals each
 request alone; sequences join and leave mid-batch; a cancelled one leaves within a
 step with its state stored; a short prompt is served between a long one's chunks; the
 batch is admitted on the sum of its plans. Preemption: tests/engine/test_batch_preempt.py."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.engine.batch import BatchRunner
-from justfit.engine.sequence import Sequence
+from justfit.engine.scheduler import Scheduler, plan_sequence
 from justfit.config import EngineConfig
 
 PROMPTS = ([5, 9, 13, 2, 77, 31, 8], list(range(40, 140)), [200, 3, 3, 3, 9, 120, 64, 1, 2, 33, 90, 11, 4])
@@ -26,9 +25,9 @@ def _alone(engine: Engine, tokens: list[int], n: int) -> list[int]:
     return out
 
 
-def _drain(runner: BatchRunner, got: dict, until=lambda: False, limit: int = 500) -> None:
+def _drain(runner: Scheduler, got: dict, until=lambda: False, limit: int = 500) -> None:
     for _ in range(limit):
-        if not runner.running or until():
+        if not runner.live or until():
             return
         for seq, chunk in runner.step():
             if chunk is not None and chunk.token is not None:
@@ -44,8 +43,8 @@ def engine(request, tiny_llama_dir, tiny_gemma3_dir):
 
 def test_batched_greedy_equals_each_alone(engine):
     alone = [_alone(engine, p, 12) for p in PROMPTS]
-    runner, got = BatchRunner(engine, max_batch=4), {}
-    seqs = [Sequence(engine, p, _greedy(12)) for p in PROMPTS]
+    runner, got = Scheduler(engine, serve=False, max_batch=4), {}
+    seqs = [plan_sequence(engine, p, _greedy(12)) for p in PROMPTS]
     for s in seqs:
         assert runner.fits(s)
         runner.admit(s)
@@ -57,11 +56,11 @@ def test_batched_greedy_equals_each_alone(engine):
 
 def test_sequences_join_and_leave_mid_batch(engine):
     alone = [_alone(engine, PROMPTS[0], 20), _alone(engine, PROMPTS[1], 5), _alone(engine, PROMPTS[2], 9)]
-    runner, got = BatchRunner(engine, max_batch=4), {}
-    first = Sequence(engine, PROMPTS[0], _greedy(20))
+    runner, got = Scheduler(engine, serve=False, max_batch=4), {}
+    first = plan_sequence(engine, PROMPTS[0], _greedy(20))
     runner.admit(first)
     _drain(runner, got, until=lambda: len(got.get(id(first), [])) >= 4)
-    later = [Sequence(engine, PROMPTS[1], _greedy(5)), Sequence(engine, PROMPTS[2], _greedy(9))]
+    later = [plan_sequence(engine, PROMPTS[1], _greedy(5)), plan_sequence(engine, PROMPTS[2], _greedy(9))]
     for s in later:  # join while `first` decodes
         runner.admit(s)
     _drain(runner, got)
@@ -71,14 +70,14 @@ def test_sequences_join_and_leave_mid_batch(engine):
 
 def test_a_cancelled_sequence_leaves_with_its_state_stored(engine):
     alone = _alone(engine, PROMPTS[1], 10)
-    runner, got = BatchRunner(engine, max_batch=4), {}
-    keep, drop = Sequence(engine, PROMPTS[1], _greedy(10)), Sequence(engine, PROMPTS[2], _greedy(30))
+    runner, got = Scheduler(engine, serve=False, max_batch=4), {}
+    keep, drop = plan_sequence(engine, PROMPTS[1], _greedy(10)), plan_sequence(engine, PROMPTS[2], _greedy(30))
     runner.admit(keep)
     runner.admit(drop)
     _drain(runner, got, until=lambda: len(got.get(id(drop), [])) >= 3)
     held = list(drop.held)
     runner.leave(drop)  # the client went away: out within this step
-    assert drop not in runner.running and drop.cache is None
+    assert drop not in runner.live and drop.cache is None
     _drain(runner, got)
     assert got[id(keep)] == alone
     # What it computed is stored: the same tokens again are served from that state.
@@ -88,11 +87,11 @@ def test_a_cancelled_sequence_leaves_with_its_state_stored(engine):
 
 
 def test_a_short_prompt_is_served_between_a_long_prompts_chunks(engine):
-    runner, got = BatchRunner(engine, max_batch=4), {}
-    long = Sequence(engine, list(range(1, 200)) * 2, _greedy(4))  # 398 tokens: 13 chunks of 32
+    runner, got = Scheduler(engine, serve=False, max_batch=4), {}
+    long = plan_sequence(engine, list(range(1, 200)) * 2, _greedy(4))  # 398 tokens: 13 chunks of 32
     runner.admit(long)
     runner.step()  # its first chunk
-    short = Sequence(engine, PROMPTS[0], _greedy(4))
+    short = plan_sequence(engine, PROMPTS[0], _greedy(4))
     runner.admit(short)
     steps = 0
     while id(short) not in got:
@@ -112,16 +111,39 @@ def test_the_batch_is_admitted_on_the_sum_of_its_plans(tiny_llama_dir):
     # Room for one sequence's KV beside the weights, not for two.
     budget = one.total + one.kv // 2
     engine = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=budget))
-    runner = BatchRunner(engine, max_batch=4, preempt=False)  # each counted at its plan's end
-    a, b = Sequence(engine, PROMPTS[1], _greedy(40)), Sequence(engine, PROMPTS[1][::-1], _greedy(40))
+    runner = Scheduler(engine, serve=False, max_batch=4, preempt=False)  # each counted at its plan's end
+    a, b = plan_sequence(engine, PROMPTS[1], _greedy(40)), plan_sequence(engine, PROMPTS[1][::-1], _greedy(40))
     assert runner.fits(a)
     runner.admit(a)
     assert not runner.fits(b)
     runner.leave(a)
     assert runner.fits(b)
     with pytest.raises(ValueError):
-        BatchRunner(engine, max_batch=0)
+        Scheduler(engine, serve=False, max_batch=0)
 
+
+
+def test_a_sequence_says_where_it_is(engine):
+    """A sequence's status: planned, prefilling, decoding, set aside on disk, finished."""
+    from justfit.engine.sequence import Status
+
+    engine.reset()
+    sched = Scheduler(engine, max_batch=4, serve=False)
+    seq = plan_sequence(engine, PROMPTS[1], _greedy(3))  # 100 tokens: chunks of 32
+    assert seq.status is Status.WAITING and seq.cache is None and seq.remaining == 0
+    sched.admit(seq)
+    assert seq.status is Status.PREFILLING and seq.remaining == len(PROMPTS[1])
+    while seq.remaining:
+        sched.step()
+    assert seq.status is Status.DECODING and seq.pending is not None
+    seq.park()
+    assert seq.status is Status.PARKED and seq.remaining == 0
+    seq.resume()
+    assert seq.status is Status.DECODING
+    while sched.live:
+        sched.step()
+    assert seq.status is Status.FINISHED and seq.finished and seq.cache is None
+    engine.reset()
 
 
 def test_a_drained_batch_measures_the_outside_share_again(tiny_llama_dir):

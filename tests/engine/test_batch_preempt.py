@@ -1,4 +1,4 @@
-"""Preemption to disk (justfit.engine.batch with `preempt`): under a budget that holds two
+"""Preemption to disk (justfit.engine.scheduler with `preempt`): under a budget that holds two
 sequences at full length, four all complete token-identical to each alone, the newest
 set aside on disk and resumed with its state byte-exact; one cancelled while set aside
 keeps what it computed as a stored state; a parked snapshot is checked when read back
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.engine.batch import BatchRunner
-from justfit.engine.sequence import Sequence
+from justfit.engine.scheduler import Scheduler, plan_sequence
 from justfit.config import EngineConfig
 from statetrans import SnapshotError, StateTiers, capture, park, unpark
 
@@ -53,8 +52,8 @@ def _arrays(cache: list) -> dict[str, np.ndarray]:
 
 def test_four_long_sequences_under_a_budget_for_two_complete_as_alone(engine):
     alone = [_alone(engine, p) for p in PROMPTS]
-    runner = BatchRunner(engine, max_batch=4)
-    seqs = [Sequence(engine, p, _greedy(NEW)) for p in PROMPTS]
+    runner = Scheduler(engine, serve=False, max_batch=4)
+    seqs = [plan_sequence(engine, p, _greedy(NEW)) for p in PROMPTS]
     admitted = 0
     for s in seqs:
         if runner.fits(s):
@@ -62,15 +61,15 @@ def test_four_long_sequences_under_a_budget_for_two_complete_as_alone(engine):
             admitted += 1
     assert admitted >= 3  # counted at what they hold now, more join than their full lengths allow
     got: dict[int, list[int]] = {}
-    pending = [s for s in seqs if s not in runner.running]
+    pending = [s for s in seqs if s not in runner.live]
     for _ in range(2000):
         while pending and runner.fits(pending[0]):
             runner.admit(pending.pop(0))
-        if not runner.running and not runner.parked and not pending:
+        if not runner.live and not runner.parked and not pending:
             break
         runner._resume()
         runner._make_room()  # what step() does first: the step to come fits
-        assert len(runner.running) == 1 or runner._need(runner.running) <= engine.budget.bytes
+        assert len(runner.live) == 1 or runner._need(runner.live) <= engine.budget.bytes
         for seq, chunk in runner.step():
             if chunk is not None and chunk.token is not None:
                 got.setdefault(id(seq), []).append(chunk.token)
@@ -85,8 +84,8 @@ def test_four_long_sequences_under_a_budget_for_two_complete_as_alone(engine):
 
 
 def test_a_parked_sequence_comes_back_byte_exact(engine):
-    seq = Sequence(engine, PROMPTS[0], _greedy(NEW))
-    runner = BatchRunner(engine)
+    seq = plan_sequence(engine, PROMPTS[0], _greedy(NEW))
+    runner = Scheduler(engine, max_batch=4, serve=False)
     runner.admit(seq)
     while seq.remaining or len(seq.held) < PROMPT + 5:
         runner.step()
@@ -104,14 +103,14 @@ def test_a_parked_sequence_comes_back_byte_exact(engine):
 
 def test_a_sequence_cancelled_while_parked_keeps_its_state(engine):
     engine.reset()
-    seq = Sequence(engine, PROMPTS[1], _greedy(NEW))
-    runner = BatchRunner(engine)
+    seq = plan_sequence(engine, PROMPTS[1], _greedy(NEW))
+    runner = Scheduler(engine, max_batch=4, serve=False)
     runner.admit(seq)
     runner.step()
     runner.step()
     held = list(seq.held)
     seq.park()
-    runner.running.remove(seq)
+    runner.live.remove(seq)
     runner.parked.append(seq)
     runner.leave(seq)  # its client went away while it was set aside
     assert not runner.parked

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -33,21 +32,12 @@ class FakeRunner:
     kind, max_batch, numerics, rank, role = "a fake", 1, None, 0, "every layer"
 
     def __init__(self, lost: str = "", refuse: str = ""):
-        self.lost, self.refuse, self.watched, self.worked = lost, refuse, [], threading.Event()
+        self.lost, self.refuse, self.watched = lost, refuse, []
         self.generated = []
 
     def generate(self, engine, tokens, sp, progress=None, session=None, scope=""):
         self.generated.append((engine, tokens, sp, session, scope))
         yield "chunk"
-
-    def work(self, sched) -> None:  # every job done at once, until the scheduler closes
-        self.worked.set()
-        while True:
-            job, _ = sched.next_job(block=True)
-            if job is None:
-                return
-            sched.finished(job, "completed")
-            job.emit(End(None))
 
     def watch(self, sched, stall_s: float):
         watch = SimpleNamespace(stall_s=stall_s, stopped=False)
@@ -63,16 +53,17 @@ class FakeRunner:
             raise ValueError(self.refuse)
 
 
-def test_the_scheduler_runs_its_worker_and_watch_from_the_runner():
+def test_the_scheduler_runs_its_own_loop_and_the_runners_watch():
     runner = FakeRunner()
     sched = Scheduler(SimpleNamespace(runner=runner), stall_s=7.0)
     loop = asyncio.new_event_loop()
     try:
-        assert runner.worked.wait(10) and [w.stall_s for w in runner.watched] == [7.0]
+        assert sched._thread.is_alive() and [w.stall_s for w in runner.watched] == [7.0]
         job = Job([1, 2], SamplingParams(max_tokens=1), loop)
+        job.cancel.set()  # its client left while it waited: answered without the engine
         sched.submit(job)
         got = loop.run_until_complete(asyncio.wait_for(job.events.get(), 10))
-        assert got == End(None) and sched.completed == 1
+        assert got == End(None) and sched.cancelled == 1
     finally:
         sched.close()
         loop.close()

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from justfit import Engine, SamplingParams
-from justfit.engine.batch import BatchRunner
-from justfit.engine.sequence import Sequence
+from justfit.engine.scheduler import Scheduler, plan_sequence
 from justfit.config import EngineConfig
 from kvexec import KVConfig
 from kvexec.export import copy_layer, export_store, restore_store
@@ -154,16 +153,16 @@ def test_drafts_verified_in_one_forward_give_the_plain_reply(model_dir, tmp_path
     """A step that feeds the pending token and its draft (some drafted tokens wrong, so
     verifies accept all, part and none) computes each row as a lone step would: the
     reply with drafting is the one without."""
-    from justfit.engine.batch import run_alone
     from justfit.engine.stats import collect
+    from bench.loop import run_all
     from tests.engine.test_speculative_decoding import Oracle
 
     for prompt in (PROMPT, LONG):  # a new engine each: no step costs measured yet that decline drafts
         engine = _engine(model_dir, tmp_path / str(len(prompt)))
         plain = _cold(engine, prompt, replace(_greedy(), speculate=False))
         engine.reset()
-        seq = Sequence(engine, prompt, _greedy(), drafter=lambda p: Oracle(p, plain))
-        assert collect(run_alone(engine, seq)).tokens == plain
+        seq = plan_sequence(engine, prompt, _greedy(), drafter=lambda p: Oracle(p, plain))
+        assert collect(c for _, c in run_all(Scheduler(engine, serve=False), [seq]) if c is not None).tokens == plain
         if engine.numerics.one_row:  # one row per forward (no row-invariant kernels here): no drafts
             assert seq.stats.drafted_tokens == 0
         else:
@@ -213,13 +212,13 @@ def test_other_prefill_chunks_of_a_prompt_paged_in_its_prefill(model_dir, engine
 
 
 def _batched(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
-    runner = BatchRunner(engine, max_batch=len(prompts))
-    seqs = [Sequence(engine, p, sp) for p in prompts]
+    runner = Scheduler(engine, max_batch=len(prompts), serve=False)
+    seqs = [plan_sequence(engine, p, sp) for p in prompts]
     for s in seqs:
         runner.admit(s)
     got: dict[int, list[int]] = {id(s): [] for s in seqs}
     for _ in range(10 * NEW * len(prompts)):
-        if not runner.running:
+        if not runner.live:
             break
         for seq, chunk in runner.step():
             if chunk is not None and chunk.token is not None:
@@ -240,13 +239,13 @@ def test_in_a_batch_of_four_each_gets_its_cold_reply(engine, sp):
 def test_preempted_to_disk_mid_reply_gives_the_cold_reply(engine, sp):
     cold = _cold(engine, PROMPT, sp)
     engine.reset()
-    runner = BatchRunner(engine)
-    seq = Sequence(engine, PROMPT, sp)
+    runner = Scheduler(engine, max_batch=4, serve=False)
+    seq = plan_sequence(engine, PROMPT, sp)
     runner.admit(seq)
     got = []
     parked = False
     for _ in range(10 * NEW):
-        if not runner.running:
+        if not runner.live:
             break
         if not parked and len(got) == NEW // 2:  # past the point the reply starts paging the prompt
             seq.park()

@@ -1,4 +1,4 @@
-"""Speculative decoding in the request path (justfit.engine.sequence, justfit.engine.batch): drafts
+"""Speculative decoding in the request path (justfit.engine.sequence, justfit.engine.scheduler): drafts
 verified in one forward give the reply plain decoding gives, with rejected positions
 dropped from the cache; a reply that ends inside a draft stores only what plain
 decoding would have fed; drafts run inside a batch (in the steps where one sequence
@@ -16,9 +16,10 @@ import textwrap
 import numpy as np
 import pytest
 
+from bench.loop import run_all
 from justfit import Engine, SamplingParams
-from justfit.engine.batch import BatchRunner, run_alone, run_all
 from justfit.config import EngineConfig
+from justfit.engine.scheduler import Scheduler, plan_sequence
 from justfit.engine.sequence import Sequence
 from justfit.engine.stats import collect
 
@@ -59,10 +60,10 @@ class _FlatCosts:
 
 @pytest.fixture
 def drafts_always_pay(monkeypatch):
-    import justfit.engine.sequence as sequence_module
+    import justfit.engine.drafting as drafting_module
 
-    real = sequence_module.draft_length
-    monkeypatch.setattr(sequence_module, "draft_length", lambda proposed, acceptance, costs:
+    real = drafting_module.draft_length
+    monkeypatch.setattr(drafting_module, "draft_length", lambda proposed, acceptance, costs:
                         real(proposed, acceptance, _FlatCosts()))
 
 
@@ -72,8 +73,8 @@ def _greedy(n: int, **kw) -> SamplingParams:
 
 def _run(engine: Engine, prompt: list[int], sp: SamplingParams, drafter=None) -> tuple[list[int], str, Sequence]:
     """The reply's tokens and text run alone in a batch of one, and its sequence."""
-    seq = Sequence(engine, prompt, sp, drafter=drafter)
-    reply = collect(run_alone(engine, seq))
+    seq = plan_sequence(engine, prompt, sp, drafter=drafter)
+    reply = collect(c for _, c in run_all(Scheduler(engine, serve=False), [seq]) if c is not None)
     return reply.tokens, reply.text, seq
 
 
@@ -137,8 +138,8 @@ def test_drafts_in_a_batch_through_preemption_to_disk(tiny_llama_dir, tmp_path):
 
     engine = _two_long(tiny_llama_dir, tmp_path)
     alone = [_alone(engine, p) for p in PROMPTS]
-    runner = BatchRunner(engine, max_batch=4)
-    seqs = [Sequence(engine, p, _greedy(NEW), drafter=lambda t, a=a: Oracle(t, a)) for p, a in zip(PROMPTS, alone)]
+    runner = Scheduler(engine, max_batch=4, serve=False)
+    seqs = [plan_sequence(engine, p, _greedy(NEW), drafter=lambda t, a=a: Oracle(t, a)) for p, a in zip(PROMPTS, alone)]
     got = {}
     for seq, chunk in run_all(runner, seqs):
         if chunk is not None and chunk.token is not None:

@@ -235,7 +235,7 @@ def test_a_rank_that_stops_answering_fails_the_request_within_the_stall_limit(ti
 
 
 class _SilentPipeline:
-    """An engine on a pipeline whose other rank never answers: generation blocks."""
+    """An engine on a pipeline whose other rank never answers: rank 0's first transfer blocks."""
 
     def __init__(self, engine):
         import threading
@@ -245,15 +245,12 @@ class _SilentPipeline:
         from justfit.pipeline.layers import Pipeline, Split
 
         group = SimpleNamespace(size=lambda: 2, rank=lambda: 0)  # rank 0 of two; nothing is sent
-        self._engine, self.runner = engine, PipelineRunner(Pipeline(Split((0, 1, 2)), SimpleNamespace(group=group)))
         self.never = threading.Event()
+        link = SimpleNamespace(group=group, send=lambda x, peer: self.never.wait(60))
+        self._engine, self.runner = engine, PipelineRunner(Pipeline(Split((0, 1, 2)), link))
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
-
-    def generate(self, *args, **kwargs):
-        self.never.wait(60)
-        yield from ()
 
 
 def test_the_server_answers_503_and_reports_degraded_when_the_pipeline_stalls(tiny_gemma3_dir):
