@@ -246,7 +246,8 @@ class RequestMeasure:
         """After the request planned as `plan`, which reached `positions` and reported
         `memory` (None: it failed before any)."""
         mlx_peak = memory.mlx_peak if memory is not None else 0
-        self.budget.remeasure(self.high_water, mlx_peak, self.watch.stop() if self.watch is not None else 0)
+        seen = self.watch.stop() if self.watch is not None else 0
+        self.budget.remeasure(high_water=self.high_water, mlx_peak=mlx_peak, seen=seen)
         if memory is not None and positions > 0:  # the reserve: MLX's peak against the plan at the length reached
             self.budget.remeasure_reserve(plan.at(positions), mlx_peak, memory.states, self.besides)
 

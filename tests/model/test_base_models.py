@@ -107,7 +107,7 @@ def test_raw_transcript_loads_back_as_one_text(base_engine, tmp_path):
     s.handle(s.read_input())
     s.save(tmp_path / "t.json")
     resumed = ChatSession(base_engine, ["sat on"], io.StringIO(), sampling=GREEDY, raw=True)
-    resumed.load(tmp_path / "t.json")
+    resumed.load_any(tmp_path / "t.json")
     resumed.handle(resumed.read_input())
     text = text_of(base_engine)
     assert text.startswith("A story.\n\nthe cat") and "\nsat on" in text

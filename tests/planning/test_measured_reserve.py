@@ -119,30 +119,33 @@ def test_a_peak_over_the_prediction_raises_the_reserve_and_narrows_plans(tiny_di
 @pytest.mark.parametrize("max_batch", [1, 2])
 def test_a_request_served_by_the_schedulers_worker_measures_the_reserve(tiny_dir, max_batch):
     """The server's worker thread runs the step loop Engine.generate runs: a request
-    served there is measured as it leaves (justfit.engine.context.measure_request), at
+    served there is measured as it leaves (justfit.planning.plan.measure_request), at
     max_batch 1 or more, as a lone one is."""
     import asyncio
 
-    from justfit.engine.scheduler import Job, Scheduler
+    from justfit.engine.events import End, Failure, Token
+    from justfit.engine.job import Job
+    from justfit.engine.scheduler import Scheduler
 
     engine = Engine(str(tiny_dir), budget=BUDGET, config=EngineConfig(policy="cpu"))
     assert engine.budget.reserve is PRIOR_RESERVE
     seen = []
-    measure = engine.remeasure_reserve
-    engine.remeasure_reserve = lambda *a: (seen.append(a), measure(*a))
+    measure = engine.budget.remeasure_reserve
+    engine.budget.remeasure_reserve = lambda *a: (seen.append(a), measure(*a))
 
-    async def serve() -> list[str]:
+    async def serve() -> list:
         sched = Scheduler(engine, max_batch=max_batch)
         job = Job(list(range(3, 203)), _greedy(4), asyncio.get_running_loop())
         sched.submit(job)
-        kinds = [kind async for kind, _ in job.stream()]
+        events = [event async for event in job.stream()]
         sched.close()
-        return kinds
+        return events
 
-    kinds = asyncio.run(serve())
-    assert kinds[-1] == "done" and "chunk" in kinds and "error" not in kinds
-    (plan, positions, peak, states, besides), = seen
-    assert positions in (203, 204) and peak > 0
+    events = asyncio.run(serve())
+    assert isinstance(events[-1], End) and any(isinstance(e, Token) for e in events)
+    assert not any(isinstance(e, Failure) for e in events)
+    (predicted, peak, states, besides), = seen
+    assert predicted.positions in (203, 204) and peak > 0
     reserve = engine.budget.reserve
     assert reserve.measured and reserve.requests == 1
-    assert reserve.share == reserve_sample(plan.at(positions), peak, states, besides)
+    assert reserve.share == reserve_sample(predicted, peak, states, besides)
