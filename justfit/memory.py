@@ -6,7 +6,6 @@ import re
 import resource
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -126,20 +125,3 @@ def memory_report(weights: nn.Module | int, cache: list | None = None,
         transient_peak=max(0, peak - weights - kv - states), rss=rss_bytes(), rss_peak=peak_rss_bytes(),
         states=states,
     )
-
-
-def trimming(record: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """`record`, then the C heap's free pages back to the system after each prefill
-    chunk and every 16 decoded tokens: MLX's many small buffers fragment the heap, and
-    what fragments hold counts against a budget but not in MLX's accounting; a trim is
-    cheap beside a chunk or 16 tokens."""
-    steps = 0
-
-    def record_and_trim(tokens: list[int]) -> None:
-        nonlocal steps
-        record(tokens)
-        steps += 1
-        if len(tokens) > 1 or steps % 16 == 0:
-            trim_heap()
-
-    return record_and_trim

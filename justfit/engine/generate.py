@@ -1,13 +1,12 @@
-"""The token loop: chunked prefill that computes logits only where they are used,
-then decode one token at a time with mlx-lm's samplers."""
+"""The forward passes: chunked prefill that computes logits only where they are used,
+and a token's log-probabilities."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import greedy_sampler
 
 import kvexec
 from phaseswap.predict import transformer_body
@@ -65,45 +64,6 @@ def prefill(
     if progress:
         progress(total, total)
     return logits
-
-
-def decode(
-    model: nn.Module,
-    logits: mx.array,
-    cache: list,
-    sampler: Callable[[mx.array], mx.array],
-    processors: list,
-    history: list[int],
-    on_processed: Callable[[list[int]], None] | None = None,
-    on_logprobs: Callable[[int, mx.array], None] | None = None,
-) -> Iterator[int]:
-    """Yield sampled tokens forever; the caller stops. Each token is yielded before
-    it is fed to the model, so stopping never computes a step nobody asked for.
-    `on_logprobs(token, logprobs)` sees the distribution each token was drawn from."""
-    context = mx.array(history)
-    # Greedy with nothing to adjust or report: the argmax of the logits, computed with
-    # them (the normalizing logsumexp over the vocabulary is a cost every token on the CPU).
-    plain = sampler is greedy_sampler and not processors and on_logprobs is None
-    choice = mx.argmax(logits) if plain else None
-    while True:
-        if plain:
-            token = int(choice.item())
-        else:
-            for proc in processors:
-                logits = proc(context, logits[None])[0]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            token = int(sampler(logprobs[None]).item())
-            if on_logprobs:
-                on_logprobs(token, logprobs)
-        yield token
-        if not plain:
-            context = mx.concatenate([context, mx.array([token])])
-        logits = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
-        if plain:
-            choice = mx.argmax(logits)
-        mx.eval(choice if plain else logits)
-        if on_processed:
-            on_processed([token])
 
 
 def token_logprobs(token: int, logprobs: mx.array, top: int) -> tuple[float, list[tuple[int, float]]]:
