@@ -10,6 +10,25 @@ from phaseswap.policy import get_policy
 
 
 @dataclass(frozen=True)
+class OutputConstraint:
+    """A grammar the reply must follow (constrained decoding, justfit.engine.grammar).
+
+    kind: "json_schema" (text: a JSON Schema, as JSON), "json_object" (any JSON
+    object; text ignored), "regex", "lark" (llguidance's Lark dialect) or "gbnf"
+    (llama.cpp's grammar format, converted to Lark). Two constraints with the same
+    kind and text compile to the same grammar (the compile cache's key)."""
+
+    kind: str
+    text: str = ""
+
+    KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(self.KINDS)}, not {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy.
 
@@ -31,6 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
     speculate: bool = True  # draft tokens from the sequence's own text when the engine drafts (EngineConfig.draft)
+    constraint: OutputConstraint | None = None  # the grammar the reply follows; None: free text
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
