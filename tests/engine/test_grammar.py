@@ -358,3 +358,25 @@ def test_smollm2_answers_a_chat_in_valid_json(smollm2_gguf):
         assert conforms(json.loads(reply.text), schema), reply.text
     assert replies[0].stats.forced_tokens == replies[1].stats.forced_tokens > 5
     assert "<|im_end|>" not in replies[0].text and replies[0].text == replies[1].text
+
+
+def test_gemma3_grammar_tokenizer_from_its_pieces(gemma3_gguf):
+    """A SentencePiece vocabulary's pieces as llguidance's tokens: spaces, byte pieces,
+    control pieces special, its end of turn an end token."""
+    from pathlib import Path
+
+    from justfit.engine.grammar import build_tokenizer, end_tokens
+    from justfit.model.models import resolve
+    from justfit.model.tokenizer import GGUFTokenizer
+
+    tokenizer = GGUFTokenizer(Path(resolve(str(gemma3_gguf))))
+    pieces = tokenizer.pieces
+    end_of_turn = pieces.token_to_id("<end_of_turn>")
+    assert end_of_turn in end_tokens(tokenizer) and set(tokenizer.eos_token_ids) <= set(end_tokens(tokenizer))
+    grammar_tokenizer = build_tokenizer(tokenizer, len(tokenizer))
+    text = 'Schön {"a": [1, 2.5, "x y"]}\n'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert grammar_tokenizer.decode_str(ids) == text
+    assert grammar_tokenizer.decode_bytes([pieces.token_to_id("<0x0A>")]) == b"\n"
+    assert grammar_tokenizer.is_special_token(end_of_turn) and not grammar_tokenizer.is_special_token(ids[0])
+    assert grammar_tokenizer.tokenize_str(" world") == tokenizer.encode(" world", add_special_tokens=False)
