@@ -270,7 +270,9 @@ class Grammars:
             raise GrammarError(constraint.kind, f"other grammars are still compiling after {self.limit_s:g} s; "
                                                 f"retry")
         self.compiles += 1
-        threading.Thread(target=work, name="justfit-grammar-compile", daemon=True).start()
+        # Not a daemon: the interpreter waits for an abandoned compile at exit (bounded by
+        # llguidance's fuel) rather than finalizing under native code that calls back into it.
+        threading.Thread(target=work, name="justfit-grammar-compile", daemon=False).start()
         if not finished.wait(self.limit_s):
             self.timeouts += 1
             return _Entry(None, GrammarError(constraint.kind, f"too complex: not compiled within {self.limit_s:g} s"),

@@ -160,20 +160,22 @@ def test_a_pathological_schema_is_refused_within_the_limit_without_holding_up_ot
             engine.grammars.check(constraint)
         except GrammarError:
             pass
-        assert time.perf_counter() - started < 2.5  # the limit, and its compile slot's wait, bound it
+        took = time.perf_counter() - started
+        assert took < 2.2, took  # the 2 s limit bounds it (a refusal by llguidance's limits comes sooner)
     # A compile past a short limit is refused, abandoned in its thread; another's compile meanwhile goes on.
     grammars = Grammars(engine.tokenizer, engine.grammars.vocab_size, 1 << 20, limit_s=0.05)
     slow = schema_of({"enum": [f"other value {i}" for i in range(60_000)]})
     started = time.perf_counter()
     with pytest.raises(GrammarError, match="not compiled within"):
         grammars.check(slow)
-    assert time.perf_counter() - started < 0.5
+    took = time.perf_counter() - started
+    assert took < 0.05 + 0.5, took  # the limit, not the compile's own time
     quick: list[float] = []
     other = threading.Thread(target=lambda: (grammars.check(schema_of(CHOICE)), quick.append(time.perf_counter())))
     t0 = time.perf_counter()
     other.start()
     other.join()
-    assert quick and quick[0] - t0 < 0.5
+    assert quick, "the second compile was refused"  # within its own 0.05 s, beside the abandoned one
     with pytest.raises(GrammarError, match="not compiled within"):  # remembered: refused at once
         grammars.check(slow)
     assert grammars.compiles == 2 and grammars.timeouts == 1
