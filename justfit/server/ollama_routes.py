@@ -1,6 +1,7 @@
 """The Ollama-compatible subset editor plugins use: /api/chat, /api/generate (NDJSON
-streaming by default, or one object; `format` mapped by justfit.server.structured: pumped by justfit.server.pump in the shapes of
-justfit.server.ollama_format), /api/tags, /api/show, /api/version."""
+streaming by default, or one object: pumped by justfit.server.pump in the shapes of
+justfit.server.ollama_format; `format` mapped by justfit.server.structured), /api/tags,
+/api/show, /api/version."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """One pump from a job's events (justfit.engine.events) to a route's reply. It owns what
 every API family shares: the event loop (keep-alive ticks, prefill progress, tokens,
 a failure with its stable code and HTTP status, the end with its stats), tool-call
-spans held back from the visible text (or, for a forced tool call, the reply read as
-the calls' JSON and streamed as call pieces: justfit.server.tools), log-probability entries (on the tokenizer
-thread), the session state made durable before the reply's end, the client going away
+spans held back from the visible text (a forced tool call's reply read as the calls'
+JSON instead, streamed as call pieces: justfit.server.tools), log-probability entries
+(on the tokenizer thread), the session state made durable before the reply's end, the client going away
 (the job cancelled) and the job cancelled whenever the reply ends. An API family only
 formats: a `Format` turns each step into the bytes of its stream, or a whole reply into
 its JSON body (justfit.server.openai_format, ollama_format, anthropic_format)."""
@@ -20,7 +20,7 @@ from justfit.server.failures import failure_answer
 from justfit.server.logprobs import chat_entries, chat_entry
 from justfit.server.schema import BadRequest
 from justfit.server.sessions import STATE_HEADER, StateOutcome, state_outcome
-from justfit.server.tools import ToolMode
+from justfit.server.tools import JsonCalls, ToolCalls, ToolMode
 
 if TYPE_CHECKING:
     from justfit.engine.stats import GenerationStats
@@ -92,7 +92,7 @@ async def reply(server, request: web.Request, job, fmt: Format, mode: ToolMode |
         job.cancel.set()  # a no-op once finished; stops the work if the client left
 
 
-async def _whole(server, job, fmt: Format, tools: ToolCalls) -> web.Response:
+async def _whole(server, job, fmt: Format, tools: ToolCalls | JsonCalls) -> web.Response:
     """Every event first, then one JSON answer; a failure raised as the client's answer."""
     parts, chunks, stats, failure = [], [], None, None
     async for event in job.stream():
@@ -116,7 +116,7 @@ async def _whole(server, job, fmt: Format, tools: ToolCalls) -> web.Response:
     return resp
 
 
-async def _stream(server, request, job, fmt: Format, tools: ToolCalls, ahead: int) -> web.StreamResponse:
+async def _stream(server, request, job, fmt: Format, tools: ToolCalls | JsonCalls, ahead: int) -> web.StreamResponse:
     """The events as they come, in `fmt`'s stream; the client leaving cancels the job."""
     resp = web.StreamResponse(headers=fmt.headers)
     await resp.prepare(request)

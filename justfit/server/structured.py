@@ -96,9 +96,9 @@ def tool_choice_constraint(tools, tool_choice, parallel_tool_calls: bool | None 
                 raise BadRequest(f"'{where}mode' must be auto or required, not {mode!r}", f"{where}mode")
             subset = []
             for i, t in enumerate(get(allowed, "tools", list, where=where)):
-                fn = _obj(t, f"{where}tools[{i}]").get("function", t)
-                subset.append(_named(defs, get(_obj(fn, f"{where}tools[{i}]"), "name", str, where=f"{where}tools[{i}]."),
-                                     f"{where}tools[{i}]"))
+                at = f"{where}tools[{i}]"
+                fn = _obj(_obj(t, at).get("function", t), at)  # {"type": "function", "function": {"name"}} or {"name"}
+                subset.append(_named(defs, get(fn, "name", str, where=f"{at}."), at))
             return _mode(mode, subset, parallel)
         raise BadRequest(f"'{path}.type' must be function or allowed_tools, not {kind!r}", f"{path}.type")
     if choice not in ("none", "auto", "required"):
