@@ -194,9 +194,21 @@ class Grammars:
 
     @property
     def bound_bytes(self) -> int:
-        """What the planner counts for constrained decoding from load: the cache's bound
-        and the grammar tokenizer's predicted bytes."""
+        """The most constrained decoding holds: the cache's bound and the grammar
+        tokenizer's predicted bytes (`justfit fit` counts it for a server that will use it)."""
         return self.cache_bytes + tokenizer_bytes(self.vocab_size)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a constrained request came (the grammar tokenizer is built)."""
+        return self._tokenizer is not None
+
+    @property
+    def room_bytes(self) -> int:
+        """What a whole-process budget sets aside for the cache to grow into: its unfilled
+        bound once constrained output is in use (the tokenizer, built, is measured as the
+        process's own), nothing before."""
+        return max(0, self.cache_bytes - self.cached_bytes) if self.in_use else 0
 
     @property
     def resident_bytes(self) -> int:

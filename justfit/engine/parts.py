@@ -164,13 +164,12 @@ def _budget(config: EngineConfig, grammars: Grammars) -> tuple[EngineConfig, Bud
     """The budget part, and the config holding the engine's budget at load: under a
     whole-process budget, the share left once what the process holds besides MLX is
     measured (weights are not read yet, a lazy load: the interpreter, libraries and
-    tokenizer) and what constrained output may come to hold is set aside (the grammar
-    cache's bound and tokenizer: `grammars.bound_bytes`); the share changes inside the
-    budget after requests."""
+    tokenizer); the share changes inside the budget after requests, and once constrained
+    output is in use, its grammar cache's unfilled room is set aside too
+    (`grammars.room_bytes`: nothing is set aside for a feature no request used)."""
     if config.budget_bytes is None or not config.budget_covers_process:
         return config, Budget(config.budget_bytes)
-    share = ProcessShare(config.budget_bytes, held_back=grammars.bound_bytes,
-                         holding=lambda: grammars.resident_bytes)
+    share = ProcessShare(config.budget_bytes, held_back=lambda: grammars.room_bytes)
     config = replace(config, budget_bytes=share.remeasure(), budget_covers_process=False)
     return config, Budget(config.budget_bytes, share)
 

@@ -73,6 +73,9 @@ def plan_sequence(engine, tokens: list[int], sp: SamplingParams, session: str | 
         raise ValueError("empty prompt")
     if sp.constraint is not None:  # compiled once, then found in the cache by the sequence
         engine.grammars.check(sp.constraint)
+        # The grammar tokenizer and the cache's room come out of a whole-process budget
+        # from the first constrained request: measured before this one is planned.
+        engine.budget.remeasure()
     offloaded, plan = engine.planner.check_fits(len(tokens), sp.max_tokens)
     return Sequence(engine, tokens, sp, offloaded, plan, engine.runner.states(engine), session, scope, drafter)
 

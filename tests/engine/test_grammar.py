@@ -326,7 +326,7 @@ def test_special_tokens_never_inside_constrained_text(engine):
     assert allowed & specials == set(grammars.tokenizer.eos_tokens) == set(matcher.ends)  # only the ends, once satisfied
 
 
-def test_the_cache_stays_within_its_bound_and_a_process_budget_sets_it_aside(engine, tiny_llama_dir):
+def test_the_cache_stays_within_its_bound_and_a_process_budget_sets_it_aside_once_used(engine, tiny_llama_dir):
     grammars = Grammars(engine.tokenizer, engine.grammars.vocab_size, 400 * 1024)
     for i in range(12):
         grammars.check(OutputConstraint("regex", f"item{i}-[a-z]{{{i + 1}}}"))
@@ -334,16 +334,18 @@ def test_the_cache_stays_within_its_bound_and_a_process_budget_sets_it_aside(eng
     assert 0 < len(grammars._cache) < 12  # the oldest left
     grammars.check(OutputConstraint("regex", "item11-[a-z]{12}"))
     assert grammars.compiles == 12  # the newest found, not compiled again
-    # A whole-process budget sets the bound aside from load, less what is held already.
+    # A whole-process budget sets nothing aside for constrained output before a request uses it...
     limited = Engine(str(tiny_llama_dir), config=EngineConfig(budget_bytes=4 << 30, budget_covers_process=True))
     share = limited.budget._share
-    assert share.held_back == limited.grammars.bound_bytes >= limited.config.grammar_cache_bytes
-    assert share.holding() == 0 and limited.budget.bytes == share.process_budget - share.outside - share.held_back
-    limited.grammars.check(schema_of(PERSON))
-    held = share.holding()
-    assert held == limited.grammars.resident_bytes > 0
-    # once held it is in the measured outside share: only the rest is still set aside
-    assert share.remeasure() == share.process_budget - share.outside - (share.held_back - held)
+    assert not limited.grammars.in_use and limited.grammars.room_bytes == 0
+    assert limited.budget.bytes == share.process_budget - share.outside
+    # ...then the cache's unfilled room, measured again before the first constrained request is planned
+    out = limited.complete(limited.encode("a person:"), SamplingParams(temperature=0, max_tokens=4,
+                                                                       constraint=schema_of(PERSON)))
+    assert isinstance(out, str) and limited.grammars.in_use
+    room = limited.grammars.room_bytes
+    assert 0 < room <= limited.config.grammar_cache_bytes
+    assert share.remeasure() == share.process_budget - share.outside - room
 
 
 def test_smollm2_answers_a_chat_in_valid_json(smollm2_gguf):
