@@ -80,7 +80,7 @@ class ResponsesRoutes:
         job, ahead = self.server.submit(tokens, req.opts, "responses", request)
         done = self._keeper(scope, rid, items, req.opts.session) if req.store else None
         fmt = ResponsesFormat({"id": rid, "model": self.server.model_id, **req.echo}, len(tokens), done)
-        return await pump.reply(self.server, request, job, fmt, req.opts.tools, req.opts.stream, ahead)
+        return await pump.reply(self.server, request, job, fmt, req.opts.tool_mode, req.opts.stream, ahead)
 
     def _session(self, name: str) -> str | None:
         """`name`, where the runner keeps named sessions (a layer pipeline does not: the
