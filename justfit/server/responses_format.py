@@ -60,7 +60,7 @@ def error_object(answer: BadRequest) -> dict:
     return {"code": answer.code or answer.type, "message": answer.message}
 
 
-Done = Callable[[dict, "StateOutcome | None"], None]  # a finished response and its session state
+Done = Callable[[dict, "StateOutcome | None", list], None]  # a finished response, its session state, its tokens
 
 
 class ResponsesFormat:
@@ -91,11 +91,11 @@ class ResponsesFormat:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
-    def _finish(self, output: list[dict], stats, stored: StateOutcome | None) -> dict:
+    def _finish(self, output: list[dict], stats, stored: StateOutcome | None, token_ids: list[int]) -> dict:
         status, incomplete = status_of(stats)
         self.result = self.response(status, output, stats, incomplete)
         if self.done is not None:
-            self.done(self.result, stored)
+            self.done(self.result, stored, token_ids)
         return self.result
 
     # -- streamed -------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class ResponsesFormat:
                     self._event("response.output_item.done", output_index=0, item=item)]
         for call in ending.calls:
             out += self._call_end(call, output)
-        final = self._finish(output, ending.stats, ending.stored)
+        final = self._finish(output, ending.stats, ending.stored, ending.token_ids)
         return out + [self._event(f"response.{final['status']}", response=final)]
 
     def _call_end(self, call: dict, output: list[dict]) -> list[bytes]:
@@ -198,4 +198,4 @@ class ResponsesFormat:
         """The response object: the message (unless the reply is only calls), the calls."""
         status, _ = status_of(reply.stats)
         output = [message_item(new_id("msg"), reply.text, status)] if reply.text or not reply.calls else []
-        return self._finish(output + [call_item(c) for c in reply.calls], reply.stats, reply.stored)
+        return self._finish(output + [call_item(c) for c in reply.calls], reply.stats, reply.stored, reply.token_ids)

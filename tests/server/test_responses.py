@@ -133,6 +133,7 @@ def test_previous_response_id_reuses_the_stored_state(live):
         context = prev.usage.input_tokens + prev.usage.output_tokens
         assert nxt.usage.input_tokens > context  # the conversation so far came with it
         assert nxt.usage.input_tokens_details.cached_tokens >= 0.95 * context, (nxt.usage, prev.usage)
+        assert nxt.usage.input_tokens_details.cached_tokens >= context - 1  # all but the last token's state
         assert nxt.previous_response_id == prev.id
         turns.append(nxt)
     sessions = json.loads(request(live, "GET", "/v1/justfit/sessions",
@@ -146,6 +147,31 @@ def test_previous_response_id_reuses_the_stored_state(live):
     assert fork_b.usage.input_tokens_details.cached_tokens >= 0.95 * parent
     items = [i.model_dump() for i in c.responses.input_items.list(fork_b.id, order="asc", limit=100)]
     assert [i["type"] for i in items] == ["message"] * 5 and "first fruit" in items[0]["content"][0]["text"]
+
+
+def test_a_turn_extends_the_previous_turns_tokens_as_generated(live):
+    from justfit.server.responses_routes import prompt_tokens, reply_context
+
+    engine = live.server.engine
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Say hello."}]
+    first: dict = {}
+    prompt = prompt_tokens(engine, msgs, None, None, first)
+    assert prompt == engine.apply_chat_template(msgs)  # no context: as a chat completion
+    reply = "Hello there, friend"
+    generated = [i for ch in reply for i in tok.encode(ch, add_special_tokens=False)]  # not how it tokenizes whole
+    assert generated != tok.encode(reply, add_special_tokens=False)
+    eos = set(tok.eos_token_ids)
+    response = {"output": [{"type": "message", "content": [{"type": "output_text", "text": reply}]}]}
+    context = reply_context(response, first["text"], prompt, [*generated, *sorted(eos)[:1]], eos)
+    assert context["ids"] == [*prompt, *generated]  # the end-of-turn token left to the template
+    nxt = [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
+    ids = prompt_tokens(engine, nxt, None, context, {})
+    assert ids[:len(context["ids"])] == context["ids"] and tok.decode(ids) == tok.decode(engine.apply_chat_template(nxt))
+    other = [{"role": "system", "content": "New instructions."}, *nxt[1:]]  # no longer an extension: afresh
+    assert prompt_tokens(engine, other, None, context, {}) == engine.apply_chat_template(other)
+    called = {"output": [{"type": "function_call"}]}
+    assert reply_context(called, first["text"], prompt, generated, eos) is None
 
 
 def _error(status_error) -> dict:
@@ -336,7 +362,7 @@ def test_function_call_events_parse_in_the_client():
     tools = [{"type": "function", "name": "get_weather", "parameters": {}, "strict": False}]
     stats = GenerationStats(prompt_tokens=10, generated_tokens=5, finish_reason="stop")
     kept = []
-    fmt = ResponsesFormat({"model": "m"}, 10, lambda response, stored: kept.append(response))
+    fmt = ResponsesFormat({"model": "m"}, 10, lambda response, stored, ids: kept.append(response))
     calls = [{"id": "call_1", "type": "function", "index": 0,
               "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     raw = fmt.opening(0) + fmt.token("Checking.", None) + fmt.ending(Ending(stats, None, "", calls, []))
@@ -348,7 +374,7 @@ def test_function_call_events_parse_in_the_client():
     assert call["call_id"] == "call_1" and call["name"] == "get_weather" and json.loads(call["arguments"]) == {
         "city": "Oslo"} and call["id"].startswith("fc_")
     # A forced call (a constrained reply) streams as it is generated: two calls, arguments in pieces.
-    fmt, reader = ResponsesFormat({"model": "m"}, 10, lambda response, stored: kept.append(response)), JsonCalls()
+    fmt, reader = ResponsesFormat({"model": "m"}, 10, lambda response, stored, ids: kept.append(response)), JsonCalls()
     raw = fmt.opening(0)
     for piece in ['[{"name": "get_weather", "argu', 'ments": {"city": "Os', 'lo"}}, {"name": "get_weather",',
                   ' "arguments": {"city": "Rome"}}]']:
@@ -379,6 +405,16 @@ def test_store_is_durable_bounded_and_quarantines(tmp_path):
     assert len(names) == 3 and not any("resp_" in n or "scope-a" in n for n in names)  # hashed names only
     reopened = ResponseStore(tmp_path, store.limits, clock=lambda: now[0])
     assert reopened.get("scope-a", "resp_1").items[0]["text"] == "x"
+    with_context = _record("resp_ctx", at=now[0] - 5)
+    with_context.context = {"text": "<prompt>hi", "ids": [1, 2, 3]}
+    store.put("scope-z", with_context)
+    bad = _record("resp_bad", at=now[0] - 5)
+    bad.context = {"text": "t", "ids": [True, -1]}
+    store.put("scope-z", bad)
+    store.run(lambda: None).result()
+    fresh_z = ResponseStore(tmp_path, store.limits, clock=lambda: now[0])
+    assert fresh_z.get("scope-z", "resp_ctx").context == {"text": "<prompt>hi", "ids": [1, 2, 3]}
+    assert fresh_z.get("scope-z", "resp_bad").context is None  # not token ids: the next turn tokenizes afresh
     assert reopened.get("scope-b", "resp_1") is None  # another scope never sees it
     gone = reopened.put("scope-a", _record("resp_3", session="s9", at=now[0]))  # past the count: resp_0 goes
     assert reopened.get("scope-a", "resp_0") is None and gone == []  # s0 is still named by resp_2
