@@ -22,13 +22,14 @@ from justfit.server.tools import CallStart
 
 def usage(stats) -> dict:
     """The Responses usage object (zeros without stats); speculative decoding's drafted
-    and accepted tokens as extra keys, as on chat completions."""
+    and accepted tokens and the tokens a grammar forced as extra keys, as on chat completions."""
     prompt = stats.prompt_tokens if stats else 0
     done = stats.generated_tokens if stats else 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
             "output_tokens": done, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + done,
             "drafted_tokens": stats.drafted_tokens if stats else 0,
-            "accepted_tokens": stats.accepted_tokens if stats else 0}
+            "accepted_tokens": stats.accepted_tokens if stats else 0,
+            "forced_tokens": stats.forced_tokens if stats else 0}
 
 
 def message_item(item_id: str, text: str, status: str) -> dict:

@@ -334,13 +334,15 @@ def test_forced_tool_call_end_to_end(live):
         pytest.skip("this engine does not constrain replies yet (justfit.engine.grammar)")
     c = client(live)
     tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                           "required": ["city"], "additionalProperties": False}}
     ask = {"model": "default", "input": "What is the weather in Paris?", "tools": [tool], "store": False,
-           "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 40, "temperature": 0,
+           "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60, "temperature": 0,
            "parallel_tool_calls": False}
     r = c.responses.create(**ask)
     calls = [o for o in r.output if o.type == "function_call"]
-    assert len(calls) == 1 and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r
+    assert set(json.loads(calls[0].arguments)) == {"city"}
     with c.responses.stream(**ask) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
@@ -348,8 +350,7 @@ def test_forced_tool_call_end_to_end(live):
     shaped = c.responses.create(model="default", input="Give a number.", store=False, max_output_tokens=30,
                                 temperature=0, text={"format": {"type": "json_schema", "name": "n", "schema": {
                                     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}})
-    if shaped.status == "completed":
-        assert isinstance(json.loads(shaped.output_text)["n"], int)
+    assert shaped.status == "completed" and isinstance(json.loads(shaped.output_text)["n"], int), shaped
 
 
 # -- the stream's function calls and the store, without a model ------------------------------------
