@@ -112,12 +112,17 @@ def _generic(r: dict) -> str:
     return "fields: " + ", ".join(k for k in r if k != "machine")
 
 
+def _overhead(r: dict) -> str:
+    return _some([f"{x.get('system', x['path'])} @ {x['context']}: JustFit host / mlx-lm {x['host_over_mlx_lm']}, "
+                  f"ops/token {x['ops_justfit']:g} vs {x['ops_mlx_lm']:g}" for x in r.get("host_ratios", [])])
+
+
 def _footprint(r: dict) -> str:
     return _some([f"{s['system']}{' (' + s['tree'] + ')' if s.get('tree') else ''} {s['model']} {s['context']:,}: "
                   + ("error" if "error" in s else f"peak {s['peak_rss'] / 2**20:.0f} MiB") for s in r["rows"]])
 
 
-SUMMARIES = {"capacity": _capacity, "footprint": _footprint, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
+SUMMARIES = {"capacity": _capacity, "footprint": _footprint, "overhead": _overhead, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
              "state": _rows, "state-restart": _rows, "sessions": _rows, "serve": _serve,
              "kv-calibration-smollm2": _calibration, "kv-calibration-gemma3": _calibration,
              "codecs-smollm2": _codecs, "codecs-gemma3": _codecs}

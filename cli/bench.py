@@ -11,7 +11,7 @@ import click
 
 from .common import UserError
 
-SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "trace", "before_after")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "trace", "before_after", "overhead")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -37,6 +37,7 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     parity   GGUF import against llama.cpp's reference outputs
     blas     the OpenBLAS preload's effect
     before_after  this checkout's speed against another's, in alternating rounds
+    overhead where a decode step's time goes (host, waiting, MLX operations) beside mlx-lm
     trace    one streamed chat request from the socket to the stored state: the functions it runs through
     """
     _find_benchmarks()
