@@ -10,6 +10,8 @@ keeps its pace.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -24,12 +26,21 @@ Produced = list[tuple[Sequence, Chunk | None]]  # what each sequence produced, i
 def decode_step(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.array:
     """Feed token i to sequence i (its cache list `caches[i]`); the next logits, fp32
     [B, vocab], evaluated with every sequence's new keys and values."""
+    return decode_rows(model, tokens, caches)[0]
+
+
+def decode_rows(model: nn.Module, tokens: list[int], caches: list[list],
+                choose: Callable[[mx.array], list[mx.array | None]] | None = None
+                ) -> tuple[mx.array, list[mx.array | None]]:
+    """`decode_step`, and what `choose(logits)` computes from the logits (a greedy row's
+    token) evaluated with them: one wait for the step, not a second one for the token."""
     if len(tokens) != len(caches) or not tokens:
         raise ValueError(f"{len(tokens)} tokens for {len(caches)} sequences")
     layers = batch_caches(caches) if len(caches) > 1 else caches[0]
     logits = model(mx.array(tokens)[:, None], cache=layers)[:, -1].astype(mx.float32)
-    mx.eval(logits, [c.state for c in layers])
-    return logits
+    chosen = choose(logits) if choose is not None else []
+    mx.eval(logits, [c for c in chosen if c is not None], [c.state for c in layers])
+    return logits, chosen
 
 
 def verify_step(model: nn.Module, tokens: list[int], cache: list) -> mx.array:
@@ -60,14 +71,15 @@ def forward(engine, live: list[Sequence], step_tokens: int) -> tuple[Produced, i
     forwards = 0
     for group in _groups(engine, plain):
         with engine.swap.phase("decode") as phase:
-            logits = decode_step(engine.model, [s.pending for s in group], [s.cache for s in group])
+            logits, chosen = decode_rows(engine.model, [s.pending for s in group], [s.cache for s in group],
+                                         lambda rows, g=group: [s.decoder.choice(rows[i]) for i, s in enumerate(g)])
         forwards += 1
         if len(group) == 1:  # what a draft must beat (justfit.engine.speculate.draft_length)
             engine.step_costs.note(1, phase.seconds)
         for i, s in enumerate(group):
             s.note_phase(phase)
             s.fed()
-            out.append((s, s.accept(logits[i])))
+            out.append((s, s.accept(logits[i], chosen[i])))
     for s in decoding:
         if drafts[id(s)]:
             with engine.swap.phase("decode") as phase:

@@ -79,10 +79,25 @@ class Decoder:
             self.queued = self.grammar.forced()
         return self.queued
 
-    def accept(self, logits: mx.array) -> tuple[int, Chunk]:
-        """Sample from the logits after the last fed token (or take the token the
-        grammar forces there): the token and its chunk."""
-        pick = self.take_forced(1)[0] if self.forced() else self._sample(logits)
+    def choice(self, logits: mx.array) -> mx.array | None:
+        """The next token as an array computed from the (not yet evaluated) logits, to
+        be evaluated with them, where it needs nothing else: plain greedy (the argmax,
+        of the masked logits with a grammar: the mask depends on the tokens before only)
+        and no forced token; None otherwise (`accept` computes it)."""
+        if not self.plain or self.forced():
+            return None
+        return mx.argmax(self.grammar.mask(logits) if self.grammar is not None else logits)
+
+    def accept(self, logits: mx.array, chosen: mx.array | None = None) -> tuple[int, Chunk]:
+        """Sample from the logits after the last fed token (`chosen`: this decoder's
+        `choice` for them, evaluated; or take the token the grammar forces there): the
+        token and its chunk."""
+        if self.forced():
+            pick = self.take_forced(1)[0]
+        elif chosen is not None:
+            pick = self._decided(Pick(int(chosen.item())))
+        else:
+            pick = self._sample(logits)
         return pick.token, self.emit(pick)
 
     def _sample(self, logits: mx.array) -> Pick:

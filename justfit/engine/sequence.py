@@ -203,10 +203,11 @@ class Sequence:
         return self.decoder.grammar is not None and self.sp.force_tokens and self._rows_droppable()
 
     # -- decode ----------------------------------------------------------------
-    def accept(self, logits: mx.array) -> Chunk:
-        """Sample from the logits after the last fed token; the chunk to send (the
-        last one, with stats, when the reply ends)."""
-        token, chunk = self.decoder.accept(logits)
+    def accept(self, logits: mx.array, chosen: mx.array | None = None) -> Chunk:
+        """Sample from the logits after the last fed token (`chosen`: the token its
+        decoder's `choice` computed with them); the chunk to send (the last one, with
+        stats, when the reply ends)."""
+        token, chunk = self.decoder.accept(logits, chosen)
         chunk = self._emitted(token, chunk)
         if not self.finished:
             self.pending = token
