@@ -152,8 +152,6 @@ async def chat(http, url: str, messages: list[dict], max_tokens: int, speculate:
     """A streamed greedy chat completion, timed by its first text and its end; `extra`:
     more body fields; `text`: the conversation as plain text to /v1/completions, ended
     by the next "User:" (a base model)."""
-    import aiohttp
-
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": True}
     route = "/v1/chat/completions"
@@ -163,11 +161,18 @@ async def chat(http, url: str, messages: list[dict], max_tokens: int, speculate:
     if speculate is not None:
         body["speculate"] = speculate
     body.update(extra or {})
+    return await streamed(http, url + route, body, take, timeout)
+
+
+async def streamed(http, url: str, body: dict, fold, timeout: float) -> Reply:
+    """POST `body` to `url` and fold each event of its SSE stream into a timed Reply
+    (`fold(event, reply, pieces, seconds)`)."""
+    import aiohttp
+
     reply, pieces = Reply(), []
     start = time.perf_counter()
     try:
-        async with http.post(url + route, json=body,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 reply.error = f"HTTP {r.status}: {(await r.text())[:300]}"
                 return reply
@@ -176,9 +181,9 @@ async def chat(http, url: str, messages: list[dict], max_tokens: int, speculate:
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for event in sse_events(b"\n".join(lines)):
-                    take(event, reply, pieces, time.perf_counter() - start)
+                    fold(event, reply, pieces, time.perf_counter() - start)
             for event in sse_events(buffer):
-                take(event, reply, pieces, time.perf_counter() - start)
+                fold(event, reply, pieces, time.perf_counter() - start)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         reply.error = f"{type(e).__name__}: {e}"
     reply.total_s = time.perf_counter() - start
@@ -190,34 +195,13 @@ async def respond(http, url: str, instructions: str, user: str, previous: str | 
                   speculate: bool | None, timeout: float) -> Reply:
     """One streamed greedy turn over the Responses API: `user`'s message after the
     response `previous` (the server holds the conversation), timed as `chat` times."""
-    import aiohttp
-
     body = {"input": user, "instructions": instructions, "max_output_tokens": max_tokens, "temperature": 0,
             "stream": True, "tools": [{"type": "function", **AGENT_TOOL["function"]}]}
     if previous:
         body["previous_response_id"] = previous
     if speculate is not None:
         body["speculate"] = speculate
-    reply, pieces = Reply(), []
-    start = time.perf_counter()
-    try:
-        async with http.post(url + "/v1/responses", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status != 200:
-                reply.error = f"HTTP {r.status}: {(await r.text())[:300]}"
-                return reply
-            buffer = b""
-            async for chunk in r.content.iter_any():
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for event in sse_events(b"\n".join(lines)):
-                    take_response(event, reply, pieces, time.perf_counter() - start)
-            for event in sse_events(buffer):
-                take_response(event, reply, pieces, time.perf_counter() - start)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        reply.error = f"{type(e).__name__}: {e}"
-    reply.total_s = time.perf_counter() - start
-    reply.text = "".join(pieces)
-    return reply
+    return await streamed(http, url + "/v1/responses", body, take_response, timeout)
 
 
 def take_response(event: dict, reply: Reply, pieces: list[str], at: float) -> None:

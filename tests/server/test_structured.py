@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
 import pytest
 
 from justfit.config import OutputConstraint, SamplingParams
+from justfit.engine.stats import GenerationStats
 from justfit.server.anthropic_format import AnthropicFormat
 from justfit.server.openai_format import OpenAIFormat
 from justfit.server.pump import Ending, Whole
@@ -236,16 +236,9 @@ def test_json_calls_cut_short():
     assert nameless.calls() == [] and pieces == [] and nameless.flush() == '{"na'  # shown as text
 
 
-@dataclass
-class Stats:
-    finish_reason: str = "stop"
-    prompt_tokens: int = 5
-    cached_tokens: int = 0
-    generated_tokens: int = 9
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    forced_tokens: int = 0
-    stop_sequence: str | None = None
+def Stats(finish_reason: str = "stop") -> GenerationStats:
+    """A finished reply's stats as the formats read them."""
+    return GenerationStats(finish_reason=finish_reason, prompt_tokens=5, generated_tokens=9)
 
 
 def data_events(pieces: list[bytes]) -> list[dict]:
