@@ -117,7 +117,13 @@ def _footprint(r: dict) -> str:
                   + ("error" if "error" in s else f"peak {s['peak_rss'] / 2**20:.0f} MiB") for s in r["rows"]])
 
 
-SUMMARIES = {"capacity": _capacity, "footprint": _footprint, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
+def _grammar_libraries(r: dict) -> str:
+    return _some([f"{s['library']} {s['model']}: " + ("error" if "error" in s else
+                   f"mask median {s['mask_us_median']:g} µs, compile {s['compile_ms_median']:g} ms, "
+                   f"tokenizer {s['tokenizer_rss_bytes'] / 2**20:.1f} MiB") for s in r["rows"]])
+
+
+SUMMARIES = {"capacity": _capacity, "grammar-libraries": _grammar_libraries, "footprint": _footprint, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
              "state": _rows, "state-restart": _rows, "sessions": _rows, "serve": _serve,
              "kv-calibration-smollm2": _calibration, "kv-calibration-gemma3": _calibration,
              "codecs-smollm2": _codecs, "codecs-gemma3": _codecs}
