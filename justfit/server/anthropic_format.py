@@ -11,6 +11,7 @@ from justfit.engine.events import Progress, Tick
 from justfit.server.pump import SSE_HEADERS, Ending, Whole
 from justfit.server.schema import BadRequest
 from justfit.server.sessions import stream_note
+from justfit.server.tools import CallStart
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -33,14 +34,19 @@ def tool_blocks(calls: list[dict]) -> list[dict]:
             args = json.loads(call["function"]["arguments"] or "{}")
         except json.JSONDecodeError:
             args = {}
-        out.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+        out.append({"type": "tool_use", "id": tool_use_id(call["id"]),
                     "name": call["function"]["name"], "input": args if isinstance(args, dict) else {"value": args}})
     return out
 
 
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic's tool_use id."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def stop_reason(stats, calls: list) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence for a finished reply."""
-    if calls:
+    """Anthropic's stop_reason and stop_sequence for a finished reply (max_tokens even mid-call)."""
+    if calls and not (stats is not None and stats.finish_reason == "length"):
         return "tool_use", None
     if stats is not None and stats.stop_sequence:
         return "stop_sequence", stats.stop_sequence
@@ -76,7 +82,9 @@ class AnthropicFormat:
     def __init__(self, model: str, prompt_tokens: int):
         self.prompt_tokens = prompt_tokens
         self.head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": model}
-        self.started, self.text_open, self.blocks = False, False, 0
+        self.started, self.text_open, self.call_open = False, False, False
+        self.blocks = 0  # the index of the block open or next
+        self.streamed_calls = 0  # tool calls already streamed as pieces (a forced tool_choice)
 
     def _start(self, cached: int) -> list[bytes]:
         if self.started:
@@ -86,8 +94,16 @@ class AnthropicFormat:
                                                     "stop_sequence": None,
                                                     "usage": usage(self.prompt_tokens, cached, 0)}})]
 
+    def _close(self) -> list[bytes]:
+        """The open block's end, if one is open."""
+        if not (self.text_open or self.call_open):
+            return []
+        self.text_open = self.call_open = False
+        self.blocks += 1
+        return [event("content_block_stop", {"index": self.blocks - 1})]
+
     def _text(self, piece: str) -> list[bytes]:
-        out = []
+        out = [] if self.text_open else self._close()
         if not self.text_open:
             self.text_open = True
             out += [event("content_block_start", {"index": self.blocks, "content_block": {"type": "text", "text": ""}}),
@@ -114,6 +130,20 @@ class AnthropicFormat:
         """A text delta in the open text block."""
         return self._start(0) + (self._text(shown) if shown else [])
 
+    def call_pieces(self, pieces: list) -> list[bytes]:
+        """A tool_use block opened per call, its input streamed as input_json_delta events."""
+        out = self._start(0)
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                out += self._close()
+                self.call_open, self.streamed_calls = True, piece.index + 1
+                block = {"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name, "input": {}}
+                out.append(event("content_block_start", {"index": self.blocks, "content_block": block}))
+            else:
+                out.append(event("content_block_delta", {"index": self.blocks, "delta": {
+                    "type": "input_json_delta", "partial_json": piece.text}}))
+        return out
+
     def failure(self, answer: BadRequest) -> list[bytes]:
         """An `error` event in Anthropic's error shape."""
         return [event("error", {"error": anthropic_error(answer)})]
@@ -123,9 +153,8 @@ class AnthropicFormat:
         out = self._start(0) + [stream_note(ending.stored)]
         if ending.tail or not ending.calls:
             out += self._text(ending.tail)
-        if self.text_open:
-            out.append(event("content_block_stop", {"index": self.blocks}))
-        out += tool_events(ending.calls, self.blocks + self.text_open)
+        out += self._close()
+        out += tool_events([c for c in ending.calls if c["index"] >= self.streamed_calls], self.blocks)
         reason, sequence = stop_reason(ending.stats, ending.calls)
         return out + [event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                               "usage": self._usage(ending.stats)}),

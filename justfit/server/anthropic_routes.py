@@ -1,7 +1,8 @@
 """Anthropic's Messages API: POST /v1/messages (streamed as Anthropic's named SSE
 events, or whole) and /v1/messages/count_tokens, so Claude Code (ANTHROPIC_BASE_URL)
 and the `anthropic` package talk to the local model. Errors come back in Anthropic's
-shape (see app.py); requests are checked, tokenized (on the tokenizer thread), planned
+shape (see app.py); output_config and tool_choice are mapped by
+justfit.server.structured; requests are checked, tokenized (on the tokenizer thread), planned
 and queued exactly as OpenAI's are, and the reply pumped (justfit.server.pump) in
 Anthropic's shapes (justfit.server.anthropic_format)."""
 
@@ -14,6 +15,7 @@ from justfit.server.anthropic_format import AnthropicFormat
 from justfit.server.anthropic_request import anthropic_options, chat_messages, openai_tools
 from justfit.server.openai_routes import chat_tokens
 from justfit.server.schema import parse_body
+from justfit.server.structured import anthropic_structure
 
 
 def add_routes(app: web.Application, server) -> None:
@@ -50,10 +52,10 @@ class AnthropicRoutes:
         """POST /v1/messages: a reply, streamed as Anthropic's events or whole."""
         body = parse_body(await request.read())
         model = self._model(body)
-        opts = anthropic_options(body, self.engine.default_sampling)
+        opts = anthropic_structure(body, anthropic_options(body, self.engine.default_sampling))
         msgs = chat_messages(body)
         await self.server.tokenizing.refuse_oversized(self.engine, msgs, opts.tools)
         tokens = await self.server.prepare(lambda: chat_tokens(self.engine, msgs, opts.tools), opts)
         job, _ = self.server.submit(tokens, opts, "anthropic", request)
         fmt = AnthropicFormat(model, len(tokens))
-        return await pump.reply(self.server, request, job, fmt, opts.tools, opts.stream)
+        return await pump.reply(self.server, request, job, fmt, opts.tool_mode, opts.stream)

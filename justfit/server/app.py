@@ -27,7 +27,7 @@ from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerS
 from justfit.engine.job import Job
 from justfit.engine.scheduler import QueueFull, Scheduler
 from justfit.engine.tickets import TICKET_HEADER
-from justfit.server import connections, keys, status_page
+from justfit.server import connections, keys, status_page, structured
 from justfit.server.metrics import Metrics, acceptance_rate, memory, prometheus
 from justfit.server.schema import BadRequest, Options
 from justfit.server.sessions import scope_of
@@ -97,9 +97,11 @@ class Server:
 
     # -- generation -----------------------------------------------------------------
     async def prepare(self, tokenize: Callable[[], list[int]], opts: Options) -> list[int]:
-        """`tokenize()` (templating, tokenization, token checks), then the plan, on the
-        tokenizer thread: the prompt's tokens, or BadRequest."""
+        """The request's constraint compiled (structured.check), then `tokenize()`
+        (templating, tokenization, token checks) and the plan, on the tokenizer thread:
+        the prompt's tokens, or BadRequest."""
         def tokenize_and_plan() -> list[int]:
+            structured.check(self.engine, opts)
             tokens = tokenize()
             self.plan(tokens, opts)
             return tokens

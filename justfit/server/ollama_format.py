@@ -66,6 +66,10 @@ class OllamaFormat:
         """A line with the text."""
         return [_ndjson(self._line(shown))] if shown else []
 
+    def call_pieces(self, pieces: list) -> list[bytes]:
+        """Nothing: Ollama streams a tool call whole, in the final line."""
+        return []
+
     def failure(self, answer: BadRequest) -> list[bytes]:
         """A line with the error's stable message."""
         # A stable message (the scheduler logged the details), never the exception's text.
@@ -85,11 +89,20 @@ class OllamaFormat:
         final = self._line(text, True, **timings(stats, self.start))
         if calls and self.chat:
             final["message"]["tool_calls"] = [
-                {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                {"function": {"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
                 for c in calls]
         if not self.chat:
             final["context"] = self.prompt + token_ids
         return final
+
+
+def _arguments(text: str) -> dict:
+    """A call's arguments as Ollama's object; a call cut short (max tokens) has none."""
+    try:
+        args = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return args if isinstance(args, dict) else {"value": args}
 
 
 def _ndjson(obj: dict) -> bytes:

@@ -1,6 +1,7 @@
 """The Ollama-compatible subset editor plugins use: /api/chat, /api/generate (NDJSON
 streaming by default, or one object: pumped by justfit.server.pump in the shapes of
-justfit.server.ollama_format), /api/tags, /api/show, /api/version."""
+justfit.server.ollama_format; `format` mapped by justfit.server.structured), /api/tags,
+/api/show, /api/version."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from justfit.server import pump
 from justfit.server.ollama_format import OllamaFormat, now_stamp
 from justfit.server.openai_routes import chat_tokens, vocab_size
 from justfit.server.schema import get, messages, ollama_options, parse_body, token_ids
+from justfit.server.structured import ollama_structure
 
 OLLAMA_VERSION = "0.6.0"  # the API level this subset follows (clients check it)
 
@@ -63,7 +65,8 @@ class OllamaRoutes:
         """POST /api/chat: a chat reply, streamed as NDJSON or whole."""
         body = parse_body(await request.read())
         self.server.check_model(get(body, "model", str, None))
-        opts = ollama_options(body, self.server.config.default_max_tokens, self.engine.default_sampling)
+        opts = ollama_structure(body, ollama_options(body, self.server.config.default_max_tokens,
+                                                     self.engine.default_sampling))
         msgs = messages(body)
         await self.server.tokenizing.refuse_oversized(self.engine, msgs, opts.tools)
         return await self._generate(request, lambda: chat_tokens(self.engine, msgs, opts.tools), opts, chat=True)
@@ -72,7 +75,8 @@ class OllamaRoutes:
         """POST /api/generate: a continuation of the prompt, streamed as NDJSON or whole."""
         body = parse_body(await request.read())
         self.server.check_model(get(body, "model", str, None))
-        opts = ollama_options(body, self.server.config.default_max_tokens, self.engine.default_sampling)
+        opts = ollama_structure(body, ollama_options(body, self.server.config.default_max_tokens,
+                                                     self.engine.default_sampling))
         prompt, system = get(body, "prompt", str, ""), get(body, "system", str, None)
         context = get(body, "context", list, [])
         if not prompt and not context:  # Ollama's "load the model" call
@@ -96,4 +100,4 @@ class OllamaRoutes:
         tokens = await self.server.prepare(tokenize, opts)
         job, _ = self.server.submit(tokens, opts, "ollama", request)
         fmt = OllamaFormat(self.server.model_id, chat, tokens)
-        return await pump.reply(self.server, request, job, fmt, opts.tools if chat else None, opts.stream)
+        return await pump.reply(self.server, request, job, fmt, opts.tool_mode if chat else None, opts.stream)

@@ -13,6 +13,7 @@ from justfit.server.logprobs import chat_logprobs, completion_logprobs
 from justfit.server.pump import SSE_HEADERS, Ending, Whole
 from justfit.server.schema import BadRequest
 from justfit.server.sessions import stream_note
+from justfit.server.tools import CallStart
 
 
 def usage(stats) -> dict:
@@ -24,6 +25,12 @@ def usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
             "drafted_tokens": stats.drafted_tokens if stats else 0,
             "accepted_tokens": stats.accepted_tokens if stats else 0}
+
+
+def finish_reason(stats, calls: list) -> str:
+    """Why a reply ended: cut at max_tokens (length) even mid-call, else tool_calls where it called."""
+    reason = stats.finish_reason if stats else "stop"
+    return "tool_calls" if calls and reason != "length" else reason
 
 
 def comment(text: str) -> bytes:
@@ -47,12 +54,13 @@ class OpenAIFormat:
         self.total, self.cached = prompt_tokens, None  # the prompt's positions; those a stored state held
         self.entries: list[dict] = []  # logprobs of tokens whose text is not sent yet
         self.sent_chars = 0
+        self.streamed_calls = 0  # tool calls already streamed as pieces (a forced tool_choice)
 
     # -- streamed -------------------------------------------------------------------------
     def opening(self, ahead: int) -> list[bytes]:
         """A queued comment when requests are ahead; a chat's role delta."""
         queued = [comment(f"queued {json.dumps({'ahead': ahead})}")] if ahead else []
-        return queued + ([self._piece(role="assistant", content="")] if self.chat else [])
+        return queued + ([self._piece(role="assistant", content="", refusal=None)] if self.chat else [])
 
     def tick(self, tick: Tick) -> list[bytes]:
         """A long prefill chunk (or the queue): say so, keep proxies awake."""
@@ -73,6 +81,19 @@ class OpenAIFormat:
             self.entries.append(entry)
         return [self._piece(shown)] if shown else []
 
+    def call_pieces(self, pieces: list) -> list[bytes]:
+        """Tool-call deltas: a call's id and name, then its arguments as they come."""
+        out = []
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                self.streamed_calls = piece.index + 1
+                call = {"index": piece.index, "id": piece.id, "type": "function",
+                        "function": {"name": piece.name, "arguments": ""}}
+            else:
+                call = {"index": piece.index, "function": {"arguments": piece.text}}
+            out.append(self._piece(tool_calls=[call]))
+        return out
+
     def failure(self, answer: BadRequest) -> list[bytes]:
         """The error body as one data event."""
         return [f"data: {json.dumps(answer.body())}\n\n".encode()]
@@ -80,10 +101,11 @@ class OpenAIFormat:
     def ending(self, ending: Ending) -> list[bytes]:
         """The state note, held-back text, tool calls, finish reason, usage, then [DONE]."""
         out = [stream_note(ending.stored), self._piece(ending.tail) if ending.tail else b""]
-        if ending.calls:
-            out.append(self._piece(tool_calls=ending.calls))
+        unsent = [c for c in ending.calls if c["index"] >= self.streamed_calls]
+        if unsent:
+            out.append(self._piece(tool_calls=unsent))
         if ending.stats is not None:
-            out.append(self._piece(reason="tool_calls" if ending.calls else ending.stats.finish_reason))
+            out.append(self._piece(reason=finish_reason(ending.stats, ending.calls)))
             if self.include_usage:
                 out.append(self._data(None, usage=usage(ending.stats)))
         return out + [b"data: [DONE]\n\n"]
@@ -114,11 +136,12 @@ class OpenAIFormat:
     # -- whole ----------------------------------------------------------------------------
     def whole(self, reply: Whole) -> dict:
         """A chat.completion or text_completion body."""
-        reason = "tool_calls" if reply.calls else (reply.stats.finish_reason if reply.stats else "stop")
+        reason = finish_reason(reply.stats, reply.calls)
         logprobs = None if not self.logprob_entries else (
             chat_logprobs(reply.entries) if self.chat else completion_logprobs(reply.entries))
         if self.chat:
-            message = {"role": "assistant", "content": reply.text if reply.text or not reply.calls else None}
+            message = {"role": "assistant", "content": reply.text if reply.text or not reply.calls else None,
+                       "refusal": None}
             if reply.calls:
                 message["tool_calls"] = reply.calls
             choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}

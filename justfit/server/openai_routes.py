@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions,
-streamed (SSE) or not; the reply is pumped (justfit.server.pump) in OpenAI's shapes
+streamed (SSE) or not, structured output and tool_choice mapped by
+justfit.server.structured; the reply is pumped (justfit.server.pump) in OpenAI's shapes
 (justfit.server.openai_format)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from justfit.model.chat_template import has_chat_template
 from justfit.server import pump
 from justfit.server.openai_format import OpenAIFormat
 from justfit.server.schema import BadRequest, get, messages, openai_options, parse_body, token_ids
+from justfit.server.structured import openai_structure
 
 log = logging.getLogger("justfit.server")
 
@@ -68,7 +70,8 @@ class OpenAIRoutes:
         """POST /v1/chat/completions: a chat reply, streamed (SSE) or whole."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
-        opts = openai_options(body, self.server.config.default_max_tokens, defaults=self.engine.default_sampling)
+        opts = openai_structure(body, openai_options(body, self.server.config.default_max_tokens,
+                                                     defaults=self.engine.default_sampling))
         msgs = messages(body)
         await self.server.tokenizing.refuse_oversized(self.engine, msgs, opts.tools)
         return await self._generate(request, lambda: chat_tokens(self.engine, msgs, opts.tools), opts, True)
@@ -77,7 +80,8 @@ class OpenAIRoutes:
         """POST /v1/completions: a continuation of a text or token prompt, streamed or whole."""
         body = parse_body(await request.read())
         self.server.check_model(body.get("model"))
-        opts = openai_options(body, self.server.config.default_max_tokens, False, self.engine.default_sampling)
+        opts = openai_structure(body, openai_options(body, self.server.config.default_max_tokens, False,
+                                                     self.engine.default_sampling), chat=False)
         if get(body, "echo", bool, False) or body.get("best_of", 1) not in (1, None):
             raise BadRequest("echo and best_of are not supported", "echo")
         prompt = body.get("prompt")
@@ -99,4 +103,4 @@ class OpenAIRoutes:
         job, ahead = self.server.submit(tokens, opts, "openai", request)
         fmt = OpenAIFormat(self.server.model_id, chat, len(tokens), opts.sampling.logprobs is not None,
                            opts.include_usage)
-        return await pump.reply(self.server, request, job, fmt, opts.tools if chat else None, opts.stream, ahead)
+        return await pump.reply(self.server, request, job, fmt, opts.tool_mode, opts.stream, ahead)

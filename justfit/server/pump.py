@@ -1,8 +1,9 @@
 """One pump from a job's events (justfit.engine.events) to a route's reply. It owns what
 every API family shares: the event loop (keep-alive ticks, prefill progress, tokens,
 a failure with its stable code and HTTP status, the end with its stats), tool-call
-spans held back from the visible text, log-probability entries (on the tokenizer
-thread), the session state made durable before the reply's end, the client going away
+spans held back from the visible text (a forced tool call's reply read as the calls'
+JSON instead, streamed as call pieces: justfit.server.tools), log-probability entries
+(on the tokenizer thread), the session state made durable before the reply's end, the client going away
 (the job cancelled) and the job cancelled whenever the reply ends. An API family only
 formats: a `Format` turns each step into the bytes of its stream, or a whole reply into
 its JSON body (justfit.server.openai_format, ollama_format, anthropic_format)."""
@@ -19,7 +20,7 @@ from justfit.server.failures import failure_answer
 from justfit.server.logprobs import chat_entries, chat_entry
 from justfit.server.schema import BadRequest
 from justfit.server.sessions import STATE_HEADER, StateOutcome, state_outcome
-from justfit.server.tools import ToolCalls
+from justfit.server.tools import JsonCalls, ToolCalls, ToolMode
 
 if TYPE_CHECKING:
     from justfit.engine.stats import GenerationStats
@@ -34,7 +35,7 @@ class Ending:
     stats: GenerationStats | None  # None: cancelled before it ran, or failed
     stored: StateOutcome | None  # the turn's session state, where the format reports it
     tail: str  # visible text held back until the end (what looked like a tool-call marker's start)
-    calls: list[dict]  # the tool calls parsed from the reply, OpenAI's shape, indexed
+    calls: list[dict]  # every tool call of the reply (streamed as pieces or not), OpenAI's shape, indexed
     token_ids: list[int]  # the tokens generated
 
 
@@ -68,6 +69,8 @@ class Format(Protocol):
         """Pieces for the prompt's progress."""
     def token(self, shown: str, entry: dict | None) -> list[bytes]:
         """Pieces for the text `shown` (tool-call spans held back) and its log-probability entry."""
+    def call_pieces(self, pieces: list) -> list[bytes]:
+        """Pieces for tool calls streamed as they are generated (tools.CallStart, CallArguments)."""
     def failure(self, answer: BadRequest) -> list[bytes]:
         """Pieces for a failure, answered as the family answers errors."""
     def ending(self, ending: Ending) -> list[bytes]:
@@ -76,11 +79,11 @@ class Format(Protocol):
         """The JSON body of a reply not streamed."""
 
 
-async def reply(server, request: web.Request, job, fmt: Format, tools: list | None, stream: bool,
+async def reply(server, request: web.Request, job, fmt: Format, mode: ToolMode | None, stream: bool,
                 ahead: int = 0) -> web.StreamResponse:
-    """`job`'s reply to `request` in `fmt`'s shape, streamed or whole (`tools`: the
-    request's tool definitions, whose calls are parsed out of the text)."""
-    calls = ToolCalls(server.engine.tokenizer, tools)
+    """`job`'s reply to `request` in `fmt`'s shape, streamed or whole (`mode`: how the
+    reply's tool calls are read out of its text; None: no tools)."""
+    calls = (mode or ToolMode()).reader(server.engine.tokenizer)
     try:
         if stream:
             return await _stream(server, request, job, fmt, calls, ahead)
@@ -89,7 +92,7 @@ async def reply(server, request: web.Request, job, fmt: Format, tools: list | No
         job.cancel.set()  # a no-op once finished; stops the work if the client left
 
 
-async def _whole(server, job, fmt: Format, tools: ToolCalls) -> web.Response:
+async def _whole(server, job, fmt: Format, tools: ToolCalls | JsonCalls) -> web.Response:
     """Every event first, then one JSON answer; a failure raised as the client's answer."""
     parts, chunks, stats, failure = [], [], None, None
     async for event in job.stream():
@@ -113,7 +116,7 @@ async def _whole(server, job, fmt: Format, tools: ToolCalls) -> web.Response:
     return resp
 
 
-async def _stream(server, request, job, fmt: Format, tools: ToolCalls, ahead: int) -> web.StreamResponse:
+async def _stream(server, request, job, fmt: Format, tools: ToolCalls | JsonCalls, ahead: int) -> web.StreamResponse:
     """The events as they come, in `fmt`'s stream; the client leaving cancels the job."""
     resp = web.StreamResponse(headers=fmt.headers)
     await resp.prepare(request)
@@ -131,6 +134,9 @@ async def _stream(server, request, job, fmt: Format, tools: ToolCalls, ahead: in
             elif isinstance(event, Token):
                 ids += [event.chunk.token] if event.chunk.token is not None else []
                 await _write(resp, fmt.token(tools.feed(event.chunk.text), await _entry(server, fmt, event)))
+                pieces = tools.pieces()
+                if pieces:
+                    await _write(resp, fmt.call_pieces(pieces))
             else:
                 await _write(resp, fmt.tick(event) if isinstance(event, Tick) else fmt.progress(event))
         else:  # the End came: the reply's end, after the session state is durable

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from justfit.config import SamplingParams
+from justfit.server.tools import ToolMode
 
 _MISSING = object()
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -177,8 +178,10 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     session: str | None = None
-    tools: list | None = None
+    tools: list | None = None  # the tool definitions the chat template shows
     extra: dict = field(default_factory=dict)
+    tool_mode: ToolMode = ToolMode()  # how the reply's tool calls come about (justfit.server.structured)
+    constraint_field: str | None = None  # the request field sampling.constraint came from
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -192,15 +195,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None
     return top or 0
-
-
-def _response_format(body: dict) -> None:
-    """Plain text only: a JSON mode the server cannot guarantee is refused, not ignored."""
-    fmt = get(body, "response_format", dict, None)
-    if fmt is not None and get(fmt, "type", str, where="response_format.") != "text":
-        raise BadRequest(f"response_format {fmt['type']!r} is not supported: this server does not constrain "
-                         "output to JSON; ask for JSON in the prompt, or omit response_format",
-                         "response_format", code="unsupported_response_format")
 
 
 def openai_options(body: dict, default_max_tokens: int, chat: bool = True,
@@ -233,7 +227,6 @@ def openai_options(body: dict, default_max_tokens: int, chat: bool = True,
         )
     except ValueError as e:  # e.g. top_p 0
         raise BadRequest(str(e), None) from None
-    _response_format(body)
     tools = get(body, "tools", list, None)
     return Options(sp, given, stream, get(stream_options, "include_usage", bool, False, where="stream_options."),
                    session_name(body.get("session")), tools or None)

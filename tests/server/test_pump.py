@@ -104,7 +104,7 @@ def test_openai_chat_streams_sse_with_comments_logprobs_and_usage():
     text, job = streamed(OpenAIFormat("m", True, 5, True, True), EVENTS, ahead=1)
     assert text == sse(
         ': queued {"ahead": 1}',
-        f'data: {{{CHAT_HEAD}, "choices": [{{"index": 0, "delta": {{"role": "assistant", "content": ""}}, '
+        f'data: {{{CHAT_HEAD}, "choices": [{{"index": 0, "delta": {{"role": "assistant", "content": "", "refusal": null}}, '
         '"finish_reason": null, "logprobs": null}]}',
         ": queued", *PROGRESS_COMMENTS,
         f'data: {{{CHAT_HEAD}, "choices": [{{"index": 0, "delta": {{"content": "Hel"}}, "finish_reason": null, '
@@ -133,7 +133,7 @@ def test_openai_completion_streams_text_pieces_with_offsets():
 def test_openai_whole_replies():
     chat = whole(OpenAIFormat("m", True, 5, True, True), EVENTS)
     assert chat == {"id": "chatcmpl-ID", "object": "chat.completion", "created": 0, "model": "m",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello", "refusal": None},
                                  "finish_reason": "stop",
                                  "logprobs": {"content": [json.loads(ENTRY_1), json.loads(ENTRY_2)],
                                               "refusal": None}}],
