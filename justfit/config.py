@@ -51,6 +51,9 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
     speculate: bool = True  # draft tokens from the sequence's own text when the engine drafts (EngineConfig.draft)
     constraint: OutputConstraint | None = None  # the grammar the reply follows; None: free text
+    # Tokens the grammar forces go into the next step's forward together (no forward of
+    # their own); False feeds them one a step (the same reply: benchmarks compare the two).
+    force_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -125,6 +128,9 @@ class EngineConfig:
     # earlier match of the sequence's own suffix (prompt and reply) and verifies them in
     # one forward; "none" decodes one token per step. Replies are the same either way.
     draft: str = "ngram"
+    # Compiled grammars (constrained output, justfit.engine.grammar) kept by content, at
+    # most this many bytes (estimated); a whole-process budget counts it from load.
+    grammar_cache_bytes: int = 32 << 20
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

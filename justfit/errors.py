@@ -90,3 +90,16 @@ class ServerStopping(JustFitError):
 
     def __init__(self):
         super().__init__("the server is stopping; retry once it is back")
+
+
+class GrammarError(JustFitError, ValueError):
+    """A constraint on the output (a JSON schema, regex or grammar: justfit.config.OutputConstraint)
+    that the engine cannot compile, uses keywords it does not enforce, or exceeds its
+    limits; refused before any work, the message naming what failed."""
+
+    code = "invalid_grammar"
+
+    def __init__(self, kind: str, reason: str):
+        reason = " ".join(reason.split())  # one line (llguidance's errors draw a caret under the grammar)
+        self.kind, self.reason = kind, reason if len(reason) <= 600 else reason[:597] + "..."
+        super().__init__(f"invalid {kind.replace('_', ' ')} constraint: {self.reason}")

@@ -58,6 +58,7 @@ class Engine:
     adapted, swap, numerics, states = _Part("adapted"), _Part("swap"), _Part("numerics"), _Part("states")
     planner, step_costs, load_marks, blas = _Part("planner"), _Part("step_costs"), _Part("load_marks"), _Part("blas")
     context_limit = _Part("planner.context_limit")
+    grammars = _Part("grammars")  # compiled output constraints: `engine.grammars.check(constraint)` (justfit.engine.grammar)
 
     def __init__(self, model: str | None = None, budget: int | str | None = None,
                  config: EngineConfig | None = None, group=None):

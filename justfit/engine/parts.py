@@ -19,6 +19,7 @@ from justfit import blas, runtime
 from justfit.config import EngineConfig
 from justfit.engine import numerics
 from justfit.engine.draft import MAX_DRAFT
+from justfit.engine.grammar import Grammars
 from justfit.engine.numerics import Numerics
 from justfit.engine.runner import Runner, choose_runner
 from justfit.engine.speculate import StepCosts
@@ -61,6 +62,7 @@ class Parts:
     step_costs: StepCosts  # decode steps' seconds by rows, measured as they run (justfit.engine.speculate)
     load_marks: LoadMarks  # the process's memory before and during the load (justfit.planning.breakdown)
     blas: str  # which BLAS MLX's CPU backend uses, in words
+    grammars: Grammars  # compiled output constraints (justfit.engine.grammar), built as requests ask
 
     @property
     def swap(self) -> PhaseSwap:
@@ -117,7 +119,8 @@ def load_parts(model: str | None, budget: int | str | None, config: EngineConfig
     if config.budget_bytes is not None and config.budget_covers_process:  # refused before any work
         first_load.check(predict_first_load(model, config), config.budget_bytes)
     loaded = load_lazily(model, config)
-    config, budget_now = _budget(config)
+    grammars = Grammars(loaded.tokenizer, _vocab_size(loaded), config.grammar_cache_bytes)
+    config, budget_now = _budget(config, grammars)
     calibration = kv_calibration(model, config, lambda: folder_identity(loaded.config, loaded.path, loaded.name,
                                                                         state_root(config.state_dir)))
     config = replace(config, kv=kv_for_model(loaded.model, loaded.config, config.kv, calibration))
@@ -148,17 +151,26 @@ def load_parts(model: str | None, budget: int | str | None, config: EngineConfig
     own = planner.footprint(1).max_positions(budget_now.bytes) if budget_now.bytes is not None else -1
     planner = replace(planner, rank_limits=tuple(runner.gather_limits(own)))
     return Parts(loaded, config, budget_now, runner, policy, adapted, chosen, states, planner, StepCosts(), marks,
-                 blas_name)
+                 blas_name, grammars)
 
 
-def _budget(config: EngineConfig) -> tuple[EngineConfig, Budget]:
+def _vocab_size(loaded: LoadedModel) -> int:
+    """The logits' width: the model's vocabulary (its embedding may be padded past the tokenizer's)."""
+    size = loaded.config.get("vocab_size") or getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+    return int(size or len(loaded.tokenizer))
+
+
+def _budget(config: EngineConfig, grammars: Grammars) -> tuple[EngineConfig, Budget]:
     """The budget part, and the config holding the engine's budget at load: under a
     whole-process budget, the share left once what the process holds besides MLX is
     measured (weights are not read yet, a lazy load: the interpreter, libraries and
-    tokenizer); the share changes inside the budget after requests."""
+    tokenizer) and what constrained output may come to hold is set aside (the grammar
+    cache's bound and tokenizer: `grammars.bound_bytes`); the share changes inside the
+    budget after requests."""
     if config.budget_bytes is None or not config.budget_covers_process:
         return config, Budget(config.budget_bytes)
-    share = ProcessShare(config.budget_bytes)
+    share = ProcessShare(config.budget_bytes, held_back=grammars.bound_bytes,
+                         holding=lambda: grammars.resident_bytes)
     config = replace(config, budget_bytes=share.remeasure(), budget_covers_process=False)
     return config, Budget(config.budget_bytes, share)
 

@@ -29,6 +29,7 @@ class GenerationStats:
     prefill_chunk: int = 0  # tokens per prefill chunk: the planner's, smaller under a tight budget
     drafted_tokens: int = 0  # tokens drafted from the sequence's own text and verified (justfit.engine.draft)
     accepted_tokens: int = 0  # of those, the ones the model agreed with (each saved a decode step)
+    forced_tokens: int = 0  # reply tokens the grammar forced (justfit.engine.grammar): taken without sampling
     memory: MemoryReport | None = None
     kv_formats: dict[str, int] = field(default_factory=dict)  # paged positions per format, all layers
     kv_disk: dict | None = None  # pages on disk: bytes there, read, read time (justfit.engine.pages.disk_stats)

@@ -148,6 +148,12 @@ class ByteLevelBPE(StoredVocabulary):
         chars = self._char_byte
         return len(piece) if all(c in chars for c in piece) else len(piece.encode("utf-8"))  # a byte a character
 
+    def piece_bytes(self, token: int) -> bytes:
+        """The bytes piece `token` stands for: its characters mapped back through GPT-2's
+        byte alphabet (a piece with characters outside it, its own UTF-8)."""
+        piece, chars = self.piece(token), self._char_byte
+        return bytes(chars[c] for c in piece) if all(c in chars for c in piece) else piece.encode("utf-8")
+
     def _pair(self, left: int, right: int) -> tuple[int, int] | None:
         """(rank, merged id) of the merge of `left` then `right`, if any."""
         key = left * self._size + right

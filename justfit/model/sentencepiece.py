@@ -89,12 +89,28 @@ class SentencePieceBPE(StoredVocabulary):
                 ids.append(token)
         return ids
 
-    def _stretch(self, text: str) -> list[int]:
-        """Ids of text between verbatim pieces, cut into parts at word starts."""
+    def piece_bytes(self, token: int) -> bytes:
+        """The bytes piece `token` stands for inside a text: a byte piece its byte, any
+        other its text with U+2581 as a space."""
+        piece = self.piece(token)
+        if self._types[token] == BYTE and len(piece) == 6 and piece.startswith("<0x"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace(SPACE, " ").encode("utf-8")
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """Token ids of `text` as the middle of a longer text: no BOS, no prefix space."""
+        ids = []
+        for part, token in self._verbatim_split(text):
+            ids += self._stretch(part, prefix=False) if token is None else [token]
+        return ids
+
+    def _stretch(self, text: str, prefix: bool = True) -> list[int]:
+        """Ids of text between verbatim pieces, cut into parts at word starts (`prefix`:
+        the vocabulary's prefix space, where it asks for one)."""
         if not text:
             return []
         text = text.replace(" ", SPACE)
-        if self.add_prefix:
+        if self.add_prefix and prefix:
             text = SPACE + text
         ids: list[int] = []
         start = 0

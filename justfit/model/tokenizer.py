@@ -52,6 +52,10 @@ class LibraryTokenizer:
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer as the `tokenizers` library's JSON text."""
+        return self._tokenizer.to_str()
+
 
 class StreamingText:
     """One reply's tokens to text, a piece at a time (the detokenizer interface of
@@ -123,6 +127,12 @@ class GGUFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def pieces(self):
+        """The vocabulary itself: a StoredVocabulary (justfit.model.vocabulary), or for a
+        folder converted before those existed a LibraryTokenizer."""
+        return self._tokenizer
 
     @property
     def vocab(self) -> dict[str, int]:

@@ -103,6 +103,19 @@ class StoredVocabulary:
         """The text of piece `token` as stored."""
         return self._blob[self._offsets[token]:self._offsets[token + 1]].decode("utf-8")
 
+    def piece_bytes(self, token: int) -> bytes:
+        """The bytes of text piece `token` stands for inside a text (what a grammar
+        matches it against: justfit.engine.grammar)."""
+        return self.piece(token).encode("utf-8")
+
+    def is_control(self, token: int) -> bool:
+        """Whether piece `token` is a control piece (end of turn, BOS...): never text."""
+        return self._types[token] == CONTROL
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """Token ids of `text` as the middle of a longer text: no BOS, no prefix space."""
+        return self.encode(text, add_special_tokens=False)
+
     def token_to_id(self, text: str) -> int | None:
         """The id of the piece whose text is `text`, if any."""
         h = hash(text)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import psutil
@@ -107,16 +108,22 @@ def measure_outside(high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> in
 @dataclass
 class ProcessShare:
     """Under a whole-process budget, the engine's share: the budget less what the
-    process holds besides MLX, a decaying maximum over requests (`decayed_max`)."""
+    process holds besides MLX, a decaying maximum over requests (`decayed_max`), and
+    less what it may come to hold outside MLX later and is set aside from load
+    (`held_back`: constrained output's grammar cache and tokenizer, justfit.engine.grammar),
+    the part of it `holding()` says is held already being in the measured share."""
 
     process_budget: int
     outside: int = 0
+    held_back: int = 0
+    holding: Callable[[], int] | None = None
 
     def remeasure(self, high_water: int = 0, mlx_peak: int = 0, seen: int = 0) -> int:
         """Measure the outside share again (after a request: `high_water`, `mlx_peak`,
         `seen`, see `measure_outside`); return the engine's share now."""
         self.outside = decayed_max(self.outside, measure_outside(high_water, mlx_peak, seen))
-        return self.process_budget - self.outside
+        held = self.holding() if self.holding is not None else 0
+        return self.process_budget - self.outside - max(0, self.held_back - held)
 
 
 class Budget:
