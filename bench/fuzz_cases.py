@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show", "/v1/messages",
-          "/v1/messages/count_tokens"]
+          "/v1/messages/count_tokens", "/v1/responses"]
 _ANTHROPIC = ["model", "max_tokens", "messages", "messages.0", "messages.0.role", "messages.0.content",
               "messages.0.content.0", "messages.0.content.0.type", "messages.0.content.0.text",
               "messages.0.content.0.input", "messages.0.content.0.tool_use_id", "messages.0.content.0.content",
@@ -33,6 +33,12 @@ FIELDS = {  # every known field, as a path into the body
     "/api/show": ["model", "name"],
     "/v1/messages": _ANTHROPIC,
     "/v1/messages/count_tokens": _ANTHROPIC,
+    "/v1/responses": ["model", "input", "input.0", "input.0.type", "input.0.role", "input.0.content",
+                      "input.0.content.0", "input.0.content.0.type", "input.0.content.0.text", "input.0.call_id",
+                      "input.0.name", "input.0.arguments", "input.0.output", "instructions", "max_output_tokens",
+                      "temperature", "top_p", "stream", "store", "previous_response_id", "tools", "tools.0",
+                      "tools.0.type", "tools.0.name", "tools.0.parameters", "tool_choice", "text", "text.format",
+                      "text.format.type", "parallel_tool_calls", "metadata", "reasoning", "background", "user"],
 }
 WRONG = [None, True, False, 0, -1, 3, 10**12, -10**12, 2**64, 1.5, -0.5, 5.0, float("nan"), float("inf"),
          float("-inf"), "", "x", "x" * 100_000, [], [1], [-5, 10**9], ["x"] * 100, {}, {"a": 1}, [[[]]],
@@ -66,7 +72,10 @@ def base_body(path: str) -> dict:
             "/api/chat": {"model": "default", "messages": msgs, "stream": False, "options": opts},
             "/api/generate": {"model": "default", "prompt": "Say hi.", "stream": False, "options": opts},
             "/api/show": {"model": "default"},
-            "/v1/messages": anthropic, "/v1/messages/count_tokens": anthropic}[path]
+            "/v1/messages": anthropic, "/v1/messages/count_tokens": anthropic,
+            "/v1/responses": {"model": "default", "instructions": "Be brief.", "max_output_tokens": 2, "temperature": 0,
+                              "input": [{"type": "message", "role": "user",
+                                         "content": [{"type": "input_text", "text": "Say hi."}]}]}}[path]
 
 
 def put(body: dict, dotted: str, value) -> dict:

@@ -29,6 +29,7 @@ from justfit.engine.scheduler import QueueFull, Scheduler
 from justfit.engine.tickets import TICKET_HEADER
 from justfit.server import connections, keys, status_page, structured
 from justfit.server.metrics import Metrics, acceptance_rate, memory, prometheus
+from justfit.server.responses_store import ResponseStore, StoreLimits
 from justfit.server.schema import BadRequest, Options
 from justfit.server.sessions import scope_of
 from justfit.server.tokenizing import TokenizerThread
@@ -64,6 +65,7 @@ class ServerConfig:
     idle_timeout_s: float = 75.0  # a keep-alive connection idle between requests this long is closed
     max_connections: int = 256  # past it a new connection closes the oldest one not in a handler
     write_timeout_s: float = 60.0  # a client that takes none of a response for this long is dropped
+    responses: StoreLimits = StoreLimits()  # the Responses API's stored responses, per key
 
 
 class Server:
@@ -81,8 +83,12 @@ class Server:
         self.created = int(time.time())
         self.draining = False  # a stop signal came: new requests get 503 (justfit.server.lifecycle)
         self.keys = keys.accepted(self.config.api_key, self.config.api_keys)  # every key let in
-        if getattr(engine, "states", None) is not None:  # each key's stored states within its own share of the disk
-            engine.states.share_among(keys.scope(k) for k in self.keys)  # (no keys: one share for all)
+        states = getattr(engine, "states", None)
+        if states is not None:  # each key's stored states within its own share of the disk
+            states.share_among(keys.scope(k) for k in self.keys)  # (no keys: one share for all)
+        # the Responses API's stored responses: beside the models' state folders (in memory without them)
+        self.responses = ResponseStore(Path(states.dir).parent / "responses" if states is not None else None,
+                                       self.config.responses)
 
     # -- models -------------------------------------------------------------------
     def check_model(self, name) -> None:
@@ -166,11 +172,12 @@ class Server:
         """Stop the engine thread (cancelling what runs) and the tokenizer thread."""
         self.tokenizing.close()
         self.scheduler.close()
+        self.responses.close()
 
     # -- the app --------------------------------------------------------------------
     def app(self) -> web.Application:
         """The aiohttp application with every route and middleware."""
-        from justfit.server import anthropic_routes, ollama_routes, openai_routes, sessions
+        from justfit.server import anthropic_routes, ollama_routes, openai_routes, responses_routes, sessions
 
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[connections.track, self._errors, self._cors, self._auth])
@@ -182,6 +189,7 @@ class Server:
         openai_routes.add_routes(app, self)
         ollama_routes.add_routes(app, self)
         anthropic_routes.add_routes(app, self)
+        responses_routes.add_routes(app, self)
         sessions.add_routes(app, self)
         status_page.add_routes(app, self)
         app.on_shutdown.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.close))

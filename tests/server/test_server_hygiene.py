@@ -277,6 +277,7 @@ GENERATION_ROUTES = {
     "/api/generate": lambda p: {"prompt": p, "stream": False},
     "/v1/messages": lambda p: {"model": "claude-test", "max_tokens": 1, "messages": _messages(p)},
     "/v1/messages/count_tokens": lambda p: {"model": "claude-test", "messages": _messages(p)},
+    "/v1/responses": lambda p: {"input": p, "max_output_tokens": 1},
 }
 
 
