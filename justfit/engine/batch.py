@@ -54,7 +54,8 @@ def forward(engine, live: list[Sequence], step_tokens: int) -> tuple[Produced, i
     decoding = [s for s in live if s.pending is not None]
     # Drafts fill a step's rows when one sequence decodes; several already fill them
     # in one batched forward (each weight read once), which drafts verified apart would split.
-    drafts = {id(s): s.draft() if len(decoding) == 1 else [] for s in decoding}
+    # Tokens a grammar forces go with their sequence's pending one whatever the batch.
+    drafts = {id(s): s.draft(guess=len(decoding) == 1) for s in decoding}
     plain = [s for s in decoding if not drafts[id(s)]]
     forwards = 0
     for group in _groups(engine, plain):

@@ -67,9 +67,12 @@ PHASES = {Status.WAITING: "prefill", Status.PREFILLING: "prefill", Status.DECODI
 def plan_sequence(engine, tokens: list[int], sp: SamplingParams, session: str | None = None, scope: str = "",
                   drafter: DrafterFactory | None = None) -> Sequence:
     """The planner's footprint for `tokens` alone (refusing, before any work, what cannot
-    fit) handed to a new Sequence, its state kept where the engine's runner keeps it."""
+    fit, and an output constraint that does not compile: GrammarError) handed to a new
+    Sequence, its state kept where the engine's runner keeps it."""
     if not tokens:
         raise ValueError("empty prompt")
+    if sp.constraint is not None:  # compiled once, then found in the cache by the sequence
+        engine.grammars.check(sp.constraint)
     offloaded, plan = engine.planner.check_fits(len(tokens), sp.max_tokens)
     return Sequence(engine, tokens, sp, offloaded, plan, engine.runner.states(engine), session, scope, drafter)
 

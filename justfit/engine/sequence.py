@@ -62,6 +62,7 @@ class Sequence:
         self.rng: dict = {}  # the sampler's position, once started
         self.decoder: Decoder | None = None  # once the prompt is in
         self.drafts: DraftPolicy | None = None  # once decoding, when drafting is on
+        self.certain = 0  # of the last draft, the leading tokens the grammar forced (always accepted)
         self._new_drafter = drafter or ngram_drafter
         self._decode_started = 0.0
         self.parked: Parked | None = None  # the snapshot while set aside on disk
@@ -169,8 +170,10 @@ class Sequence:
 
     def _first(self, logits: mx.array) -> Chunk:
         """Set up sampling once the prompt is in; the first token's chunk."""
+        constraint = self.sp.constraint
+        grammar = self.engine.grammars.matcher(constraint) if constraint is not None else None
         self.decoder = Decoder(self.engine.tokenizer, self.sp, self.stats, self.tokens, int(logits.shape[-1]),
-                               self.rng)
+                               self.rng, grammar)
         self.status = Status.DECODING
         if self.sp.max_tokens == 0:
             return self._end(self.decoder.end(""))
@@ -187,9 +190,17 @@ class Sequence:
         change where the numerics are row-invariant: justfit.engine.numerics), every layer can
         drop rejected positions exactly, and a forward may compute several rows."""
         return (self.engine.config.draft == "ngram" and self.sp.speculate and not self.decoder.processors
-                and not self.engine.numerics.one_row
-                and (self.sp.temperature == 0 or self.sp.seed is None)
-                and all(isinstance(c, kvexec.PagedKVCache) for c in self.cache))
+                and (self.sp.temperature == 0 or self.sp.seed is None) and self._rows_droppable())
+
+    def _rows_droppable(self) -> bool:
+        """A forward may feed several rows and the cache drop the last ones exactly: not
+        one row per forward (justfit.engine.numerics), every layer paged."""
+        return not self.engine.numerics.one_row and all(isinstance(c, kvexec.PagedKVCache) for c in self.cache)
+
+    def _may_force(self) -> bool:
+        """Forced tokens ride in the next step's forward: the request has a grammar and
+        allows it, and the forward may feed several rows (else one a step)."""
+        return self.decoder.grammar is not None and self.sp.force_tokens and self._rows_droppable()
 
     # -- decode ----------------------------------------------------------------
     def accept(self, logits: mx.array) -> Chunk:
@@ -213,38 +224,51 @@ class Sequence:
         self.held.append(self.pending)
         self.pending = None
 
-    def draft(self) -> list[int]:
-        """Tokens drafted to follow the pending one, to verify in the same step ([]: a
-        plain step). A draft never reaches a page flush, so rejected positions are
-        dropped exactly (kvexec.chunk_room), nor past the reply's token limit or the
-        rows the plan counted for a decode step."""
-        if self.drafts is None or self.pending is None:
+    def draft(self, guess: bool = True) -> list[int]:
+        """Tokens to feed after the pending one in the same step ([]: a plain step): the
+        tokens the grammar forces (`certain` of them, always accepted), else, with
+        `guess`, tokens drafted from the sequence's own text that the grammar allows, to
+        verify. A draft never reaches a page flush, so rejected positions are dropped
+        exactly (kvexec.chunk_room), nor past the reply's token limit or the rows the
+        plan counted for a decode step."""
+        self.certain = 0
+        forcing = self.pending is not None and self._may_force()
+        if self.pending is None or (self.drafts is None and not forcing):
             return []
-        rows = min(1 + self.drafts.max_draft, self.plan.shape.verify_rows)  # the plan may leave no room for drafts
-        room = kvexec.chunk_room(self.cache, rows) - 1
-        return self.drafts.draft(min(room, self.sp.max_tokens - self.stats.generated_tokens))
+        rows = self.plan.shape.verify_rows  # the plan may leave no room for drafts
+        if self.drafts is not None:
+            rows = min(1 + self.drafts.max_draft, rows)
+        room = min(kvexec.chunk_room(self.cache, rows) - 1, self.sp.max_tokens - self.stats.generated_tokens)
+        forced = self.decoder.forced() if forcing else []
+        if forced:  # what follows them is the model's next token: no guesses after them
+            self.certain = len(forced[:room])
+            return forced[:room]
+        if not guess or self.drafts is None or self.decoder.forced():
+            return []
+        return self.decoder.guessable(self.drafts.draft(room))
 
     def verify(self, draft: list[int], logits: mx.array) -> list[Chunk]:
-        """Take the logits after feeding the pending token and `draft` ([k+1, vocab]):
-        keep the drafted tokens the model agrees with, drop the rest from the cache
-        exactly, and return a chunk per token the step produced (the accepted drafts,
-        then the model's own next one)."""
-        k = len(draft)
-        accepted, nxt, rows = self.decoder.verify(draft, logits)
-        self.stats.drafted_tokens += k
-        self.stats.accepted_tokens += accepted
-        self.drafts.verified(k, accepted)
+        """Take the logits after feeding the pending token and `draft` ([k+1, vocab];
+        its first `certain` tokens forced): keep the forced tokens and the drafted ones
+        the model agrees with, drop the rest from the cache exactly, and return a chunk
+        per token the step produced (those, then the model's own next one)."""
+        k, certain = len(draft), self.certain
+        accepted, picks = self.decoder.verify(draft, logits, certain)
+        if k > certain:  # drafted tokens were verified (forced ones are no guess)
+            self.stats.drafted_tokens += k - certain
+            self.stats.accepted_tokens += accepted - certain
+            self.drafts.verified(k - certain, accepted - certain)
         self._drop(k - accepted)
         self.fed()
         chunks = []
-        for i, token in enumerate(draft[:accepted] + [nxt]):
-            chunks.append(self._emitted(token, self.decoder.emit(token, None if rows is None else rows[i])))
+        for i, pick in enumerate(picks):
+            chunks.append(self._emitted(pick.token, self.decoder.emit(pick)))
             if self.finished:  # the reply ended at a drafted token: it, and what follows, leave the cache
                 self._drop(accepted - i)
                 return chunks
             if i < accepted:
-                self.held.append(token)
-        self.pending = nxt
+                self.held.append(pick.token)
+        self.pending = picks[-1].token
         return chunks
 
     def _drop(self, n: int) -> None:

@@ -18,11 +18,13 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 def usage(prompt: int, cached: int, output: int, stats=None) -> dict:
     """Anthropic counts input tokens served from a cache apart from the rest; a finished
-    reply's `stats` add speculative decoding's drafted and accepted tokens."""
+    reply's `stats` add speculative decoding's drafted and accepted tokens and the tokens a
+    grammar forced."""
     out = {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
            "cache_creation_input_tokens": 0}
     if stats is not None:
-        out.update(drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens)
+        out.update(drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
+                   forced_tokens=stats.forced_tokens)
     return out
 
 

@@ -26,7 +26,8 @@ def timings(stats, start: float) -> dict:
             "load_duration": 0, "prompt_eval_count": stats.prompt_tokens - stats.cached_tokens,
             "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.generated_tokens,
             "eval_duration": int(stats.decode_s * ns),
-            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens}
+            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+            "forced_tokens": stats.forced_tokens}
 
 
 class OllamaFormat:

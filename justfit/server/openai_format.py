@@ -18,13 +18,15 @@ from justfit.server.tools import CallStart
 
 def usage(stats) -> dict:
     """OpenAI's usage object for a generation (zeros without stats), with speculative
-    decoding's drafted and accepted tokens as extra keys (the openai client keeps them)."""
+    decoding's drafted and accepted tokens and the tokens a grammar forced as extra keys
+    (the openai client keeps them)."""
     prompt = stats.prompt_tokens if stats else 0
     done = stats.generated_tokens if stats else 0
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
             "drafted_tokens": stats.drafted_tokens if stats else 0,
-            "accepted_tokens": stats.accepted_tokens if stats else 0}
+            "accepted_tokens": stats.accepted_tokens if stats else 0,
+            "forced_tokens": stats.forced_tokens if stats else 0}
 
 
 def finish_reason(stats, calls: list) -> str:

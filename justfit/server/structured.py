@@ -25,6 +25,7 @@ import json
 from dataclasses import replace
 
 from justfit.config import OutputConstraint
+from justfit.errors import GrammarError
 from justfit.server.schema import BadRequest, Options, get
 from justfit.server.tools import ToolMode
 
@@ -367,12 +368,7 @@ def check(engine, opts: Options) -> None:
     constraint = opts.sampling.constraint
     if constraint is None:
         return
-    grammars = getattr(engine, "grammars", None)
-    if grammars is None:  # an engine without constrained decoding (before justfit.engine.grammar)
-        return
     try:
-        grammars.check(constraint)
-    except ValueError as e:  # justfit.errors.GrammarError
-        if getattr(e, "code", None) != "invalid_grammar":
-            raise
+        engine.grammars.check(constraint)
+    except GrammarError as e:
         raise BadRequest(f"{opts.constraint_field}: {e}", opts.constraint_field, code=e.code) from None
