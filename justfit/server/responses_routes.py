@@ -25,6 +25,7 @@ from justfit.server.responses_request import chat_messages, new_id, responses_re
 from justfit.server.responses_store import StoredResponse
 from justfit.server.schema import BadRequest, get, parse_body
 from justfit.server.sessions import StateOutcome, scope_of
+from justfit.server.tools import ToolMode
 
 log = logging.getLogger("justfit.server")
 
@@ -80,7 +81,8 @@ class ResponsesRoutes:
         job, ahead = self.server.submit(tokens, req.opts, "responses", request)
         done = self._keeper(scope, rid, items, req.opts.session) if req.store else None
         fmt = ResponsesFormat({"id": rid, "model": self.server.model_id, **req.echo}, len(tokens), done)
-        return await pump.reply(self.server, request, job, fmt, req.opts.tools, req.opts.stream, ahead)
+        mode = ToolMode("auto", req.opts.tools) if req.opts.tools else None  # calls parsed from the model's markers
+        return await pump.reply(self.server, request, job, fmt, mode, req.opts.stream, ahead)
 
     def _session(self, name: str) -> str | None:
         """`name`, where the runner keeps named sessions (a layer pipeline does not: the
