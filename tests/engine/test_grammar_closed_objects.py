@@ -1,0 +1,71 @@
+"""An object schema that lists its properties and says nothing of others allows no
+others (justfit.engine.grammar.closed_objects), as llama.cpp's and xgrammar's JSON
+Schema converters and OpenAI's strict mode read it: pydantic's schemas, which never say,
+otherwise let a small model add keys until its token limit."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import llguidance
+from pydantic import BaseModel
+
+from justfit.config import OutputConstraint
+from justfit.engine.grammar import closed_objects, grammar_text
+
+
+class Inner(BaseModel):
+    """A nested model, reached through $defs and $ref."""
+
+    city: str
+
+
+class Outer(BaseModel):
+    """A model with a nested one, a list of them and an Optional."""
+
+    name: str
+    home: Inner
+    past: list[Inner]
+    nick: Optional[str] = None
+
+
+def _accepts(schema: dict, text: str) -> bool:
+    """Whether the engine's grammar for `schema` takes all of `text` and may end there."""
+    class Bytes:  # a vocabulary of the 256 bytes and an end token
+        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+        tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+
+        def __call__(self, s):
+            return list(s.encode() if isinstance(s, str) else s)
+
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+    matcher = llguidance.LLMatcher(tokenizer, grammar_text(OutputConstraint("json_schema", json.dumps(schema))))
+    data = list(text.encode())
+    return matcher.try_consume_tokens(data) == len(data) and matcher.is_accepting()
+
+
+def test_pydantic_objects_are_closed_everywhere_and_the_input_untouched():
+    schema = Outer.model_json_schema()
+    before = json.dumps(schema)
+    closed = closed_objects(schema)
+    assert json.dumps(schema) == before  # a copy: the caller's schema is not changed
+    assert closed["additionalProperties"] is False and closed["$defs"]["Inner"]["additionalProperties"] is False
+    assert _accepts(schema, '{"name":"a","home":{"city":"b"},"past":[{"city":"c"}]}')
+    assert not _accepts(schema, '{"name":"a","home":{"city":"b"},"past":[],"extra":1}')
+    assert not _accepts(schema, '{"name":"a","home":{"city":"b","zip":"1"},"past":[]}')
+
+
+def test_what_the_schema_says_stands():
+    """additionalProperties given (true or a schema), patternProperties, an object with
+    no properties listed (any object), and allOf's members keep their meaning."""
+    given = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    assert closed_objects(given) == given
+    assert _accepts(given, '{"a":1,"b":"x"}') and not _accepts(given, '{"a":1,"b":2}')
+    assert closed_objects({"type": "object"}) == {"type": "object"}
+    assert _accepts({"type": "object"}, '{"anything":[1,2]}')
+    patterned = {"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^x": {}}}
+    assert "additionalProperties" not in closed_objects(patterned)
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert _accepts(merged, '{"a":1,"b":2}')  # closed members would forbid each other's keys
