@@ -254,3 +254,17 @@ def test_structured_fuzz_full(request, live, part):
     if not request.config.getoption("--long"):
         pytest.skip("the full fuzz runs with --long")
     _assert_clean(fuzz(live, seed=1000 + part, count=100))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_tool_parameters_nested_deeply_are_a_400(live, path):
+    """A forced tool call whose parameters nest 200 objects deep (under the body's own
+    nesting limit) is refused as too deep, never a 500 from the schema walks' recursion."""
+    schema = '{"type":"object","properties":{"a":' * 200 + '{"type":"string"}' + "}}" * 200
+    msgs = '[{"role": "user", "content": "hi"}]'
+    body = (f'{{"model": "claude", "max_tokens": 4, "messages": {msgs}, "tools": [{{"name": "f", "input_schema": '
+            f'{schema}}}], "tool_choice": {{"type": "any"}}}}' if path == "/v1/messages" else
+            f'{{"max_tokens": 4, "messages": {msgs}, "tools": [{{"type": "function", "function": {{"name": "f", '
+            f'"parameters": {schema}}}}}], "tool_choice": "required"}}')
+    status, _, text = request(live, "POST", path, raw=body.encode())
+    assert status == 400 and "nested too deeply" in text, (status, text[:300])
