@@ -334,6 +334,12 @@ def compile_entry(tokenizer, constraint: OutputConstraint) -> _Entry:
     except GrammarError as e:
         return _Entry(None, e, len(str(e)) + 256)
     matcher = llg.LLMatcher(tokenizer, grammar, limits=llg.LLParserLimits(verbose_errors=False), log_level=0)
+    if not matcher.is_error():  # a grammar can compile and still match nothing (`root ::= root`):
+        first = matcher.deep_copy()  # its first mask is an error, refused here rather than mid-reply
+        first.compute_bitmask()
+        if first.is_error():
+            error = GrammarError(constraint.kind, "the grammar matches no text at all")
+            return _Entry(None, error, len(str(error)) + 256)
     if matcher.is_error():
         error = GrammarError(constraint.kind, matcher.get_error())
         return _Entry(None, error, len(str(error)) + 256)
