@@ -64,7 +64,8 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
     if whole_process:  # what this process holds besides MLX, loaded: every rank holds as much
         from justfit.planning.budget import measure_outside
 
-        outside = measure_outside()
+        # and what constrained output may come to hold, set aside as a serving engine does
+        outside = measure_outside() + engine.grammars.bound_bytes
         if min(budgets) <= outside:
             raise common.UserError(f"a whole-process budget of {format_size(min(budgets))} is no more than what "
                                    f"the process holds besides the engine ({format_size(outside)})")

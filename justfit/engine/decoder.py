@@ -165,7 +165,7 @@ class Decoder:
         forced_after: list[int] = []
         if self.grammar is not None:
             masks = self.grammar.row_masks(guess)
-            rows, forced_after = apply_mask(rows, masks.allowed), masks.forced_after
+            rows, forced_after = apply_mask(rows, masks.bias), masks.forced_after
         if self.greedy:
             accepted, nxt = greedy_accept(rows, guess)
             lp = None if self.sp.logprobs is None else rows - mx.logsumexp(rows, axis=-1, keepdims=True)

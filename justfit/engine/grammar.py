@@ -42,7 +42,7 @@ COMPILE_LIMIT_S = 2.0  # a compile that takes longer is refused (the caller stop
 COMPILE_THREADS = 2  # compiles running at once (an abandoned one keeps its thread until it ends)
 # Bytes a compiled grammar holds per byte of its llguidance grammar text (its lexer and
 # parser tables), the cache's estimate of an entry: measured (docs/SERVING.md).
-BYTES_PER_GRAMMAR_BYTE = 64
+BYTES_PER_GRAMMAR_BYTE = 200
 ENTRY_FLOOR_BYTES = 64 * 1024  # the least an entry is counted: a matcher's own tables
 # The grammar tokenizer's resident bytes per vocabulary entry (its token trie and
 # slices, and the token bytes it keeps): measured (docs/SERVING.md).
@@ -312,7 +312,9 @@ class Grammars:
             raise GrammarError(constraint.kind, f"other grammars are still compiling after {self.limit_s:g} s; "
                                                 f"retry")
         self.compiles += 1
-        threading.Thread(target=work, name="justfit-grammar-compile", daemon=True).start()
+        # Not a daemon: the interpreter waits for an abandoned compile at exit (bounded by
+        # llguidance's fuel) rather than finalizing under native code that calls back into it.
+        threading.Thread(target=work, name="justfit-grammar-compile", daemon=False).start()
         if not finished.wait(self.limit_s):
             self.timeouts += 1
             return _Entry(None, GrammarError(constraint.kind, f"too complex: not compiled within {self.limit_s:g} s"),
@@ -351,7 +353,7 @@ class RowMasks:
     """The masks of a verify step's rows after drafted tokens, and the tokens the
     grammar forces after the whole draft."""
 
-    allowed: np.ndarray  # [rows, vocab] bool
+    bias: np.ndarray  # [rows, vocab]: 0 where allowed, -inf elsewhere
     forced_after: list[int]
 
 
@@ -370,14 +372,22 @@ class Constrained:
 
     def allowed(self) -> np.ndarray:
         """The tokens allowed next, as a bool per vocabulary entry."""
+        return self._bits_now().view(bool)
+
+    def _bits_now(self) -> np.ndarray:
+        """The tokens allowed next, as a 0/1 byte per vocabulary entry."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         self._raise_if_error()
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        return bits[:self.vocab_size].astype(bool)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
+
+    def bias(self) -> np.ndarray:
+        """What to add to the logits: 0 where a token is allowed next, -inf elsewhere."""
+        with np.errstate(divide="ignore"):  # log(1) = 0, log(0) = -inf: faster than a select
+            return np.log(self._bits_now().astype(np.float32))
 
     def mask(self, logits: mx.array) -> mx.array:
         """`logits` ([vocab]) with the tokens the grammar does not allow next at -inf."""
-        return apply_mask(logits, self.allowed())
+        return apply_mask(logits, self.bias())
 
     def consume(self, token: int) -> None:
         """Take the decided `token` (one the mask allowed)."""
@@ -402,12 +412,12 @@ class Constrained:
         return n
 
     def row_masks(self, tokens: list[int]) -> RowMasks:
-        """The masks after each prefix of drafted `tokens` (rows 0 .. len), each taken
-        with the prefix consumed then rolled back; and what is forced after them all."""
-        rows = [self.allowed()]
+        """The masks (as biases) after each prefix of drafted `tokens` (rows 0 .. len),
+        each taken with the prefix consumed then rolled back; and what is forced after them all."""
+        rows = [self.bias()]
         for token in tokens:
             self.consume(token)
-            rows.append(self.allowed())
+            rows.append(self.bias())
         forced = self.forced()
         self.matcher.rollback(len(tokens))
         return RowMasks(np.stack(rows), forced)
@@ -417,13 +427,13 @@ class Constrained:
             raise RuntimeError(f"constrained decoding failed: {self.matcher.get_error()}")
 
 
-def apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
-    """`logits` ([..., vocab]) at -inf where `allowed` ([..., vocab] bool, broadcast)
-    is False; a narrower mask leaves the logits' extra columns out too."""
+def apply_mask(logits: mx.array, bias: np.ndarray) -> mx.array:
+    """`logits` ([..., vocab]) plus a grammar's `bias` (0 where allowed, -inf elsewhere;
+    [..., vocab], broadcast); a narrower bias masks the logits' extra columns too."""
     width = logits.shape[-1]
-    if allowed.shape[-1] != width:
-        fitted = np.zeros(allowed.shape[:-1] + (width,), dtype=bool)
-        n = min(width, allowed.shape[-1])
-        fitted[..., :n] = allowed[..., :n]
-        allowed = fitted
-    return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+    if bias.shape[-1] != width:
+        fitted = np.full(bias.shape[:-1] + (width,), -np.inf, dtype=np.float32)
+        n = min(width, bias.shape[-1])
+        fitted[..., :n] = bias[..., :n]
+        bias = fitted
+    return logits + mx.array(bias).astype(logits.dtype)

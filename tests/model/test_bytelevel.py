@@ -88,3 +88,14 @@ def test_smollm2_vocabulary_matches_the_library_in_a_fraction_of_the_memory(smol
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False), ids
     assert isinstance(GGUFTokenizer(folder)._tokenizer, ByteLevelBPE)  # what a converted SmolLM2 loads
     assert longest_token_bytes(GGUFTokenizer(folder)) == longest_token_bytes(theirs) > 4
+
+
+def test_piece_bytes_rebuild_text(tmp_path):
+    """Each piece's bytes, through GPT-2's byte alphabet (what a grammar matches tokens
+    against: justfit.engine.grammar), joined give the text; control pieces are marked."""
+    write_vocabulary(tmp_path / FILE_NAME, _meta(gpt2_vocab()))
+    tok = ByteLevelBPE(tmp_path / FILE_NAME)
+    for text in ["the cat", " in\n\n a tree", "é 🚀 中", "<|im_start|>x"]:
+        ids = tok.encode_fragment(text)
+        assert b"".join(tok.piece_bytes(i) for i in ids) == text.encode()
+    assert tok.is_control(tok.token_to_id("<|im_end|>")) and not tok.is_control(tok.token_to_id("Ġthe"))

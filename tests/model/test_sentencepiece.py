@@ -93,3 +93,16 @@ def test_gemma3_vocabulary_matches_the_library_in_a_tenth_of_the_memory(gemma3_g
     same_as_library(ours, theirs, texts)
     assert isinstance(GGUFTokenizer(folder)._tokenizer, SentencePieceBPE)  # what a converted Gemma loads
     assert longest_token_bytes(GGUFTokenizer(folder)) == longest_token_bytes(theirs) > 4
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_piece_bytes_and_fragments_rebuild_text(tmp_path, prefix):
+    """What a grammar matches tokens against (justfit.engine.grammar): each piece's bytes
+    (a byte piece its byte, U+2581 a space) joined give the text; a fragment's ids carry
+    no prefix space, whatever the vocabulary asks of a whole text."""
+    write_vocabulary(tmp_path / FILE_NAME, _meta(spm_vocab(), **{"tokenizer.ggml.add_space_prefix": prefix}))
+    tok = SentencePieceBPE(tmp_path / FILE_NAME)
+    for text in ["the cat", " in a tree", "é 🚀 中\n", "x"]:
+        ids = tok.encode_fragment(text)
+        assert b"".join(tok.piece_bytes(i) for i in ids) == text.encode()
+    assert tok.is_control(tok.token_to_id("<eos>")) and not tok.is_control(tok.token_to_id("he"))

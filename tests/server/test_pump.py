@@ -92,7 +92,7 @@ def sse(*data: str) -> str:
 
 CHAT_HEAD = '"id": "chatcmpl-ID", "object": "chat.completion.chunk", "created": 0, "model": "m"'
 USAGE = ('{"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": '
-         '{"cached_tokens": 2}, "drafted_tokens": 0, "accepted_tokens": 0}')
+         '{"cached_tokens": 2}, "drafted_tokens": 0, "accepted_tokens": 0, "forced_tokens": 0}')
 ENTRY_1 = ('{"token": "<1>", "logprob": -0.5, "bytes": [60, 49, 62], "top_logprobs": '
            '[{"token": "<1>", "logprob": -0.5, "bytes": [60, 49, 62]}]}')
 ENTRY_2 = '{"token": "<2>", "logprob": -0.25, "bytes": [60, 50, 62], "top_logprobs": []}'
@@ -145,7 +145,7 @@ def test_openai_whole_replies():
 
 OLLAMA_TIMINGS = ('"done_reason": "stop", "total_duration": 0, "load_duration": 0, "prompt_eval_count": 3, '
                   '"prompt_eval_duration": 500000000, "eval_count": 2, "eval_duration": 250000000, '
-                  '"drafted_tokens": 0, "accepted_tokens": 0')
+                  '"drafted_tokens": 0, "accepted_tokens": 0, "forced_tokens": 0')
 
 
 def test_ollama_streams_ndjson_without_keepalives():
@@ -184,7 +184,7 @@ def test_anthropic_streams_named_events():
         named("content_block_stop", '"index": 0'),
         named("message_delta", '"delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": '
               '{"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": 2, '
-              '"cache_creation_input_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0}'),
+              '"cache_creation_input_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0, "forced_tokens": 0}'),
         named("message_stop", ""))
 
 
@@ -199,7 +199,7 @@ def test_anthropic_whole_reply():
         "id": "msg_ID", "type": "message", "role": "assistant", "model": "m",
         "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": None,
         "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": 2,
-                  "cache_creation_input_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0}}
+                  "cache_creation_input_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0, "forced_tokens": 0}}
 
 
 # -- failures -----------------------------------------------------------------------------
