@@ -21,8 +21,9 @@ from justfit.server.structured import (anthropic_structure, choice_regex, extens
                                        tool_choice_constraint)
 from justfit.server.tools import CallArguments, CallStart, JsonCalls
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {  # no other keys: a reply ends
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+    "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"],
     "additionalProperties": False}}}
@@ -333,19 +334,6 @@ def claude(smol):
     return anthropic.Anthropic(base_url=smol.url, api_key="unused", max_retries=0)
 
 
-def grammars(smol) -> None:
-    """Skip where the engine does not follow constraints yet (decoding in justfit.engine.grammar):
-    a reply constrained to the regex `ok` says ok."""
-    from tests.helpers.server_harness import request
-
-    if not hasattr(smol, "follows"):
-        status, _, text = request(smol, "POST", "/v1/chat/completions", {
-            "messages": PERSON_PROMPT, "max_tokens": 4, "regex": "ok"})
-        smol.follows = status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "ok"
-    if not smol.follows:
-        pytest.skip("this engine does not follow output constraints yet (justfit.engine.grammar)")
-
-
 def last_constraint(smol) -> OutputConstraint | None:
     return smol.seen[-1]
 
@@ -384,7 +372,6 @@ def test_tool_choice_none_and_auto_leave_the_text_free(smol, oai):
 
 
 def test_openai_parse_returns_the_model(smol, oai):
-    grammars(smol)
     r = oai.chat.completions.parse(model="default", messages=PERSON_PROMPT, response_format=Person,
                                    max_tokens=60, temperature=0)
     person = r.choices[0].message.parsed
@@ -393,7 +380,6 @@ def test_openai_parse_returns_the_model(smol, oai):
 
 
 def test_json_object_whole_and_streamed_agree(smol, oai):
-    grammars(smol)
     args = dict(model="default", messages=PERSON_PROMPT, max_tokens=60, temperature=0,
                 response_format={"type": "json_object"})
     whole = oai.chat.completions.create(**args).choices[0]
@@ -405,7 +391,6 @@ def test_json_object_whole_and_streamed_agree(smol, oai):
 
 
 def test_completions_take_response_format(smol, oai):
-    grammars(smol)
     schema = Person.model_json_schema()
     r = oai.completions.create(model="default", prompt="Alice is 30. As JSON:", max_tokens=60, temperature=0,
                                extra_body={"response_format": {"type": "json_schema", "json_schema": {
@@ -416,7 +401,6 @@ def test_completions_take_response_format(smol, oai):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_whole_and_streamed(smol, oai, choice):
-    grammars(smol)
     args = dict(model="default", messages=WEATHER_PROMPT, max_tokens=80, temperature=0, tools=[WEATHER, TIME],
                 tool_choice=choice, parallel_tool_calls=False)
     r = oai.chat.completions.create(**args).choices[0]
@@ -433,7 +417,6 @@ def test_forced_tool_calls_whole_and_streamed(smol, oai, choice):
 
 
 def test_parallel_tool_calls_are_one_or_more(smol, oai):
-    grammars(smol)
     r = oai.chat.completions.create(model="default", messages=WEATHER_PROMPT, max_tokens=120, temperature=0,
                                     tools=[WEATHER], tool_choice="required").choices[0]
     assert r.message.tool_calls and all(json.loads(c.function.arguments).keys() == {"city"}
@@ -441,7 +424,6 @@ def test_parallel_tool_calls_are_one_or_more(smol, oai):
 
 
 def test_max_tokens_too_small_is_length_with_partial_text(smol, oai):
-    grammars(smol)
     r = oai.chat.completions.create(
         model="default", messages=PERSON_PROMPT, max_tokens=3, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": Person.model_json_schema()}})
@@ -452,7 +434,6 @@ def test_max_tokens_too_small_is_length_with_partial_text(smol, oai):
 
 
 def test_ollama_format_schema_through_its_client(smol):
-    grammars(smol)
     ollama = pytest.importorskip("ollama")
     client = ollama.Client(host=smol.url)
     r = client.chat(model="default", messages=PERSON_PROMPT, format=Person.model_json_schema(),
@@ -468,7 +449,6 @@ def test_ollama_format_schema_through_its_client(smol):
 
 
 def test_anthropic_parse_and_forced_tool_use(smol, claude):
-    grammars(smol)
     r = claude.messages.parse(model="claude-x", max_tokens=60, messages=PERSON_PROMPT, output_format=Person,
                               extra_body={"temperature": 0})
     assert isinstance(r.parsed_output, Person) and r.stop_reason == "end_turn"
