@@ -15,6 +15,12 @@ Workloads (OpenAI-compatible /v1/chat/completions, temperature 0, streamed; with
 - agent: bench/data/agent_trajectory.json, 15+ turns (files shown, tool outputs to quote,
   edits, short questions) appended to one growing conversation with the system's own
   replies, so prompt caching matters; its total completion time is reported.
+- agent-tools / agent-responses (JustFit only): the same trajectory with a function tool
+  offered, over /v1/chat/completions (the whole conversation each turn) and over the
+  Responses API (/v1/responses, each turn only its new message and the previous
+  response's id, the server continuing its stored state). Their rows carry each turn's
+  cached tokens as a share of the previous turn's context (`cached_share_min`), and
+  agent-responses its total time over agent-tools' (`responses_over_chat`).
 
 Each system runs every workload in its own server, one server at a time. A row per
 system and workload: wall time, completion tokens, decode tokens per second (tokens after
@@ -48,7 +54,12 @@ LLAMA_CPP = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 # default lookup of 12 tokens rarely matches in short replies)
 LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-n-max 16"
 SYSTEMS = ("justfit", "justfit-nodraft", "llama-server", "llama-server-ngram")
-WORKLOADS = ("code-edit", "prose", "agent")
+WORKLOADS = ("code-edit", "prose", "agent", "agent-tools", "agent-responses")
+RESPONSES_ONLY = ("agent-tools", "agent-responses")  # JustFit's (llama-server has no /v1/responses)
+# The function tool the tool-bearing agent workloads offer (chat completions' form; flat on /v1/responses).
+AGENT_TOOL = {"type": "function", "function": {
+    "name": "run_command", "description": "Run a shell command in the repository and return what it printed.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 # the drafts-off twin each system's replies are checked against
 TWIN = {"justfit": "justfit-nodraft", "llama-server-ngram": "llama-server"}
 
@@ -76,6 +87,7 @@ class Reply:
     drafted: int | None = None
     accepted: int | None = None
     error: str | None = None
+    response_id: str | None = None  # the Responses API's id of this reply
 
     @property
     def decode_s(self) -> float:
@@ -172,6 +184,57 @@ async def chat(http, url: str, messages: list[dict], max_tokens: int, speculate:
     reply.total_s = time.perf_counter() - start
     reply.text = "".join(pieces)
     return reply
+
+
+async def respond(http, url: str, instructions: str, user: str, previous: str | None, max_tokens: int,
+                  speculate: bool | None, timeout: float) -> Reply:
+    """One streamed greedy turn over the Responses API: `user`'s message after the
+    response `previous` (the server holds the conversation), timed as `chat` times."""
+    import aiohttp
+
+    body = {"input": user, "instructions": instructions, "max_output_tokens": max_tokens, "temperature": 0,
+            "stream": True, "tools": [{"type": "function", **AGENT_TOOL["function"]}]}
+    if previous:
+        body["previous_response_id"] = previous
+    if speculate is not None:
+        body["speculate"] = speculate
+    reply, pieces = Reply(), []
+    start = time.perf_counter()
+    try:
+        async with http.post(url + "/v1/responses", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                reply.error = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return reply
+            buffer = b""
+            async for chunk in r.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for event in sse_events(b"\n".join(lines)):
+                    take_response(event, reply, pieces, time.perf_counter() - start)
+            for event in sse_events(buffer):
+                take_response(event, reply, pieces, time.perf_counter() - start)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        reply.error = f"{type(e).__name__}: {e}"
+    reply.total_s = time.perf_counter() - start
+    reply.text = "".join(pieces)
+    return reply
+
+
+def take_response(event: dict, reply: Reply, pieces: list[str], at: float) -> None:
+    """Fold one Responses stream event into `reply`."""
+    kind = event.get("type", "")
+    if kind == "response.output_text.delta" and event.get("delta"):
+        reply.first_s = at if reply.first_s is None else reply.first_s
+        pieces.append(event["delta"])
+    elif kind in ("response.completed", "response.incomplete"):
+        response = event["response"]
+        usage = response.get("usage") or {}
+        reply.response_id = response.get("id")
+        reply.completion_tokens, reply.prompt_tokens = usage.get("output_tokens"), usage.get("input_tokens")
+        reply.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+        reply.drafted, reply.accepted = usage.get("drafted_tokens"), usage.get("accepted_tokens")
+    elif kind in ("error", "response.failed"):
+        reply.error = json.dumps(event)[:300]
 
 
 def take(event: dict, reply: Reply, pieces: list[str], at: float) -> None:
@@ -271,14 +334,21 @@ async def run_workload(http, url: str, system: System, workload: str, args) -> l
                            args.timeout, text=text) for p in PROSE[:max(1, min(args.prompts, len(PROSE)))]]
     prompt, turns = load_trajectory()
     messages = [{"role": "system", "content": prompt}]
-    replies = []
+    replies: list[Reply] = []
+    extra = {"tools": [AGENT_TOOL]} if workload == "agent-tools" else None
     for user in turns[:args.turns or None]:
-        messages.append({"role": "user", "content": user})
-        reply = await chat(http, url, messages, args.max_tokens or 200, system.speculate, args.timeout, text=text)
+        if workload == "agent-responses":
+            previous = replies[-1].response_id if replies else None
+            reply = await respond(http, url, prompt, user, previous, args.max_tokens or 200, system.speculate,
+                                  args.timeout)
+        else:
+            messages.append({"role": "user", "content": user})
+            reply = await chat(http, url, messages, args.max_tokens or 200, system.speculate, args.timeout,
+                               extra=extra, text=text)
+            messages.append({"role": "assistant", "content": reply.text})
         replies.append(reply)
         if reply.error:
             break
-        messages.append({"role": "assistant", "content": reply.text})
     return replies
 
 
@@ -299,7 +369,31 @@ def summarize(replies: list[Reply]) -> dict:
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "cached_tokens": _sum([r.cached_tokens for r in replies]),
+            "cached_share_min": cached_share_min(replies),
             "errors": [r.error for r in replies if r.error]}
+
+
+def cached_share_min(replies: list[Reply]) -> float | None:
+    """The least share, over a conversation's turns after the first, of the previous turn's
+    context (its prompt and reply) that the turn found cached; None without the counts."""
+    shares = [b.cached_tokens / (a.prompt_tokens + a.completion_tokens) for a, b in zip(replies, replies[1:])
+              if None not in (a.prompt_tokens, a.completion_tokens, b.cached_tokens)
+              and a.prompt_tokens + a.completion_tokens > 0]
+    return round(min(shares), 4) if shares else None
+
+
+def responses_over_chat(rows: list[dict]) -> None:
+    """Mark each row's agent-responses workload with its total time over the same row's
+    agent-tools (the same trajectory and tool over chat completions), and whether the
+    replies were the same."""
+    for row in rows:
+        w = row.get("workloads", {})
+        ours, theirs = w.get("agent-responses"), w.get("agent-tools")
+        if not ours or not theirs or ours["errors"] or theirs["errors"] or not theirs["total_s"]:
+            continue
+        ours["responses_over_chat"] = round(ours["total_s"] / theirs["total_s"], 4)
+        ours["same_replies_as_chat"] = [r["text_sha256"] for r in ours["replies"]] == [
+            r["text_sha256"] for r in theirs["replies"]]
 
 
 async def measure(system: System, args) -> dict:
@@ -317,6 +411,8 @@ async def measure(system: System, args) -> dict:
         # a fresh connection per request: llama-server closes one after a streamed reply
         async with running(system) as url, aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
             for workload in args.workloads:
+                if workload in RESPONSES_ONLY and not system.name.startswith("justfit"):
+                    continue
                 replies = await run_workload(http, url, system, workload, args)
                 workloads[workload] = {**summarize(replies), "replies": [kept(r) for r in replies]}
                 print(json.dumps({"system": system.name, "workload": workload,
@@ -384,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = [asyncio.run(measure(make_system(name, args), args)) for name in args.systems]  # one server at a time
     identity(rows)
+    responses_over_chat(rows)
     settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context", "text")}
     publish("speculation", {"machine": machine_info(), "settings": {**settings, "cores": os.cpu_count()},
                             "systems": rows}, args.json)

@@ -61,6 +61,12 @@ def _batch(value: str) -> int | None:
 @click.option("--session-keep", type=click.FloatRange(min=0), default=10, show_default=True, metavar="MINUTES",
               help="A session used this recently is evicted by the disk quota only when nothing older is "
                    "left, and the response that evicts it says so.")
+@click.option("--responses-keep", type=click.IntRange(min=1), default=1000, show_default=True, metavar="N",
+              help="Responses API: stored responses kept per API key (the oldest go first).")
+@click.option("--responses-disk", default="256MiB", show_default=True, metavar="SIZE",
+              help="Responses API: bytes of stored responses per API key (the oldest go first).")
+@click.option("--responses-days", type=click.FloatRange(min=0.001), default=30, show_default=True, metavar="DAYS",
+              help="Responses API: a stored response older than this is gone.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True, metavar="N",
               help="Open connections at most; past it a new one closes the oldest not being answered "
                    "(stalled first, then idle), so slow clients never lock others out.")
@@ -95,8 +101,8 @@ def _batch(value: str) -> int | None:
 def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch, preempt, max_body, max_tokens, served_name,
           chat_template, rank_timeout, whole_process, gguf_bits, kv_format, policy, draft, kv_disk, kv_disk_limit,
           deterministic, api_keys_file, header_timeout, body_timeout, max_connections, drain, state_disk,
-          session_keep, write_timeout) -> None:
-    """Serve a model over HTTP: /v1 (OpenAI), /api (Ollama) and /v1/messages (Anthropic).
+          session_keep, write_timeout, responses_keep, responses_disk, responses_days) -> None:
+    """Serve a model over HTTP: /v1 (OpenAI, the Responses API too), /api (Ollama) and /v1/messages (Anthropic).
 
     Stored conversation states are reused across requests; a request that cannot
     fit the context or the budget gets HTTP 400 (context_length_exceeded) before
@@ -107,6 +113,7 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
     from justfit.model.chat_template import has_chat_template, read_chat_template, use_chat_template
     from justfit.memory import parse_size
     from justfit.server import ServerConfig, run
+    from justfit.server.responses_store import StoreLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api_keys = _api_keys(api_key, api_keys_file)  # a bad key file fails before loading
@@ -115,7 +122,8 @@ def serve(model, budget, host, port, api_key, cors_origin, max_queue, max_batch,
                           max_body_bytes=parse_size(max_body), default_max_tokens=max_tokens,
                           model_name=served_name, rank_timeout_s=rank_timeout,
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                          write_timeout_s=write_timeout, max_connections=max_connections, drain_s=drain)
+                          write_timeout_s=write_timeout, max_connections=max_connections, drain_s=drain,
+                          responses=StoreLimits(responses_keep, parse_size(responses_disk), responses_days * 86400))
     template = read_chat_template(chat_template) if chat_template else None  # a bad file fails before loading
     click.echo(f"loading {model or 'smollm2'}...", file=sys.stderr)
     engine = common.load_engine(model, budget, gguf_bits, kv_format, policy, whole_process=whole_process,

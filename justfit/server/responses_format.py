@@ -17,17 +17,19 @@ from justfit.server.pump import SSE_HEADERS, Ending, Whole
 from justfit.server.responses_request import new_id
 from justfit.server.schema import BadRequest
 from justfit.server.sessions import StateOutcome, stream_note
+from justfit.server.tools import CallStart
 
 
 def usage(stats) -> dict:
     """The Responses usage object (zeros without stats); speculative decoding's drafted
-    and accepted tokens as extra keys, as on chat completions."""
+    and accepted tokens and the tokens a grammar forced as extra keys, as on chat completions."""
     prompt = stats.prompt_tokens if stats else 0
     done = stats.generated_tokens if stats else 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
             "output_tokens": done, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + done,
             "drafted_tokens": stats.drafted_tokens if stats else 0,
-            "accepted_tokens": stats.accepted_tokens if stats else 0}
+            "accepted_tokens": stats.accepted_tokens if stats else 0,
+            "forced_tokens": stats.forced_tokens if stats else 0}
 
 
 def message_item(item_id: str, text: str, status: str) -> dict:
@@ -41,10 +43,10 @@ def text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_items(calls: list[dict]) -> list[dict]:
-    """Parsed tool calls (chat completions' shape) as function_call output items."""
-    return [{"type": "function_call", "id": new_id("fc"), "call_id": c["id"], "name": c["function"]["name"],
-             "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+def call_item(call: dict, item_id: str | None = None) -> dict:
+    """A tool call (chat completions' shape) as a function_call output item."""
+    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
 def status_of(stats) -> tuple[str, dict | None]:
@@ -59,7 +61,7 @@ def error_object(answer: BadRequest) -> dict:
     return {"code": answer.code or answer.type, "message": answer.message}
 
 
-Done = Callable[[dict, "StateOutcome | None"], None]  # a finished response and its session state
+Done = Callable[[dict, "StateOutcome | None", list], None]  # a finished response, its session state, its tokens
 
 
 class ResponsesFormat:
@@ -76,6 +78,7 @@ class ResponsesFormat:
                      "created_at": int(time.time()), **head}
         self.prompt_tokens, self.done = prompt_tokens, done
         self.sequence, self.text, self.message_id = 0, [], None
+        self.streamed: dict[int, tuple[int, str]] = {}  # a call streamed as pieces: its (output index, item id)
         self.result: dict | None = None  # the finished response object
 
     def response(self, status: str, output: list[dict], stats=None, incomplete: dict | None = None,
@@ -89,11 +92,11 @@ class ResponsesFormat:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
-    def _finish(self, output: list[dict], stats, stored: StateOutcome | None) -> dict:
+    def _finish(self, output: list[dict], stats, stored: StateOutcome | None, token_ids: list[int]) -> dict:
         status, incomplete = status_of(stats)
         self.result = self.response(status, output, stats, incomplete)
         if self.done is not None:
-            self.done(self.result, stored)
+            self.done(self.result, stored, token_ids)
         return self.result
 
     # -- streamed -------------------------------------------------------------------------
@@ -131,6 +134,22 @@ class ResponsesFormat:
                                    content_index=0, delta=piece, logprobs=[]))
         return out
 
+    def call_pieces(self, pieces: list) -> list[bytes]:
+        """A forced call's item opened as it starts, its arguments as they are generated."""
+        out = []
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                at = (self.message_id is not None) + len(self.streamed)
+                self.streamed[piece.index] = (at, new_id("fc"))
+                item = {"type": "function_call", "id": self.streamed[piece.index][1], "call_id": piece.id,
+                        "name": piece.name, "arguments": "", "status": "in_progress"}
+                out.append(self._event("response.output_item.added", output_index=at, item=item))
+            elif piece.index in self.streamed:
+                at, item_id = self.streamed[piece.index]
+                out.append(self._event("response.function_call_arguments.delta", item_id=item_id, output_index=at,
+                                       delta=piece.text))
+        return out
+
     def failure(self, answer: BadRequest) -> list[bytes]:
         """An `error` event, then response.failed carrying the error."""
         return [self._event("error", code=answer.code or answer.type, message=answer.message, param=answer.param),
@@ -156,21 +175,28 @@ class ResponsesFormat:
                     self._event("response.content_part.done", item_id=self.message_id, output_index=0,
                                 content_index=0, part=text_part(text)),
                     self._event("response.output_item.done", output_index=0, item=item)]
-        for index, item in enumerate(call_items(ending.calls), len(output)):
-            output.append(item)
-            out += [self._event("response.output_item.added", output_index=index,
-                                item={**item, "arguments": "", "status": "in_progress"}),
-                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                delta=item["arguments"]),
-                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                name=item["name"], arguments=item["arguments"]),
-                    self._event("response.output_item.done", output_index=index, item=item)]
-        final = self._finish(output, ending.stats, ending.stored)
+        for call in ending.calls:
+            out += self._call_end(call, output)
+        final = self._finish(output, ending.stats, ending.stored, ending.token_ids)
         return out + [self._event(f"response.{final['status']}", response=final)]
+
+    def _call_end(self, call: dict, output: list[dict]) -> list[bytes]:
+        """A call's closing events (all of them, where it was not streamed as pieces)."""
+        at, item_id = self.streamed.get(call.get("index", -1), (len(output), None))
+        item = call_item(call, item_id)
+        output.append(item)
+        out = [] if item_id else [
+            self._event("response.output_item.added", output_index=at,
+                        item={**item, "arguments": "", "status": "in_progress"}),
+            self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                        delta=item["arguments"])]
+        return out + [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                  name=item["name"], arguments=item["arguments"]),
+                      self._event("response.output_item.done", output_index=at, item=item)]
 
     # -- whole ----------------------------------------------------------------------------
     def whole(self, reply: Whole) -> dict:
         """The response object: the message (unless the reply is only calls), the calls."""
         status, _ = status_of(reply.stats)
         output = [message_item(new_id("msg"), reply.text, status)] if reply.text or not reply.calls else []
-        return self._finish(output + call_items(reply.calls), reply.stats, reply.stored)
+        return self._finish(output + [call_item(c) for c in reply.calls], reply.stats, reply.stored, reply.token_ids)

@@ -1,17 +1,19 @@
 """OpenAI's Responses API request, checked and translated: `input` (a string, or items:
 messages, function calls and their outputs; reasoning items are accepted and ignored)
 into conversation items in one stored shape, those items (with `instructions` first)
-into chat-template messages, flat function tools into the template's (chat
-completions') form, and the sampling options. Every wrong field is a 400 naming it."""
+into chat-template messages, flat function tools, tool_choice and `text.format` into
+chat completions' forms for justfit.server.structured (the constraint and tool mode),
+and the sampling options. Every wrong field is a 400 naming it."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from justfit.config import SamplingParams
+from justfit.config import OutputConstraint, SamplingParams
 from justfit.server.schema import BadRequest, Options, get
+from justfit.server.structured import response_format_constraint, schema_constraint, tool_choice_constraint
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -160,14 +162,12 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
 
 
 def chat_tools(body: dict) -> list[dict] | None:
-    """Responses' flat function tools in the chat template's form; tools of other types
+    """Responses' flat function tools in chat completions' form; tools of other types
     (a hosted search, a shell the client runs itself) are left out: this server can
-    only offer functions. None when tool_choice is "none"."""
+    only offer functions."""
     tools = get(body, "tools", list, None)
-    if not tools or body.get("tool_choice") == "none":
-        return None
     out = []
-    for i, t in enumerate(tools):
+    for i, t in enumerate(tools or []):
         if not isinstance(t, dict):
             raise BadRequest(f"'tools[{i}]' must be an object", f"tools[{i}]")
         if get(t, "type", str, where=f"tools[{i}].") != "function":
@@ -175,31 +175,60 @@ def chat_tools(body: dict) -> list[dict] | None:
         out.append({"type": "function", "function": {
             "name": get(t, "name", str, where=f"tools[{i}]."),
             "description": get(t, "description", str, "", where=f"tools[{i}]."),
-            "parameters": get(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")}})
+            "parameters": get(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}]."),
+            "strict": get(t, "strict", bool, False, where=f"tools[{i}].")}})
     return out or None
 
 
-def _tool_choice(body: dict):
-    """tool_choice: "auto" and "none" (forcing a call needs a constrained reply)."""
-    choice = body.get("tool_choice", "auto")
-    if choice in ("auto", "none", None):
-        return choice or "auto"
-    if isinstance(choice, (str, dict)):
-        raise BadRequest("tool_choice other than 'auto' or 'none' is not supported here", "tool_choice",
-                         code="unsupported_tool_choice")
-    raise BadRequest("'tool_choice' must be a string or an object", "tool_choice")
+def chat_tool_choice(choice):
+    """Responses' tool_choice in chat completions' form: a named function is flat here
+    (`{"type": "function", "name"}`), allowed_tools holds its mode and tools directly."""
+    if not isinstance(choice, dict):
+        return choice
+    kind = get(choice, "type", str, where="tool_choice.")
+    if kind == "function":
+        return {"type": "function", "function": {"name": get(choice, "name", str, where="tool_choice.")}}
+    if kind == "allowed_tools":
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"),
+                                                           "tools": get(choice, "tools", list, where="tool_choice.")}}
+    raise BadRequest(f"'tool_choice.type' must be function or allowed_tools here, not {kind!r}", "tool_choice.type")
 
 
-def _text_format(body: dict) -> dict:
-    """`text.format`: plain text (a JSON format the server cannot guarantee is refused)."""
+def text_format_constraint(body: dict) -> OutputConstraint | None:
+    """`text.format`: text (free), json_object, or json_schema with its schema flat
+    (`{"type": "json_schema", "name", "schema", "strict"}`; the schema is followed
+    whether it says strict or not)."""
     text = get(body, "text", dict, {})
-    fmt = get(text, "format", dict, {"type": "text"}, where="text.")
+    fmt = get(text, "format", dict, None, where="text.")
+    if fmt is None:
+        return None
     kind = get(fmt, "type", str, where="text.format.")
-    if kind != "text":
-        raise BadRequest(f"text.format {kind!r} is not supported: this server does not constrain output to "
-                         "JSON; ask for JSON in the instructions, or omit text.format", "text.format",
-                         code="unsupported_response_format")
-    return {"format": {"type": "text"}}
+    if kind != "json_schema":
+        return response_format_constraint(fmt, "text.format")
+    get(fmt, "name", str, "", where="text.format.")
+    get(fmt, "strict", bool, False, where="text.format.")
+    schema = fmt.get("schema")
+    return OutputConstraint("json_object") if schema is None else schema_constraint(schema, "text.format.schema")
+
+
+def structure(body: dict, opts: Options) -> Options:
+    """`opts` with the tools the template shows, how the reply's calls come about
+    (tool_choice) and the one constraint the reply follows (text.format, or a forced
+    call): justfit.server.structured, from the Responses shapes."""
+    found = []
+    fmt = text_format_constraint(body)
+    if fmt is not None:
+        found.append(("text.format", fmt))
+    forced, mode = tool_choice_constraint(chat_tools(body), chat_tool_choice(body.get("tool_choice")),
+                                          get(body, "parallel_tool_calls", bool, True))
+    if forced is not None:
+        found.append(("tool_choice", forced))
+    if len(found) > 1:
+        raise BadRequest("'text.format' and 'tool_choice' each constrain the reply: send at most one of them",
+                         "tool_choice", code="conflicting_constraints")
+    field, constraint = found[0] if found else (None, None)
+    return replace(opts, sampling=replace(opts.sampling, constraint=constraint), constraint_field=field,
+                   tools=mode.tools, tool_mode=mode)
 
 
 def _sampling(body: dict, default_max_tokens: int, defaults: SamplingParams) -> tuple[SamplingParams, bool]:
@@ -233,15 +262,14 @@ def responses_request(body: dict, default_max_tokens: int, defaults: SamplingPar
     instructions = get(body, "instructions", str, None)
     previous = get(body, "previous_response_id", str, None)
     store = get(body, "store", bool, True)
-    choice, text = _tool_choice(body), _text_format(body)
     sp, given = _sampling(body, default_max_tokens, defaults)
-    get(body, "parallel_tool_calls", bool, True)
+    opts = structure(body, Options(sp, given, get(body, "stream", bool, False)))
     tools = get(body, "tools", list, [])
-    opts = Options(sp, given, get(body, "stream", bool, False), tools=chat_tools(body))
+    text = {"format": get(get(body, "text", dict, {}), "format", dict, {"type": "text"}, where="text.")}
     echo = {"instructions": instructions, "max_output_tokens": sp.max_tokens if given else None,
             "metadata": get(body, "metadata", dict, {}), "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": previous, "store": store, "temperature": sp.temperature, "top_p": sp.top_p,
-            "text": text, "tool_choice": choice, "tools": [t for t in tools if isinstance(t, dict)],
+            "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": [t for t in tools if isinstance(t, dict)],
             "truncation": "disabled", "user": get(body, "user", str, None),
             "reasoning": {"effort": None, "summary": None}}
     return ResponsesRequest(items, instructions, previous, store, opts, echo)

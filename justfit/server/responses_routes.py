@@ -7,7 +7,8 @@ tokenized, planned and queued as a chat completion is, and its reply pumped
 Unless `store` is false the finished response is kept (justfit.server.responses_store,
 scoped by the client's key) with the name of the session holding its state: a chain
 of responses continues one named session, so a turn naming `previous_response_id`
-prefills only what is new (`usage.input_tokens_details.cached_tokens`); a response
+prefills only what is new (`usage.input_tokens_details.cached_tokens`), its prompt
+built on the previous turn's exact token ids where its text extends them; a response
 continuing one that is no longer its session's newest starts a session of its own,
 from the longest stored prefix. Errors come back in OpenAI's error shape."""
 
@@ -19,13 +20,13 @@ import logging
 from aiohttp import web
 
 from justfit.server import pump
+from justfit.model.chat_template import has_chat_template
 from justfit.server.openai_routes import chat_tokens
 from justfit.server.responses_format import ResponsesFormat
 from justfit.server.responses_request import chat_messages, new_id, responses_request
 from justfit.server.responses_store import StoredResponse
 from justfit.server.schema import BadRequest, get, parse_body
 from justfit.server.sessions import StateOutcome, scope_of
-from justfit.server.tools import ToolMode
 
 log = logging.getLogger("justfit.server")
 
@@ -63,7 +64,7 @@ class ResponsesRoutes:
         req = responses_request(body, self.server.config.default_max_tokens, self.engine.default_sampling)
         scope = scope_of(request)
         await self._run(self.store.load_scope, scope)
-        earlier, session = [], None
+        earlier, session, prev = [], None, None
         if req.previous_response_id:
             prev = await self._run(self.store.get, scope, req.previous_response_id)
             if prev is None:
@@ -77,12 +78,13 @@ class ResponsesRoutes:
         if not any(m["role"] != "system" for m in msgs):
             raise BadRequest("'input' must hold at least one message or function call output", "input")
         await self.server.tokenizing.refuse_oversized(self.engine, msgs, req.opts.tools, param="input")
-        tokens = await self.server.prepare(lambda: chat_tokens(self.engine, msgs, req.opts.tools), req.opts)
+        prompt: dict = {}  # the rendered text, for the context this response stores
+        tokens = await self.server.prepare(
+            lambda: prompt_tokens(self.engine, msgs, req.opts.tools, prev.context if prev else None, prompt), req.opts)
         job, ahead = self.server.submit(tokens, req.opts, "responses", request)
-        done = self._keeper(scope, rid, items, req.opts.session) if req.store else None
+        done = self._keeper(scope, rid, items, req.opts.session, tokens, prompt.get("text")) if req.store else None
         fmt = ResponsesFormat({"id": rid, "model": self.server.model_id, **req.echo}, len(tokens), done)
-        mode = ToolMode("auto", req.opts.tools) if req.opts.tools else None  # calls parsed from the model's markers
-        return await pump.reply(self.server, request, job, fmt, mode, req.opts.stream, ahead)
+        return await pump.reply(self.server, request, job, fmt, req.opts.tool_mode, req.opts.stream, ahead)
 
     def _session(self, name: str) -> str | None:
         """`name`, where the runner keeps named sessions (a layer pipeline does not: the
@@ -93,11 +95,16 @@ class ResponsesRoutes:
             return None
         return name
 
-    def _keeper(self, scope: str, rid: str, items: list[dict], session: str | None):
+    def _keeper(self, scope: str, rid: str, items: list[dict], session: str | None, prompt_ids: list[int],
+                prompt_text: str | None):
         """What stores a finished response (called before its last event goes out)."""
-        def keep(response: dict, stored: StateOutcome | None) -> None:
+        eos = set(getattr(self.engine.tokenizer, "eos_token_ids", ()) or ())
+
+        def keep(response: dict, stored: StateOutcome | None, token_ids: list[int]) -> None:
             name = stored.fork if stored is not None and stored.fork else session
-            orphans = self.store.put(scope, StoredResponse(rid, self.store.clock(), name, response, items))
+            context = reply_context(response, prompt_text, prompt_ids, token_ids, eos)
+            orphans = self.store.put(scope, StoredResponse(rid, self.store.clock(), name, response, items,
+                                                           context=context))
             self._drop_sessions(scope, orphans)
 
         return keep
@@ -157,6 +164,43 @@ class ResponsesRoutes:
         page = items[:limit]
         return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                                   "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
+def prompt_tokens(engine, msgs: list[dict], tools: list | None, context: dict | None, rendered: dict) -> list[int]:
+    """The prompt's token ids (`rendered["text"]` set to its text). Where the rendered
+    text extends the previous response's context (its prompt's text and its reply), the
+    ids are that context's own (its prompt's, and the reply's exactly as generated) and
+    only the rest is tokenized: the turn extends the stored state to the token, where a
+    fresh tokenization of the reply might part from it. Otherwise as a chat completion."""
+    tokenizer, text = engine.tokenizer, None
+    if has_chat_template(tokenizer) and getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - a refusal: chat_tokens answers it in the client's terms
+            text = None
+    if isinstance(text, str):
+        rendered["text"] = text
+        if context is not None and len(text) > len(context["text"]) and text.startswith(context["text"]):
+            try:
+                return [*context["ids"], *tokenizer.encode(text[len(context["text"]):], add_special_tokens=False)]
+            except TypeError:  # a tokenizer without add_special_tokens: tokenized whole below
+                pass
+    return chat_tokens(engine, msgs, tools)
+
+
+def reply_context(response: dict, prompt_text: str | None, prompt_ids: list[int], token_ids: list[int],
+                  eos: set[int]) -> dict | None:
+    """What a response continuing this one may start from: the prompt's text and the
+    reply's, with their token ids (the reply's end-of-turn token left to the template's
+    text); None where the reply is not plain text (a function call is rendered anew)."""
+    output = response.get("output") or []
+    if prompt_text is None or len(output) != 1 or output[0].get("type") != "message":
+        return None
+    ids = list(token_ids)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    text = "".join(p.get("text", "") for p in output[0].get("content", []))
+    return {"text": prompt_text + text, "ids": [*prompt_ids, *ids]}
 
 
 def _drop(states, name: str, scope: str) -> None:

@@ -1,8 +1,8 @@
 """Stored responses of the Responses API, per client key (scope): each response's
 conversation items (what came before it and its own input), the response object
-itself, and the name of the named session holding its computed state
-(justfit.server.sessions), so `previous_response_id` continues the conversation and
-its state.
+itself, the name of the named session holding its computed state
+(justfit.server.sessions) and its context (its prompt's text and its reply, with their
+exact token ids), so `previous_response_id` continues the conversation and its state.
 
 Bounded per scope by count, bytes and age (`StoreLimits`): past the count or bytes
 the oldest go first, one older than the age limit is gone when next looked at. Durable
@@ -58,6 +58,7 @@ class StoredResponse:
     response: dict
     items: list[dict]
     nbytes: int = 0
+    context: dict | None = None  # {"text", "ids"}: its prompt's text and its reply, and their exact token ids
 
     def conversation(self) -> list[dict]:
         """The items a response continuing this one starts from: its input, then its output."""
@@ -89,7 +90,8 @@ def _hash(text: str) -> str:
 
 def encode(record: StoredResponse, scope: str) -> bytes:
     """A record's file: the header line, then the record line."""
-    body = json.dumps({"response": record.response, "items": record.items}, ensure_ascii=False).encode()
+    body = json.dumps({"response": record.response, "items": record.items, "context": record.context},
+                      ensure_ascii=False).encode()
     head = {"v": 1, "id": record.id, "scope": scope, "created_at": record.created_at, "session": record.session,
             "nbytes": len(body)}
     return json.dumps(head).encode() + b"\n" + body + b"\n"
@@ -269,7 +271,8 @@ class ResponseStore:
             if not isinstance(response, dict) or not isinstance(items, list) or not all(
                     isinstance(i, dict) and isinstance(i.get("type"), str) for i in items):
                 raise ValueError("the record is not a response and its items")
-            return StoredResponse(rid, row.created_at, row.session, response, items, row.nbytes)
+            return StoredResponse(rid, row.created_at, row.session, response, items, row.nbytes,
+                                  _context(body.get("context")))
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -333,6 +336,15 @@ class ResponseStore:
         except OSError as e:
             log.warning("could not quarantine %s: %s", path, e)
             _unlink(path)
+
+
+def _context(value) -> dict | None:
+    """A stored context as it must be (text and token ids), else None: the next turn then
+    tokenizes its prompt afresh."""
+    if (isinstance(value, dict) and isinstance(value.get("text"), str) and isinstance(value.get("ids"), list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value["ids"])):
+        return {"text": value["text"], "ids": value["ids"]}
+    return None
 
 
 def _unlink(path: Path) -> None:

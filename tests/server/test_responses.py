@@ -65,6 +65,18 @@ def test_whole_and_streamed_agree(live):
     assert final.output_text == text == whole.output_text and final.usage.output_tokens == u.output_tokens
 
 
+def _client_events(raw: list[bytes], tools: list) -> list[str]:
+    """The events of a stream as the official client's accumulator hands them out (it
+    checks each against the ones before it)."""
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    state = ResponseStreamState(input_tools=tools, text_format=openai.omit)
+    return [e.type for data in sse(b"".join(raw).decode())
+            for e in state.handle_event(construct_type(type_=ResponseStreamEvent, value=data))]
+
+
 def test_input_items_and_instructions(live):
     c = client(live)
     base = {"model": "default", "max_output_tokens": 2, "temperature": 0, "store": False}
@@ -121,6 +133,7 @@ def test_previous_response_id_reuses_the_stored_state(live):
         context = prev.usage.input_tokens + prev.usage.output_tokens
         assert nxt.usage.input_tokens > context  # the conversation so far came with it
         assert nxt.usage.input_tokens_details.cached_tokens >= 0.95 * context, (nxt.usage, prev.usage)
+        assert nxt.usage.input_tokens_details.cached_tokens >= context - 1  # all but the last token's state
         assert nxt.previous_response_id == prev.id
         turns.append(nxt)
     sessions = json.loads(request(live, "GET", "/v1/justfit/sessions",
@@ -134,6 +147,31 @@ def test_previous_response_id_reuses_the_stored_state(live):
     assert fork_b.usage.input_tokens_details.cached_tokens >= 0.95 * parent
     items = [i.model_dump() for i in c.responses.input_items.list(fork_b.id, order="asc", limit=100)]
     assert [i["type"] for i in items] == ["message"] * 5 and "first fruit" in items[0]["content"][0]["text"]
+
+
+def test_a_turn_extends_the_previous_turns_tokens_as_generated(live):
+    from justfit.server.responses_routes import prompt_tokens, reply_context
+
+    engine = live.server.engine
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Say hello."}]
+    first: dict = {}
+    prompt = prompt_tokens(engine, msgs, None, None, first)
+    assert prompt == engine.apply_chat_template(msgs)  # no context: as a chat completion
+    reply = "Hello there, friend"
+    generated = [i for ch in reply for i in tok.encode(ch, add_special_tokens=False)]  # not how it tokenizes whole
+    assert generated != tok.encode(reply, add_special_tokens=False)
+    eos = set(tok.eos_token_ids)
+    response = {"output": [{"type": "message", "content": [{"type": "output_text", "text": reply}]}]}
+    context = reply_context(response, first["text"], prompt, [*generated, *sorted(eos)[:1]], eos)
+    assert context["ids"] == [*prompt, *generated]  # the end-of-turn token left to the template
+    nxt = [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
+    ids = prompt_tokens(engine, nxt, None, context, {})
+    assert ids[:len(context["ids"])] == context["ids"] and tok.decode(ids) == tok.decode(engine.apply_chat_template(nxt))
+    other = [{"role": "system", "content": "New instructions."}, *nxt[1:]]  # no longer an extension: afresh
+    assert prompt_tokens(engine, other, None, context, {}) == engine.apply_chat_template(other)
+    called = {"output": [{"type": "function_call"}]}
+    assert reply_context(called, first["text"], prompt, generated, eos) is None
 
 
 def _error(status_error) -> dict:
@@ -217,7 +255,8 @@ BAD = [({"input": 5}, "input"), ({}, "input"), ({"input": [{"role": "boss", "con
        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0]"),
        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"), ({"input": "x", "temperature": 9}, "temperature"),
-       ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+       ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+       ({"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}}, "text.format.schema"),
        ({"input": "x", "tool_choice": "required"}, "tool_choice"), ({"input": "x", "background": True}, "background"),
        ({"input": "x", "store": "yes"}, "store"), ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
        ({"input": []}, "input"), ({"input": "x", "previous_response_id": 7}, "previous_response_id")]
@@ -265,34 +304,87 @@ def test_fuzzed_bodies_never_500(live):
     assert all(s < 500 for s in statuses) and statuses.count(400) > 30 and 200 in statuses
 
 
+def test_text_format_and_tool_choice_become_constraints():
+    from justfit.server.responses_request import responses_request
+
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}, "strict": True}
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    req = responses_request({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema,
+                                                                "strict": True}}}, 8)
+    assert req.opts.sampling.constraint.kind == "json_schema" and json.loads(req.opts.sampling.constraint.text) == schema
+    assert req.opts.constraint_field == "text.format" and req.echo["text"]["format"]["name"] == "a"
+    assert responses_request({"input": "x", "text": {"format": {"type": "json_object"}}}, 8).opts.sampling.constraint.kind \
+        == "json_object"
+    auto = responses_request({"input": "x", "tools": [tool, {"type": "web_search"}]}, 8).opts
+    assert auto.tool_mode.choice == "auto" and [t["function"]["name"] for t in auto.tools] == ["get_weather"]
+    assert auto.sampling.constraint is None
+    named = responses_request({"input": "x", "tools": [tool], "tool_choice": {"type": "function",
+                                                                              "name": "get_weather"}}, 8).opts
+    forced = json.loads(named.sampling.constraint.text)
+    assert named.tool_mode.choice == "forced" and forced["items"]["properties"]["name"] == {"const": "get_weather"}
+    one = responses_request({"input": "x", "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False},
+                            8).opts
+    assert json.loads(one.sampling.constraint.text)["properties"]["arguments"]["required"] == ["city"]
+    assert responses_request({"input": "x", "tools": [tool], "tool_choice": "none"}, 8).opts.tools is None
+
+
+def test_forced_tool_call_end_to_end(live):
+    if getattr(live.server.engine, "grammars", None) is None:
+        pytest.skip("this engine does not constrain replies yet (justfit.engine.grammar)")
+    c = client(live)
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                           "required": ["city"], "additionalProperties": False}}
+    ask = {"model": "default", "input": "What is the weather in Paris?", "tools": [tool], "store": False,
+           "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60, "temperature": 0,
+           "parallel_tool_calls": False}
+    r = c.responses.create(**ask)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    with c.responses.stream(**ask) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and final.output[-1].arguments == calls[0].arguments
+    shaped = c.responses.create(model="default", input="Give a number.", store=False, max_output_tokens=30,
+                                temperature=0, text={"format": {"type": "json_schema", "name": "n", "schema": {
+                                    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}})
+    assert shaped.status == "completed" and isinstance(json.loads(shaped.output_text)["n"], int), shaped
+
+
 # -- the stream's function calls and the store, without a model ------------------------------------
 def test_function_call_events_parse_in_the_client():
-    from openai._models import construct_type
-    from openai.lib.streaming.responses._responses import ResponseStreamState
-    from openai.types.responses import ResponseStreamEvent
-
     from justfit.engine.stats import GenerationStats
     from justfit.server.pump import Ending
     from justfit.server.responses_format import ResponsesFormat
+    from justfit.server.tools import JsonCalls
 
+    tools = [{"type": "function", "name": "get_weather", "parameters": {}, "strict": False}]
+    stats = GenerationStats(prompt_tokens=10, generated_tokens=5, finish_reason="stop")
     kept = []
-    fmt = ResponsesFormat({"model": "m"}, 10, lambda response, stored: kept.append(response))
-    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
-    raw = fmt.opening(0) + fmt.token("Checking.", None) + fmt.ending(
-        Ending(GenerationStats(prompt_tokens=10, generated_tokens=5, finish_reason="stop"), None, "", calls, []))
-    state = ResponseStreamState(input_tools=[{"type": "function", "name": "get_weather", "parameters": {},
-                                              "strict": False}], text_format=openai.omit)
-    seen = []
-    for data in sse(b"".join(raw).decode()):
-        for event in state.handle_event(construct_type(type_=ResponseStreamEvent, value=data)):
-            seen.append(event.type)
+    fmt = ResponsesFormat({"model": "m"}, 10, lambda response, stored, ids: kept.append(response))
+    calls = [{"id": "call_1", "type": "function", "index": 0,
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    raw = fmt.opening(0) + fmt.token("Checking.", None) + fmt.ending(Ending(stats, None, "", calls, []))
+    seen = _client_events(raw, tools)
     assert seen[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
-    final = kept[0]
-    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
-    call = final["output"][1]
+    assert [o["type"] for o in kept[0]["output"]] == ["message", "function_call"]
+    call = kept[0]["output"][1]
     assert call["call_id"] == "call_1" and call["name"] == "get_weather" and json.loads(call["arguments"]) == {
         "city": "Oslo"} and call["id"].startswith("fc_")
+    # A forced call (a constrained reply) streams as it is generated: two calls, arguments in pieces.
+    fmt, reader = ResponsesFormat({"model": "m"}, 10, lambda response, stored, ids: kept.append(response)), JsonCalls()
+    raw = fmt.opening(0)
+    for piece in ['[{"name": "get_weather", "argu', 'ments": {"city": "Os', 'lo"}}, {"name": "get_weather",',
+                  ' "arguments": {"city": "Rome"}}]']:
+        raw += fmt.token(reader.feed(piece), None) + fmt.call_pieces(reader.pieces())
+    raw += fmt.ending(Ending(stats, None, reader.flush(), reader.calls(streaming=True), []))
+    seen = _client_events(raw, tools)
+    assert seen.count("response.function_call_arguments.delta") >= 3 and seen[-1] == "response.completed"
+    assert "response.output_text.delta" not in seen
+    assert [json.loads(o["arguments"]) for o in kept[1]["output"]] == [{"city": "Oslo"}, {"city": "Rome"}]
 
 
 def _record(rid: str, text: str = "x", session: str | None = "s", at: float = 1000.0):
@@ -314,6 +406,16 @@ def test_store_is_durable_bounded_and_quarantines(tmp_path):
     assert len(names) == 3 and not any("resp_" in n or "scope-a" in n for n in names)  # hashed names only
     reopened = ResponseStore(tmp_path, store.limits, clock=lambda: now[0])
     assert reopened.get("scope-a", "resp_1").items[0]["text"] == "x"
+    with_context = _record("resp_ctx", at=now[0] - 5)
+    with_context.context = {"text": "<prompt>hi", "ids": [1, 2, 3]}
+    store.put("scope-z", with_context)
+    bad = _record("resp_bad", at=now[0] - 5)
+    bad.context = {"text": "t", "ids": [True, -1]}
+    store.put("scope-z", bad)
+    store.run(lambda: None).result()
+    fresh_z = ResponseStore(tmp_path, store.limits, clock=lambda: now[0])
+    assert fresh_z.get("scope-z", "resp_ctx").context == {"text": "<prompt>hi", "ids": [1, 2, 3]}
+    assert fresh_z.get("scope-z", "resp_bad").context is None  # not token ids: the next turn tokenizes afresh
     assert reopened.get("scope-b", "resp_1") is None  # another scope never sees it
     gone = reopened.put("scope-a", _record("resp_3", session="s9", at=now[0]))  # past the count: resp_0 goes
     assert reopened.get("scope-a", "resp_0") is None and gone == []  # s0 is still named by resp_2

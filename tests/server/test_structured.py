@@ -244,6 +244,7 @@ class Stats:
     generated_tokens: int = 9
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    forced_tokens: int = 0
     stop_sequence: str | None = None
 
 
