@@ -122,7 +122,25 @@ def _footprint(r: dict) -> str:
                   + ("error" if "error" in s else f"peak {s['peak_rss'] / 2**20:.0f} MiB") for s in r["rows"]])
 
 
-SUMMARIES = {"capacity": _capacity, "footprint": _footprint, "overhead": _overhead, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
+def _grammar_libraries(r: dict) -> str:
+    return _some([f"{s['library']} {s['model']}: " + ("error" if "error" in s else
+                   f"mask median {s['mask_us_median']:g} µs, compile {s['compile_ms_median']:g} ms, "
+                   f"tokenizer {s['tokenizer_rss_bytes'] / 2**20:.1f} MiB") for s in r["rows"]])
+
+
+def _structured(r: dict) -> str:
+    return _some([f"{s['model']}: " + ("error" if "error" in s else
+                   f"constrained {s['constrained_slowdown']:+.1%} against free, forced tokens {s['forced_speedup']:g}x")
+                   for s in r["systems"]])
+
+
+def _schema_suite(r: dict) -> str:
+    return _some([f"{r['passed']}/{r['sent']} replies valid"] +
+                 [f"{k}: {c['passed']}/{c['sent']}" for k, c in r["combos"].items()])
+
+
+SUMMARIES = {"capacity": _capacity, "grammar-libraries": _grammar_libraries, "structured": _structured,
+             "schema-suite": _schema_suite, "footprint": _footprint, "overhead": _overhead, "speed": _speed, "quality": _quality, "batch": _batch, "kv-decode": _rows,
              "state": _rows, "state-restart": _rows, "sessions": _rows, "serve": _serve,
              "kv-calibration-smollm2": _calibration, "kv-calibration-gemma3": _calibration,
              "codecs-smollm2": _codecs, "codecs-gemma3": _codecs}

@@ -11,7 +11,7 @@ import click
 
 from .common import UserError
 
-SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "trace", "before_after", "overhead")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "grammar_libraries", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "structured", "trace", "before_after", "overhead")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -26,8 +26,10 @@ def bench(suite: str, args: tuple[str, ...]) -> None:
     quality  KV format fidelity: top-1, KL, perplexity, pass-key
     kv       KV transient, bytes per position, decode speed at a context
     codecs   key and value codecs' attention error per layer at equal bits
+    grammar_libraries  llguidance against xgrammar: install size, tokenizer memory, compile and mask time
     footprint whole-process peak of one request, JustFit's server against llama-server
     plan     planner's predicted peak vs measured; a run with layers offloaded under a tight budget
+    structured  a JSON schema's decode cost against free decoding; forced tokens on against off
     state    time to first token from a snapshot vs cold prefill; snapshot size
     sessions 2 or 4 sessions sharing one budget, swapped to disk in turn
     serve    the HTTP server: second-turn TTFT, concurrent clients, fuzz

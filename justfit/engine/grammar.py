@@ -74,7 +74,7 @@ def grammar_text(constraint: OutputConstraint) -> str:
             schema = json.loads(text)
             if not isinstance(schema, dict):
                 raise GrammarError(kind, "a JSON schema must be a JSON object")
-            return llg.LLMatcher.grammar_from_json_schema(text, JSON_OPTIONS, JSON_OPTIONS)
+            return llg.LLMatcher.grammar_from_json_schema(closed_objects(schema), JSON_OPTIONS, JSON_OPTIONS)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(text)
         if kind == "lark":
@@ -88,6 +88,48 @@ def grammar_text(constraint: OutputConstraint) -> str:
         raise GrammarError(kind, "nested too deeply") from None
     except Exception as e:  # the schema's JSON, serde's recursion limit, GBNF's conversion
         raise GrammarError(kind, str(e)) from None
+
+
+# Keywords whose values are subschemas, one or a list or a name -> schema map each
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMAS = ("prefixItems", "anyOf", "oneOf")
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """A copy of `schema` in which an object that lists its `properties` and says
+    nothing of others (`additionalProperties`, `patternProperties`,
+    `unevaluatedProperties`) allows no others, as llama.cpp's and xgrammar's converters
+    and OpenAI's strict mode read it: a model may otherwise add keys until its token
+    limit. allOf's members stay open (closed, they would forbid each other's keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _NAMED_SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_open_member(s) for s in out["allOf"]]
+    if (isinstance(out.get("properties"), dict) and not
+            {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out)):
+        out["additionalProperties"] = False
+    return out
+
+
+def _open_member(schema):
+    """An allOf member: its subschemas closed, itself left open."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = closed_objects(schema)
+    if "additionalProperties" not in schema:
+        closed.pop("additionalProperties", None)
+    return closed
 
 
 def constraint_key(constraint: OutputConstraint) -> str:
@@ -306,6 +348,12 @@ def compile_entry(tokenizer, constraint: OutputConstraint) -> _Entry:
     except GrammarError as e:
         return _Entry(None, e, len(str(e)) + 256)
     matcher = llg.LLMatcher(tokenizer, grammar, limits=llg.LLParserLimits(verbose_errors=False), log_level=0)
+    if not matcher.is_error():  # a grammar can compile and still match nothing (`root ::= root`):
+        first = matcher.deep_copy()  # its first mask is an error, refused here rather than mid-reply
+        first.compute_bitmask()
+        if first.is_error():
+            error = GrammarError(constraint.kind, "the grammar matches no text at all")
+            return _Entry(None, error, len(str(error)) + 256)
     if matcher.is_error():
         error = GrammarError(constraint.kind, matcher.get_error())
         return _Entry(None, error, len(str(error)) + 256)

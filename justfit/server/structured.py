@@ -69,7 +69,10 @@ def schema_constraint(schema, path: str) -> OutputConstraint:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise BadRequest(f"'{path}' must be a JSON Schema object", path)
-    return OutputConstraint("json_schema", json.dumps(schema))
+    try:
+        return OutputConstraint("json_schema", json.dumps(schema))
+    except RecursionError:
+        raise BadRequest(f"'{path}' is nested too deeply", path) from None
 
 
 def tool_choice_constraint(tools, tool_choice, parallel_tool_calls: bool | None = None, path: str = "tool_choice"
@@ -171,16 +174,19 @@ def _forced(chosen: list[dict], parallel: bool) -> OutputConstraint:
     own `$defs` and `$ref`s are moved under the root's (see `_hoisted`)."""
     root_defs: dict = {}
     calls = []
-    for i, d in enumerate(chosen):
-        params = d["function"].get("parameters") or {"type": "object"}
-        calls.append({"type": "object", "properties": {"name": {"const": d["function"]["name"]},
-                                                        "arguments": _hoisted(params, f"tool{i}", root_defs)},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
-    if root_defs:
-        schema = {**schema, "$defs": root_defs}
-    return OutputConstraint("json_schema", json.dumps(schema))
+    try:  # the walks recurse: parameters nested near the body's own limit would overflow
+        for i, d in enumerate(chosen):
+            params = d["function"].get("parameters") or {"type": "object"}
+            calls.append({"type": "object", "properties": {"name": {"const": d["function"]["name"]},
+                                                            "arguments": _hoisted(params, f"tool{i}", root_defs)},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
+        if root_defs:
+            schema = {**schema, "$defs": root_defs}
+        return OutputConstraint("json_schema", json.dumps(schema))
+    except RecursionError:
+        raise BadRequest("'tools': a tool's parameters are nested too deeply", "tools") from None
 
 
 def _hoisted(schema: dict, prefix: str, root_defs: dict) -> dict:

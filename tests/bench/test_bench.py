@@ -316,3 +316,37 @@ def test_before_after_alternates_the_checkouts_and_compares_medians(tmp_path, mo
     assert ratios == dict.fromkeys(ba.FIGURES, round(22.0 / 20.0, 4))  # the medians' ratio
     saved = json.loads(next(tmp_path.glob("before-after-*.json")).read_text())
     assert saved["medians"]["before"]["decode_tps"] == 20.0 and len(saved["rounds"]["after"]) == 3
+
+
+def test_grammar_libraries_forces_a_valid_instance_through_llguidance(tmp_path, monkeypatch):
+    """bench.grammar_libraries on SmolLM2 with llguidance alone (xgrammar needs torch,
+    which JustFit's environment never holds): the token bytes spell the instance, every
+    one of its tokens passes the mask, and the row has every figure; the table shows it."""
+    import bench.common
+    from bench.grammar_libraries import main
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    result = main(["--models", "smollm2", "--libraries", "llguidance", "--rounds", "1"])
+    (row,) = result["rows"]
+    assert "error" not in row, row
+    assert row["vocab_size"] == 49152 and row["mask_tokens"] > 100
+    assert 0 < row["mask_us_median"] <= row["mask_us_p90"] <= row["mask_us_max"]
+    assert row["compile_ms_median"] > 0 and row["tokenizer_rss_bytes"] > 0
+    saved = json.loads(next(tmp_path.glob("grammar-libraries-*.json")).read_text())
+    assert saved["rows"] == result["rows"] and saved["versions"]["llguidance"].startswith("1.")
+
+
+def test_structured_bench_rounds_on_a_tiny_model(tiny_llama_dir):
+    """bench.structured's worker on a tiny random model, one round (its replies run to the
+    token limit): the free reply is as long as the constrained one, forced tokens are
+    taken and change no reply, and the summary has each figure."""
+    from bench.structured import summary, table, worker
+
+    got = worker(str(tiny_llama_dir), 1, max_tokens=300)
+    (run,) = got["runs"]
+    assert run["free"]["tokens"] == run["constrained"]["tokens"] > 0
+    assert run["forced_on"]["forced"] > 0 and run["forced_off"]["forced"] > 0
+    assert got["checks"]["same_length"] and got["checks"]["forced_same_reply"]
+    row = summary(got)
+    assert row["forced_speedup"] > 0 and row["free_tps"] > 0 and row["constrained_tps"] > 0
+    assert "| " + str(tiny_llama_dir) in table([row])
