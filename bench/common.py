@@ -93,6 +93,20 @@ def run_worker(module: str, args: list[str], timeout: float, ranks: int = 1) -> 
     return json.loads(lines[-1])
 
 
+def markdown_table(head: str, rows: list[dict], cells, leading: tuple[str, ...]) -> str:
+    """`rows` as a markdown table under `head` (its header and separator lines): a row
+    with an "error" shows its `leading` fields and the error, any other `cells(row)`."""
+    width = head.splitlines()[0].count("|") - 1
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            first = [str(r.get(k)) for k in leading] + [f"error: {r['error']}"]
+            lines.append("| " + " | ".join(first + [""] * (width - len(first))) + " |")
+        else:
+            lines.append("| " + " | ".join(cells(r)) + " |")
+    return "\n".join(lines)
+
+
 def save(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

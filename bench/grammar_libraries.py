@@ -325,17 +325,15 @@ def run_worker(python: str, library: str, case_file: str, rounds: int, timeout: 
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table."""
-    lines = ["| model (vocabulary) | library | import: MiB, s | tokenizer: MiB, s | compile ms | first mask ms "
-             "| mask µs median / p90 / max |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r.get('model')} | {r['library']} | error: {r['error']} | | | | |")
-            continue
-        lines.append(f"| {r['model']} ({r['vocab_size']:,}) | {r['library']} | {r['import_rss_bytes'] / 2**20:.1f}, "
-                     f"{r['import_s']:.2f} | {r['tokenizer_rss_bytes'] / 2**20:.1f}, {r['tokenizer_s']:.2f} | "
-                     f"{r['compile_ms_median']:.2f} | {r['first_mask_ms_median']:.2f} | {r['mask_us_median']:.1f} / "
-                     f"{r['mask_us_p90']:.1f} / {r['mask_us_max']:.1f} |")
-    return "\n".join(lines)
+    from bench.common import markdown_table
+
+    head = ("| model (vocabulary) | library | import: MiB, s | tokenizer: MiB, s | compile ms | first mask ms "
+            "| mask µs median / p90 / max |\n|---|---|---|---|---|---|---|")
+    return markdown_table(head, rows, lambda r: [
+        f"{r['model']} ({r['vocab_size']:,})", r["library"], f"{r['import_rss_bytes'] / 2**20:.1f}, {r['import_s']:.2f}",
+        f"{r['tokenizer_rss_bytes'] / 2**20:.1f}, {r['tokenizer_s']:.2f}", f"{r['compile_ms_median']:.2f}",
+        f"{r['first_mask_ms_median']:.2f}",
+        f"{r['mask_us_median']:.1f} / {r['mask_us_p90']:.1f} / {r['mask_us_max']:.1f}"], ("model", "library"))
 
 
 def main(argv: list[str] | None = None) -> dict:

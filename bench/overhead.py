@@ -297,19 +297,16 @@ def host_ratios(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (milliseconds per decode token, medians)."""
+    from bench.common import markdown_table
+
     head = ("| system | context | wall | main-thread CPU | host | blocked | blocked CPU | off-CPU | async_eval "
             "| syncs/tok | ops/tok | tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['system']} | {r['context']} | error: {r['error']} ||||||||||")
-            continue
-        lo, hi = r["wall_ms_range"]
-        lines.append(f"| {r['system']} | {r['context']} | {r['wall_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['thread_cpu_ms']:.2f} "
-                     f"| {r['host_ms']:.2f} ({r['host_ms_range'][0]:.2f}-{r['host_ms_range'][1]:.2f}) "
-                     f"| {r['blocked_ms']:.2f} | {r['blocked_cpu_ms']:.2f} | {r['off_cpu_ms']:.2f} "
-                     f"| {r['async_eval_ms']:.2f} | {r['syncs']:g} | {r['ops']:g} | {1e3 / r['wall_ms']:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(head, rows, lambda r: [
+        r["system"], str(r["context"]),
+        f"{r['wall_ms']:.2f} ({r['wall_ms_range'][0]:.2f}-{r['wall_ms_range'][1]:.2f})", f"{r['thread_cpu_ms']:.2f}",
+        f"{r['host_ms']:.2f} ({r['host_ms_range'][0]:.2f}-{r['host_ms_range'][1]:.2f})", f"{r['blocked_ms']:.2f}",
+        f"{r['blocked_cpu_ms']:.2f}", f"{r['off_cpu_ms']:.2f}", f"{r['async_eval_ms']:.2f}", f"{r['syncs']:g}",
+        f"{r['ops']:g}", f"{1e3 / r['wall_ms']:.1f}"], ("system", "context"))
 
 
 def main(argv: list[str] | None = None) -> dict:

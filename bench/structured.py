@@ -134,16 +134,14 @@ def summary(got: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The summaries as a markdown table."""
-    lines = ["| model | reply tokens | free tok/s | constrained tok/s | slower by | fixed-key reply: tokens (forced) "
-             "| forced on s | forced off s | speed-up |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error']} | | | | | | | |")
-            continue
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['free_tps']:.1f} | {r['constrained_tps']:.1f} | "
-                     f"{r['constrained_slowdown']:+.1%} | {r['fixed_tokens']} ({r['fixed_forced']}) | "
-                     f"{r['forced_on_s']:.2f} | {r['forced_off_s']:.2f} | {r['forced_speedup']:.2f}x |")
-    return "\n".join(lines)
+    from bench.common import markdown_table
+
+    head = ("| model | reply tokens | free tok/s | constrained tok/s | slower by | fixed-key reply: tokens (forced) "
+            "| forced on s | forced off s | speed-up |\n|---|---|---|---|---|---|---|---|---|")
+    return markdown_table(head, rows, lambda r: [
+        r["model"], str(r["tokens"]), f"{r['free_tps']:.1f}", f"{r['constrained_tps']:.1f}",
+        f"{r['constrained_slowdown']:+.1%}", f"{r['fixed_tokens']} ({r['fixed_forced']})", f"{r['forced_on_s']:.2f}",
+        f"{r['forced_off_s']:.2f}", f"{r['forced_speedup']:.2f}x"], ("model",))
 
 
 def main(argv: list[str] | None = None) -> dict:
