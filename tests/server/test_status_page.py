@@ -116,11 +116,13 @@ def test_memory_samples_put_the_process_beside_mlx(tiny_gemma3_dir):
 
     from justfit.server.status_live import LiveStatus
 
-    engine = Engine(str(tiny_gemma3_dir), budget="512MiB", config=EngineConfig(budget_covers_process=True))
+    # Over what this process already holds (in a whole-suite run, earlier tests' heap).
+    budget = (rss_bytes() // 2**20 + 512) * 2**20
+    engine = Engine(str(tiny_gemma3_dir), budget=budget, config=EngineConfig(budget_covers_process=True))
     now = LiveStatus(SimpleNamespace(engine=engine)).measure()
     mlx = now["weights_resident"] + now["weights_materialized"] + now["transient"] + now["states_memory"]
-    assert now["process_budget"] == engine.budget.process == 512 * 2**20
-    assert now["budget"] == engine.config.budget_bytes < 512 * 2**20  # less what the process holds besides MLX
+    assert now["process_budget"] == engine.budget.process == budget
+    assert now["budget"] == engine.config.budget_bytes < budget  # less what the process holds besides MLX
     assert now["rss"] > mlx + now["mlx_cache"] + sum(now["kv"].values()) > 0
 
 
@@ -134,7 +136,9 @@ def test_page_in_headless_chromium(smollm2_gguf, tmp_path):
     # A whole-process budget over what this process already holds (in a whole-suite run,
     # earlier tests' heap), so the engine's share is the same whatever ran before.
     budget_mib = rss_bytes() // 2**20 + 620
-    engine = Engine(str(smollm2_gguf), budget=f"{budget_mib}MiB", config=EngineConfig(budget_covers_process=True))
+    # Its own state folder: earlier tests' sessions (other keys') are not this server's to count.
+    engine = Engine(str(smollm2_gguf), budget=f"{budget_mib}MiB",
+                    config=EngineConfig(budget_covers_process=True, state_dir=str(tmp_path / "state")))
     live = LiveServer(engine, api_key="sekret")
     key = {"Authorization": "Bearer sekret"}
     body = {"messages": [{"role": "user", "content": "Tell me about lighthouses. " * 120}], "max_tokens": 8,
