@@ -123,6 +123,7 @@ class Footprint:
     shape: _Shape
     pages: int = 0  # page bytes of the layers whose KV grows, once prefill is done (KVExec)
     disk: int = 0  # page bytes on disk (kvexec.disk_pages): what decode reads per token
+    read_slots: int = 0  # of `kv`, the disk reader's two slots (kvexec.disk_pages.PageReader)
 
     @property
     def total(self) -> int:
@@ -139,6 +140,12 @@ class Footprint:
         """What is kept back for the allocator and the transients the terms leave out
         (`shape.reserve`: the prior, or measured under a budget)."""
         return self.shape.reserve.bytes(self.terms)
+
+    @property
+    def disk_segments(self) -> int:
+        """Segments on disk: the page index's entries (one extent each)."""
+        s = self.shape
+        return 0 if not self.disk or s.block_tokens is None else round(self.disk / (s.block_tokens * s.page_row))
 
     def at(self, positions: int) -> Footprint:
         """The same request's footprint at `positions` retained positions."""
@@ -204,7 +211,7 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     hot, pages = _layer_kv(s, held)
     resident_layers = s.full_layers - s.disk_layers
     kv = resident_layers * (hot + pages)
-    disk = 0.0
+    disk = buffer = 0.0
     if s.disk_layers:
         in_memory, disk_per_layer = _disk_split(s, held, chunk)
         disk = s.disk_layers * disk_per_layer
@@ -233,7 +240,7 @@ def _estimate(s: _Shape, positions: int) -> Footprint:
     logits = s.vocab * (4 if s.verify_rows == 1 else s.verify_rows * (4 + s.act_bytes))
     transient = attention + mlp + hidden + logits
     return Footprint(positions, s.weights, s.working, int(kv) + s.state_bytes, int(transient), s,
-                     int(resident_layers * rest), int(disk))
+                     int(resident_layers * rest), int(disk), int(buffer))
 
 
 def _arg_reader(model: nn.Module, config: dict):

@@ -112,7 +112,7 @@ def quantized_bytes(params: int, bits: int) -> int:
 
 
 def _footprint(s: ConfigShape, positions: int, bits: int, kv: KVConfig | None, act_bytes: int,
-               offloaded: bool = False, chunk: int = MIN_PREFILL_CHUNK, pressed: bool = False):
+               offloaded: bool = False, chunk: int = MIN_PREFILL_CHUNK, pressed: bool = False, disk_layers: int = 0):
     layers = [quantized_bytes(p, bits) for p in s.layer_params]
     outer = quantized_bytes(s.embed_params + s.head_params, bits) + s.small_params * 2
     conv, recurrent = s.state_elems
@@ -121,7 +121,8 @@ def _footprint(s: ConfigShape, positions: int, bits: int, kv: KVConfig | None, a
         state_bytes=s.kinds.count("linear") * (conv * act_bytes + recurrent * 4), heads=s.heads,
         kv_heads=s.kv_heads, head_dim=s.head_dim, hidden=s.hidden, intermediate=s.intermediate, vocab=s.vocab,
         weights=outer + (0 if offloaded else sum(layers)), working=max(layers) if offloaded else 0,
-        chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed, limited=True)  # sized for a budget
+        chunk=chunk, kv=kv, act_bytes=act_bytes, pressed=pressed, limited=True,  # sized for a budget
+        disk_layers=disk_layers)
 
 
 def config_fit_report(config: dict, bits: int, budget: int, context: int | None = None,
@@ -169,6 +170,65 @@ def config_fit_report(config: dict, bits: int, budget: int, context: int | None 
         offloaded = _footprint(s, context, bits, kv, act_bytes, True, MIN_PREFILL_CHUNK)
         report["plan"] = {"positions": context, "footprint": fp.as_dict(), "fits": fp.total <= budget,
                           "fits_offloaded": offloaded.total <= budget, "beyond_context": context > s.context_limit}
+    return report
+
+
+# The default pages' mix as calibration chose it on SmolLM2 (docs/BENCHMARKS.md, "The
+# default pages": k5a128v5r64 x21, k6a128v5r64 x7, k6a128v6r64 x2, 5.558 bits a value).
+# Allocated keys take the bytes of per-channel keys of their mean width, so the `c`
+# formats of those widths stand in for them where no model was calibrated.
+CALIBRATED_MIX = (("k5c128v5r64", 21), ("k6c128v5r64", 7), ("k6c128v6r64", 2))
+
+
+def calibrated_standin(layers: int, base: KVConfig | None = None) -> KVConfig:
+    """Per-layer formats for `layers` attention layers in CALIBRATED_MIX's proportions
+    (largest remainders): the calibrated default's bytes, before a model is calibrated."""
+    total = sum(n for _, n in CALIBRATED_MIX)
+    shares = [(name, n * layers / total) for name, n in CALIBRATED_MIX]
+    counts = {name: int(x) for name, x in shares}
+    for name, x in sorted(shares, key=lambda t: t[1] - int(t[1]), reverse=True)[:layers - sum(counts.values())]:
+        counts[name] += 1
+    formats = tuple(name for name, _ in CALIBRATED_MIX for _ in range(counts[name]))
+    return replace(base or KVConfig(), format=CALIBRATED_MIX[0][0], layer_formats=formats)
+
+
+def bits_per_value(kv: KVConfig, kv_heads: int, head_dim: int) -> float:
+    """Page bits a K or V value, every scale included (a per-layer config's mean)."""
+    from kvexec import page_bytes_per_token
+
+    return 8 * page_bytes_per_token(kv, kv_heads, head_dim) / (2 * kv_heads * head_dim)
+
+
+def config_disk_report(config: dict, bits: int, budget: int, folder: str, bandwidth, context: int | None = None,
+                       kv: KVConfig | None = None, act_bytes: int = 2, limit: int | None = None) -> dict:
+    """`justfit fit --config --kv-disk`: every full-attention layer's pages on disk
+    (justfit.planning.disk_plan), the weights resident; `kv` None: the calibrated
+    default's mix (`calibrated_standin`)."""
+    from justfit.planning.disk_plan import disk_report
+
+    s = read_config(config)
+    full = s.kinds.count("full")
+    if not full:
+        raise ValueError("this model has no full-attention layer: no page grows with the context, none goes to disk")
+    label = "default pages (the calibrated mix of the offline models)" if kv is None else kv.format
+    kv = kv or calibrated_standin(full + s.kinds.count("sliding"))
+
+    def probe(k: KVConfig) -> object:
+        return _footprint(s, 1, bits, k, act_bytes, disk_layers=full)
+
+    others = [(name, bits_per_value(k, s.kv_heads, s.head_dim), probe(k))
+              for name, k in [("default pages", calibrated_standin(full + s.kinds.count("sliding"), kv)),
+                              *((n, replace(kv, format=n, layer_formats=())) for n in ("q8c", "k8cv4", "q4c", "q3c"))]
+              if not k.layer_formats or get_format(k.layer_formats[0]).supports_head_dim(s.head_dim)
+              if get_format(k.format).supports_head_dim(s.head_dim)]
+    plan = None
+    if context is not None:
+        plan = _footprint(s, context, bits, kv, act_bytes, chunk=512, disk_layers=full)
+        if plan.total > budget:
+            plan = _footprint(s, context, bits, kv, act_bytes, disk_layers=full)
+    report = disk_report(probe(kv), budget, folder, bandwidth, bits_per_value(kv, s.kv_heads, s.head_dim), label,
+                         plan, limit, others)
+    report["context_limit"] = s.context_limit
     return report
 
 
