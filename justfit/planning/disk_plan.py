@@ -205,8 +205,10 @@ def disk_report(probe: Footprint, budget: int, folder: str, bandwidth: Bandwidth
                                  "positions": length, "read_per_token": at["read_per_token"],
                                  "predicted_tok_s": at["predicted_tok_s"]})
     if context is not None:
+        every = _limited(probe).at(context.positions)
         report["plan"] = {**disk_figures(context, bandwidth.bytes_per_s), "fits": context.total <= budget,
-                          "disk_fits": context.disk <= room}
+                          "disk_fits": context.disk <= room,
+                          "every_layer": disk_figures(every, bandwidth.bytes_per_s)}
     return report
 
 
@@ -242,7 +244,11 @@ def format_disk(r: dict) -> list[str]:
             "does NOT fit the budget" if not plan["fits"] else "does NOT fit the disk room"
         lines += [f"  plan for {plan['positions']:,} positions with pages on disk: {verdict} "
                   f"({format_size(plan['resident_total'])} resident of {format_size(r['budget'])}, "
-                  f"{format_size(plan['bytes_on_disk'])} on disk)", *_cost_lines(plan, "  at that length")]
+                  f"{format_size(plan['bytes_on_disk'])} on disk, {plan['disk_layers']} of "
+                  f"{r['at_max']['disk_layers']} layers' pages there: the planner moves only what the budget needs)",
+                  *_cost_lines(plan, "  so")]
+        if plan["disk_layers"] != r["at_max"]["disk_layers"]:
+            lines += _cost_lines(plan["every_layer"], "  with every layer's pages on disk instead")
     if r["others"]:
         lines.append(f"  every page in one format instead (most positions the budget holds; read a token and "
                      f"predicted decode at {r['others'][0]['positions']:,} positions; top-1 measured on "
@@ -294,3 +300,73 @@ def engine_disk_report(engine, budget: int, bandwidth: Bandwidth, context: int |
     return disk_report(planner.edge_footprint(disk_layers=layers), budget, engine.config.kv_disk, bandwidth,
                        bits_per_value(base, kv_heads, head_dim), kv_label(base), plan,
                        engine.config.kv_disk_limit, others)
+
+
+class LazyBandwidth:
+    """A folder's read rate, measured once in a thread on first asked for (a server's
+    status must not wait for it): None until measured."""
+
+    def __init__(self, folder: str, given: str | float | None = None):
+        import threading
+
+        self.folder = folder
+        self.value: Bandwidth | None = Bandwidth(parse_bandwidth(given), "given") if given is not None else None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def get(self) -> Bandwidth | None:
+        """The rate if measured; starts measuring on the first call."""
+        import threading
+
+        with self._lock:
+            if self.value is None and self._thread is None and self.error is None:
+                self._thread = threading.Thread(target=self._measure, name="kv-disk-bandwidth", daemon=True)
+                self._thread.start()
+        return self.value
+
+    def wait(self, timeout: float | None = None) -> Bandwidth | None:
+        """The rate, waiting up to `timeout` seconds for a measurement in flight (tests, CLIs)."""
+        self.get()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.value
+
+    def _measure(self) -> None:
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            self.value = measure_bandwidth(self.folder)
+        except OSError as e:
+            self.error = str(e)
+
+
+def status_figures(engine, bandwidth: LazyBandwidth | None, bytes_last: int) -> dict:
+    """What pages on disk cost the running engine, for /v1/justfit/status: positions on
+    disk after the last request, bytes on disk and read a token per position, and at the
+    trained context and at the most positions the budget holds with every growing
+    layer's pages on disk, with the I/O-bound decode rate at the folder's bandwidth
+    (measured lazily: None until then)."""
+    if engine.config.kv is None or engine.config.kv_disk is None:
+        return {}
+    probe = engine.planner.edge_footprint(disk_layers=engine.planner.edge_footprint().shape.full_layers)
+    s = probe.shape
+    if not s.disk_layers:
+        return {}
+    per_position = s.page_row * s.disk_layers  # bytes on disk, and read a token, per position on disk
+    bw = bandwidth.get() if bandwidth is not None else None
+    rate = bw.bytes_per_s if bw is not None else None
+
+    def at(positions: int) -> dict:
+        f = disk_figures(_limited(probe).at(positions), rate)
+        return {k: f[k] for k in ("positions", "bytes_on_disk", "read_per_token", "resident_total",
+                                  "predicted_tok_s")}
+
+    budget = engine.budget.bytes
+    return {"bandwidth": bw.as_dict() if bw is not None else None,
+            "bandwidth_error": bandwidth.error if bandwidth is not None else None,
+            "positions_on_disk_last": int(bytes_last / per_position) if per_position else 0,
+            "bytes_per_position": round(per_position),
+            "at_context_limit": at(engine.context_limit),
+            "at_max": at(probe.max_positions(budget)) if budget is not None else None,
+            "note": "predicted_tok_s: the read's I/O bound on decode, bandwidth / bytes read a token "
+                    "(a prediction; compute comes on top)"}
