@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 from justfit.planning.cost_model import Footprint
@@ -74,6 +75,7 @@ def measure_bandwidth(folder: str, nbytes: int = PROBE_BYTES) -> Bandwidth:
     cache: O_DIRECT where the system and file system take it, else the file's cached
     pages dropped (F_NOCACHE on macOS, as the page file itself reads; posix_fadvise
     elsewhere) before reading; the method says which. The file is removed."""
+    os.makedirs(folder, exist_ok=True)
     fd, path = tempfile.mkstemp(dir=folder, prefix=".justfit-bandwidth-")
     try:
         block = os.urandom(1 << 20) * (_BLOCK >> 20)  # random: no file system compresses it away
@@ -334,10 +336,12 @@ class LazyBandwidth:
 
     def _measure(self) -> None:
         try:
-            os.makedirs(self.folder, exist_ok=True)
             self.value = measure_bandwidth(self.folder)
         except OSError as e:
             self.error = str(e)
+
+
+_STATUS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (budget key, probe, most positions)
 
 
 def status_figures(engine, bandwidth: LazyBandwidth | None, bytes_last: int) -> dict:
@@ -348,7 +352,14 @@ def status_figures(engine, bandwidth: LazyBandwidth | None, bytes_last: int) -> 
     (measured lazily: None until then)."""
     if engine.config.kv is None or engine.config.kv_disk is None:
         return {}
-    probe = engine.planner.edge_footprint(disk_layers=engine.planner.edge_footprint().shape.full_layers)
+    budget = engine.budget.bytes
+    # Planned again only when the budget or its measured reserve changes (the event loop asks).
+    key = (budget, engine.budget.reserve)
+    held = _STATUS.get(engine)
+    if held is None or held[0] != key:
+        probe = engine.planner.edge_footprint(disk_layers=engine.planner.edge_footprint().shape.full_layers)
+        held = _STATUS[engine] = (key, probe, probe.max_positions(budget) if budget is not None else None)
+    _, probe, most = held
     s = probe.shape
     if not s.disk_layers:
         return {}
@@ -361,12 +372,11 @@ def status_figures(engine, bandwidth: LazyBandwidth | None, bytes_last: int) -> 
         return {k: f[k] for k in ("positions", "bytes_on_disk", "read_per_token", "resident_total",
                                   "predicted_tok_s")}
 
-    budget = engine.budget.bytes
     return {"bandwidth": bw.as_dict() if bw is not None else None,
             "bandwidth_error": bandwidth.error if bandwidth is not None else None,
             "positions_on_disk_last": int(bytes_last / per_position) if per_position else 0,
             "bytes_per_position": round(per_position),
             "at_context_limit": at(engine.context_limit),
-            "at_max": at(probe.max_positions(budget)) if budget is not None else None,
+            "at_max": at(most) if most is not None else None,
             "note": "predicted_tok_s: the read's I/O bound on decode, bandwidth / bytes read a token "
                     "(a prediction; compute comes on top)"}
