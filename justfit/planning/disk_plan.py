@@ -229,7 +229,7 @@ def format_disk(r: dict) -> list[str]:
     bw, at = r["bandwidth"], r["at_max"]
     rate = f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({'given' if bw['method'] == 'given' else 'measured on the folder: ' + bw['method']})"
     lines = [f"KV pages on disk in {r['folder']} (every growing layer's; read back each token, exact), "
-             f"pages in {r['format']} ({r['bits_per_value']:.2f} bits a value), read at {rate}:",
+             f"pages: {r['format']} ({r['bits_per_value']:.2f} bits a value), read at {rate}:",
              f"  the budget {format_size(r['budget'])} holds {r['max_positions']:,} positions: resident "
              f"{format_size(at['resident_total'])} = weights {format_size(at['weights'])} + recurrent states "
              f"{format_size(at['states'])} + reader slots {format_size(at['read_slots'])} + other KV "
@@ -247,7 +247,7 @@ def format_disk(r: dict) -> list[str]:
         lines += [f"  plan for {plan['positions']:,} positions with pages on disk: {verdict} "
                   f"({format_size(plan['resident_total'])} resident of {format_size(r['budget'])}, "
                   f"{format_size(plan['bytes_on_disk'])} on disk, {plan['disk_layers']} of "
-                  f"{r['at_max']['disk_layers']} layers' pages there: the planner moves only what the budget needs)",
+                  f"{r['at_max']['disk_layers']} layers' pages there{_fewer(plan, r)})",
                   *_cost_lines(plan, "  so")]
         if plan["disk_layers"] != r["at_max"]["disk_layers"]:
             lines += _cost_lines(plan["every_layer"], "  with every layer's pages on disk instead")
@@ -262,6 +262,10 @@ def format_disk(r: dict) -> list[str]:
                          f"{format_size(o['read_per_token']):>11} a token  {rate:>11}  "
                          f"{'top-1 ' + format(top1, '.2f') + '%' if top1 else 'fidelity not measured'}")
     return lines
+
+
+def _fewer(plan: dict, r: dict) -> str:
+    return "" if plan["disk_layers"] == r["at_max"]["disk_layers"] else ": the planner moves only what the budget needs"
 
 
 def _cost_lines(f: dict, head: str) -> list[str]:

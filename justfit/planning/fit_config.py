@@ -210,7 +210,7 @@ def config_disk_report(config: dict, bits: int, budget: int, folder: str, bandwi
     full = s.kinds.count("full")
     if not full:
         raise ValueError("this model has no full-attention layer: no page grows with the context, none goes to disk")
-    label = "default pages (the calibrated mix of the offline models)" if kv is None else kv.format
+    label = "the default pages' mix as calibrated on SmolLM2 (no model to calibrate)" if kv is None else kv.format
     kv = kv or calibrated_standin(full + s.kinds.count("sliding"))
 
     def probe(k: KVConfig) -> object:

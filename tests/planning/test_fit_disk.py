@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -13,12 +14,7 @@ from justfit.planning.disk_plan import measure_bandwidth, parse_bandwidth
 from justfit.planning.fit_config import CALIBRATED_MIX, bits_per_value, calibrated_standin
 
 # Qwen3.5-27B's shapes: 64 layers, every 4th full attention (4 KV heads of 256), the rest gated delta-net.
-QWEN35_27B = {"model_type": "qwen3_5", "text_config": {
-    "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24,
-    "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 17408, "vocab_size": 248320,
-    "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "max_position_embeddings": 262144, "tie_word_embeddings": False}}
+QWEN35_27B = json.loads((Path(__file__).parents[2] / "bench" / "configs" / "qwen3_5_27b.json").read_text())
 
 
 def fit(*args):
