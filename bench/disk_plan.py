@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     from bench.common import machine_info, save
     from justfit import Engine
     from justfit.config import EngineConfig
-    from justfit.planning.disk_plan import _limited, measure_bandwidth
+    from justfit.planning.disk_bandwidth import measure_bandwidth
+    from justfit.planning.disk_plan import _limited
     from kvexec import KVConfig
 
     speed = json.loads(Path(args.speed).read_text())

@@ -124,7 +124,7 @@ def _disk_setup(kv_disk: str | None, bandwidth: str | None, kv_format: str, rank
         if bandwidth is not None:
             raise common.UserError("--disk-bandwidth goes with --kv-disk")
         return None
-    from justfit.planning.disk_plan import Bandwidth, measure_bandwidth, parse_bandwidth, writable_folder
+    from justfit.planning.disk_bandwidth import Bandwidth, measure_bandwidth, parse_bandwidth, writable_folder
 
     if kv_format == "none":
         raise common.UserError("--kv-disk plans KVExec pages on disk: not with --kv-format none")

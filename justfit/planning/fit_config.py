@@ -204,7 +204,7 @@ def config_disk_report(config: dict, bits: int, budget: int, folder: str, bandwi
     """`justfit fit --config --kv-disk`: every full-attention layer's pages on disk
     (justfit.planning.disk_plan), the weights resident; `kv` None: the calibrated
     default's mix (`calibrated_standin`)."""
-    from justfit.planning.disk_plan import disk_report
+    from justfit.planning.disk_plan import OTHER_FORMATS, disk_report
 
     s = read_config(config)
     full = s.kinds.count("full")
@@ -218,7 +218,7 @@ def config_disk_report(config: dict, bits: int, budget: int, folder: str, bandwi
 
     others = [(name, bits_per_value(k, s.kv_heads, s.head_dim), probe(k))
               for name, k in [("default pages", calibrated_standin(full + s.kinds.count("sliding"), kv)),
-                              *((n, replace(kv, format=n, layer_formats=())) for n in ("q8c", "k8cv4", "q4c", "q3c"))]
+                              *((n, replace(kv, format=n, layer_formats=())) for n in OTHER_FORMATS)]
               if not k.layer_formats or get_format(k.layer_formats[0]).supports_head_dim(s.head_dim)
               if get_format(k.format).supports_head_dim(s.head_dim)]
     plan = None

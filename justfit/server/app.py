@@ -23,7 +23,7 @@ from aiohttp import web
 import justfit
 from justfit import runtime
 from justfit.planning.breakdown import process_breakdown
-from justfit.planning.disk_plan import LazyBandwidth, status_figures
+from justfit.planning.disk_plan import DiskStatus
 from justfit.errors import BudgetExceeded, ContextTooLong, PipelineLost, ServerStopping
 from justfit.engine.job import Job
 from justfit.engine.scheduler import QueueFull, Scheduler
@@ -77,10 +77,7 @@ class Server:
         self.engine, self.config = engine, config or ServerConfig()
         self.tokenizing = TokenizerThread()
         self.metrics = Metrics()
-        # the KV folder's read rate, measured in a thread when status first asks (justfit.planning.disk_plan)
-        cfg = getattr(engine, "config", None)
-        folder = getattr(cfg, "kv_disk", None) if getattr(cfg, "kv", None) is not None else None
-        self.kv_disk_bandwidth = LazyBandwidth(folder) if folder else None
+        self.kv_disk = DiskStatus(engine)  # what pages on disk cost, for the status (justfit.planning.disk_plan)
         self.scheduler = Scheduler(engine, self.config.max_queue, on_done=self.metrics.record,
                                    max_batch=self.config.max_batch, preempt=self.config.preempt,
                                    stall_s=self.config.rank_timeout_s)
@@ -320,7 +317,7 @@ class Server:
                         "read_per_token_last": round(self.metrics.kv_disk_read_per_token_last),
                         "read_mb_s": round(self.metrics.kv_disk_read_bytes / self.metrics.kv_disk_read_seconds / 1e6,
                                            1) if self.metrics.kv_disk_read_seconds else None,
-                        **status_figures(e, self.kv_disk_bandwidth, self.metrics.kv_disk_bytes_last)},
+                        **self.kv_disk.figures(self.metrics.kv_disk_bytes_last)},
         }, dumps=_dumps)
 
 

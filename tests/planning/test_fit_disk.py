@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from justfit.planning.disk_plan import measure_bandwidth, parse_bandwidth
+from justfit.planning.disk_bandwidth import measure_bandwidth, parse_bandwidth
 from justfit.planning.fit_config import CALIBRATED_MIX, bits_per_value, calibrated_standin
 
 # Qwen3.5-27B's shapes: 64 layers, every 4th full attention (4 KV heads of 256), the rest gated delta-net.
