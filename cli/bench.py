@@ -11,7 +11,7 @@ import click
 
 from .common import UserError
 
-SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "grammar_libraries", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "structured", "trace", "before_after", "overhead")  # modules of bench/, each with main(argv)
+SUITES = ("batch", "blas", "capacity", "codecs", "footprint", "grammar_libraries", "kv", "parity", "plan", "quality", "resume_peers", "same_reply", "serve", "sessions", "speed", "state", "structured", "trace", "before_after", "overhead", "disk_plan")  # modules of bench/, each with main(argv)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

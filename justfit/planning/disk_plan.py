@@ -15,10 +15,15 @@ from dataclasses import replace
 
 from justfit.planning.cost_model import Footprint
 from justfit.planning.disk_bandwidth import Bandwidth, LazyBandwidth
-from kvexec import get_format
+from kvexec import KVConfig, get_format, page_bytes_per_token
 
 # The formats the report compares with the one in use: the widest, then the pressure ladder's steps.
 OTHER_FORMATS = ("q8c", "k8cv4", "q4c", "q3c")
+
+
+def bits_per_value(kv: KVConfig, kv_heads: int, head_dim: int) -> float:
+    """Page bits a K or V value, every scale included (a per-layer config's mean)."""
+    return 8 * page_bytes_per_token(kv, kv_heads, head_dim) / (2 * kv_heads * head_dim)
 
 
 def _limited(fp: Footprint) -> Footprint:
@@ -155,7 +160,6 @@ def engine_disk_report(engine, budget: int, bandwidth: Bandwidth, context: int |
     engine's KV folder, in its KV format; the plan for `context` as the engine's planner
     makes it (layers go to disk only as the budget needs)."""
     from justfit.planning.fit import kv_label
-    from justfit.planning.fit_config import bits_per_value
 
     base, planner = engine.config.kv, engine.planner
     if base is None or engine.config.kv_disk is None:

@@ -192,19 +192,12 @@ def calibrated_standin(layers: int, base: KVConfig | None = None) -> KVConfig:
     return replace(base or KVConfig(), format=CALIBRATED_MIX[0][0], layer_formats=formats)
 
 
-def bits_per_value(kv: KVConfig, kv_heads: int, head_dim: int) -> float:
-    """Page bits a K or V value, every scale included (a per-layer config's mean)."""
-    from kvexec import page_bytes_per_token
-
-    return 8 * page_bytes_per_token(kv, kv_heads, head_dim) / (2 * kv_heads * head_dim)
-
-
 def config_disk_report(config: dict, bits: int, budget: int, folder: str, bandwidth, context: int | None = None,
                        kv: KVConfig | None = None, act_bytes: int = 2, limit: int | None = None) -> dict:
     """`justfit fit --config --kv-disk`: every full-attention layer's pages on disk
     (justfit.planning.disk_plan), the weights resident; `kv` None: the calibrated
     default's mix (`calibrated_standin`)."""
-    from justfit.planning.disk_plan import OTHER_FORMATS, disk_report
+    from justfit.planning.disk_plan import OTHER_FORMATS, bits_per_value, disk_report
 
     s = read_config(config)
     full = s.kinds.count("full")

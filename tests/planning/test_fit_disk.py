@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from justfit.planning.disk_bandwidth import measure_bandwidth, parse_bandwidth
-from justfit.planning.fit_config import CALIBRATED_MIX, bits_per_value, calibrated_standin
+from justfit.planning.disk_plan import bits_per_value
+from justfit.planning.fit_config import CALIBRATED_MIX, calibrated_standin
 
 # Qwen3.5-27B's shapes: 64 layers, every 4th full attention (4 KV heads of 256), the rest gated delta-net.
 QWEN35_27B = json.loads((Path(__file__).parents[2] / "bench" / "configs" / "qwen3_5_27b.json").read_text())
