@@ -120,7 +120,7 @@ def fit(model, budget, context, as_json, config_path, weights_bits, compute, ran
 def _disk_setup(kv_disk: str | None, bandwidth: str | None, kv_format: str, ranks: int):
     """(folder, Bandwidth) for --kv-disk (None without it): the folder checked writable,
     the bandwidth parsed, else measured there."""
-    if kv_disk is None:
+    if kv_disk is None or kv_disk == "off":
         if bandwidth is not None:
             raise common.UserError("--disk-bandwidth goes with --kv-disk")
         return None
