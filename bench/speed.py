@@ -115,7 +115,7 @@ def _worker(system: str, model: str, context: int, decode: int, kv_format: str =
         from bench.floor import justfit_read_bytes
 
         if prefill is not None:  # the prompt after `depth` positions: its own request
-            st_prefill, ttft = prefill.prefill_tps, (prefill.prompt_tokens - prefill.cached_tokens) / prefill.prefill_tps
+            st_prefill, ttft = prefill.prefill_tps, prefill.prefill_s
         else:
             st_prefill, ttft = (None, None) if synthetic else (st.prefill_tps, first)
         return {"prefill_tps": st_prefill, "decode_tps": st.decode_tps, "ttft_s": ttft, "kv_disk": st.kv_disk,
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
     contexts, systems = [int(c) for c in args.contexts.split(",")], args.systems.split(",")
     llama = [s for s in args.llama_systems.split(",") if s] if args.llama_cpp else []
     if set(llama) - set(CACHE_TYPES):
-        ap.error(f"unknown llama.cpp systems {sorted(set(llama) - set(CACHE_TYPES))}: choose from {', '.join(CACHE_TYPES)}")
+        ap.error(f"unknown llama.cpp systems {sorted(set(llama) - set(CACHE_TYPES))}: "
+                 f"choose from {', '.join(CACHE_TYPES)}")
     if args.depth and any(not s.startswith("justfit") for s in systems):
         ap.error("--depth holds random keys and values: JustFit systems only (and llama.cpp's)")
     bandwidth = [read_bandwidth()]  # again at the end: the machine is shared

@@ -85,7 +85,8 @@ def test_speed_rounds_alternate_and_ratios_are_per_round_medians(monkeypatch, tm
     assert (decode["min"], decode["max"], decode["n"]) == (0.5, 1.2, 3)
     assert result["settings"]["rounds"] == 3
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
-    assert "60.00 (50.00-90.00)" in md and "| justfit-nodraft / llama.cpp | 16 | decode_tps | 0.900 | 0.500-1.200 | 3 |" in md
+    assert "60.00 (50.00-90.00)" in md
+    assert "| justfit-nodraft / llama.cpp | 16 | decode_tps | 0.900 | 0.500-1.200 | 3 |" in md
 
 
 def test_speed_after_a_depth_prefills_the_prompt_alone_with_drafts_off(tiny_llama_dir, fake_llama, tmp_path,
@@ -109,3 +110,47 @@ def test_speed_after_a_depth_prefills_the_prompt_alone_with_drafts_off(tiny_llam
     assert jf["prefill_tps"] > 0 and jf["decode_tps"] > 0 and "drafted_tokens" not in jf
     assert rows["llama.cpp"]["decode_depth"] == 96 and rows["llama.cpp"]["prefill_tps"] == 1016.0
     assert {q["rate"] for q in result["ratios"]} == {"prefill_tps", "decode_tps"}
+
+
+def test_streams_share_one_justfit_server_and_alternate_rounds(monkeypatch, tmp_path):
+    """justfit-nodraft and justfit-drafts are one `justfit serve` (the request's
+    `speculate` false / true), llama-server rows send none; every server is up before
+    round 1, each round measures every row once; ratios pair one round's two figures."""
+    import contextlib
+
+    import bench.common
+    import bench.streams as streams
+    from bench.speculation import Reply
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    started, sent = [], []
+
+    @contextlib.asynccontextmanager
+    async def running(server):
+        started.append((server.process, server.command(8080)[:3]))
+        yield f"http://{server.process}"
+
+    async def chat(http, url, messages, max_tokens, speculate, timeout, extra=None):
+        sent.append((url, speculate, max_tokens, extra))
+        r = 50.0 + len(sent)  # a decode rate that differs with every request
+        return Reply(text="x", completion_tokens=max_tokens, prompt_tokens=20, total_s=1.0 + (max_tokens - 1) / r,
+                     first_s=1.0, drafted=4 if speculate else None, accepted=2 if speculate else None)
+
+    monkeypatch.setattr(streams, "running", running)
+    monkeypatch.setattr(streams, "chat", chat)
+    streams.main(["--systems", "justfit-nodraft,justfit-drafts,llama-server-np1", "--rounds", "3",
+                  "--llama-cpp", str(tmp_path)])
+    assert [p for p, _ in started] == ["justfit", "llama-server-np1"]  # one justfit serve for both rows
+    assert "--draft" not in started[0][1] and started[0][1][1] == "serve"
+    assert {s for u, s, _, _ in sent if u == "http://justfit"} == {False, True}
+    assert {s for u, s, _, _ in sent if u != "http://justfit"} == {None}
+    assert all(e == {"ignore_eos": True} for *_, e in sent)
+    result = json.loads(next(tmp_path.glob("streams-*.json")).read_text())
+    rows = {r["system"]: r for r in result["systems"]}
+    assert result["settings"]["max_tokens"] == 96 and all(len(r["rounds"]) == 3 for r in rows.values())
+    assert rows["justfit-nodraft"]["speculate"] is False and rows["justfit-drafts"]["rounds"][0]["accepted"]
+    assert "accepted" not in rows["justfit-nodraft"]["rounds"][0]
+    single = next(q for q in result["ratios"] if (q["system"], q["over"], q["rate"])
+                  == ("justfit-nodraft", "llama-server-np1", "single_tps"))
+    assert single["n"] == 3 and single["min"] <= single["median"] <= single["max"]
+    assert len(set(single["each"])) > 1  # one ratio per round, not one of two medians
