@@ -154,3 +154,64 @@ def test_streams_share_one_justfit_server_and_alternate_rounds(monkeypatch, tmp_
                   == ("justfit-nodraft", "llama-server-np1", "single_tps"))
     assert single["n"] == 3 and single["min"] <= single["median"] <= single["max"]
     assert len(set(single["each"])) > 1  # one ratio per round, not one of two medians
+
+
+def _speed_result(contexts, depth, rates):
+    """A bench.speed result of three rounds: rates[(system, context)] = decode rates."""
+    from bench.speed import ratios, spread
+
+    runs = {k: [{"decode_tps": d, "prefill_tps": 10 * d} for d in v] for k, v in rates.items()}
+    rows = []
+    for (system, context), rs in runs.items():
+        row = {"system": system, "context": context, "runs": len(rs)}
+        for key in ("decode_tps", "prefill_tps"):
+            got = spread([r[key] for r in rs])
+            row[key], row[f"{key}_min"], row[f"{key}_max"] = got["median"], got["min"], got["max"]
+        rows.append(row)
+    systems = sorted({s for s, _ in rates if s.startswith("justfit")})
+    return {"settings": {"contexts": contexts, "depth": depth}, "systems": rows,
+            "ratios": ratios(runs, contexts, systems, ["llama.cpp"])}
+
+
+def test_the_sitting_gives_the_speed_rows_medians_with_ranges(tmp_path, monkeypatch):
+    """With SITTING named, the speed rows come from its manifest's files: drafts off and
+    drafts on as rows of their own, every figure a median with its range, every ratio the
+    median (range) of each round's pair, the rerun column the step's command."""
+    from bench import summary
+
+    names = ("justfit-nodraft", "justfit-drafts", "llama.cpp")
+    speed = _speed_result([16, 1024], 0, {(s, c): [90.0 + i, 80.0 + 2 * i, 100.0 - i] for c in (16, 1024)
+                                          for i, s in enumerate(names)})
+    depth = _speed_result([512], 16384, {(s, 512): [30.0 + i, 28.0, 33.0] for i, s in enumerate(names)})
+    stream_rows = []
+    for i, s in enumerate(("justfit-nodraft", "justfit-drafts", "llama-server-np1", "llama-server-np4")):
+        rounds = [{"single_tps": 90.0 + i + r, "aggregate_tps": 150.0 - i - r, "prompt_tokens": 21} for r in range(3)]
+        stream_rows.append({"system": s, "rounds": rounds, "single_tps": 91.0 + i, "single_tps_min": 90.0 + i,
+                            "single_tps_max": 92.0 + i, "aggregate_tps": 149.0 - i, "aggregate_tps_min": 148.0 - i,
+                            "aggregate_tps_max": 150.0 - i})
+    from bench.streams import ratios as stream_ratios
+
+    streams = {"settings": {"streams": 4, "max_tokens": 96, "rounds": 3}, "systems": stream_rows,
+               "ratios": stream_ratios(stream_rows)}
+    stems = {"speed": "speed-20990101-000001", "speed_depth": "speed-20990101-000002",
+             "streams": "streams-20990101-000003"}
+    for key, data in (("speed", speed), ("speed_depth", depth), ("streams", streams)):
+        (tmp_path / f"{stems[key]}.json").write_text(json.dumps(data))
+    steps = {k: {"command": f"python -m bench.{k.split('_')[0]} --llama-cpp /some/where/bin --x", "result": v}
+             for k, v in stems.items()}
+    (tmp_path / "sitting-20990101-000004.json").write_text(json.dumps(
+        {"settings": {"rounds": 3}, "steps": steps, "files": stems}))
+    monkeypatch.setattr(summary, "SITTING", "sitting-20990101-000004")
+    off, on, prefill, served_off, served_on = summary.sitting_rows(tmp_path)
+    assert "drafts off" in off.what and "drafts on" in on.what and "16 / 1,024 / 16,384 positions" in off.what
+    assert "3 alternating rounds" in off.what
+    # medians (ranges) per context; the ratio of each round's pair: 90/92, 80/84, 100/98 -> median 0.95
+    assert off.justfit.startswith("90.0 (80.0-100.0) / 90.0 (80.0-100.0) / 30.0 (28.0-33.0)")
+    assert "(JustFit 0.98x (0.95-1.02x)" in off.baseline and "llama-bench" in off.baseline
+    assert off.sources == ("sitting-20990101-000004", stems["speed"], stems["speed_depth"])
+    assert "--llama-cpp DIR" in off.command and "/some/where" not in off.command
+    assert "1,024 tokens / 512 tokens after 16,384" in prefill.what
+    assert "`\"speculate\": false`" in served_off.justfit and "21-token prompt" in served_off.what
+    assert served_on.sources == ("sitting-20990101-000004", stems["streams"]) and "flatters" in served_on.justfit
+    # the same rounds' pairs: (90 + r) / (92 + r) for r = 0, 1, 2 -> median 91 / 93
+    assert f"JustFit {91 / 93:.2f}x ({90 / 92:.2f}-{92 / 94:.2f}x)" in served_off.baseline
