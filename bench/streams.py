@@ -135,7 +135,8 @@ async def measure_all(servers: list[Server], args) -> list[dict]:
     each round measures every row once before the next round begins."""
     import aiohttp
 
-    rows = {s.name: {"system": s.name, "rounds": [], **({"speculate": s.speculate} if s.process == "justfit" else {})}
+    rows = {s.name: {"system": s.name, "rounds": [], **({"speculate": s.speculate} if s.process == "justfit" else {}),
+                     **({"slots": int(s.name.rsplit("-np", 1)[1])} if s.name.startswith("llama-server") else {})}
             for s in servers}
     load_before = round(os.getloadavg()[0], 2)
     async with contextlib.AsyncExitStack() as stack:
