@@ -134,7 +134,8 @@ def test_streams_share_one_justfit_server_and_alternate_rounds(monkeypatch, tmp_
         sent.append((url, speculate, max_tokens, extra))
         r = 50.0 + len(sent)  # a decode rate that differs with every request
         return Reply(text="x", completion_tokens=max_tokens, prompt_tokens=20, total_s=1.0 + (max_tokens - 1) / r,
-                     first_s=1.0, drafted=4 if speculate else None, accepted=2 if speculate else None)
+                     first_s=1.0, drafted=None if speculate is None else 4 * speculate,
+                     accepted=None if speculate is None else 2 * speculate)  # JustFit reports 0 with drafts off
 
     monkeypatch.setattr(streams, "running", running)
     monkeypatch.setattr(streams, "chat", chat)
@@ -149,7 +150,8 @@ def test_streams_share_one_justfit_server_and_alternate_rounds(monkeypatch, tmp_
     rows = {r["system"]: r for r in result["systems"]}
     assert result["settings"]["max_tokens"] == 96 and all(len(r["rounds"]) == 3 for r in rows.values())
     assert rows["justfit-nodraft"]["speculate"] is False and rows["justfit-drafts"]["rounds"][0]["accepted"]
-    assert "accepted" not in rows["justfit-nodraft"]["rounds"][0]
+    assert set(rows["justfit-nodraft"]["rounds"][0]["drafted"]) == {0}  # drafts off: none drafted
+    assert "accepted" not in rows["llama-server-np1"]["rounds"][0] and rows["llama-server-np1"]["slots"] == 1
     single = next(q for q in result["ratios"] if (q["system"], q["over"], q["rate"])
                   == ("justfit-nodraft", "llama-server-np1", "single_tps"))
     assert single["n"] == 3 and single["min"] <= single["median"] <= single["max"]
