@@ -17,8 +17,8 @@ and with its n-gram drafts as rows of their own):
 
 Each step saves its result into bench/results/new/ as usual; the manifest records each
 step's command, result file, wall time and the load average around it. To cite them:
-move the files (`git mv` not needed: they are new) into bench/results/, set
-`SITTING` in bench/summary.py to the manifest's name and run `python -m bench.report`.
+move the four JSON files (and the .md beside each) into bench/results/, set `SITTING` in
+bench/summary.py to the manifest's name and run `python -m bench.report`.
 """
 
 from __future__ import annotations
