@@ -266,7 +266,8 @@ def sitting_rows(results: Path = RESULTS) -> list[Row]:
                        f"one stream's decode tok/s / {s['streams']} streams' aggregate tok/s, {each}",
                        f"`justfit serve`, no flags, {what}: {_row_spread(jf, 'single_tps')} / "
                        f"{_row_spread(jf, 'aggregate_tps')}",
-                       f"llama-server -np 1 / -np {s['streams']}, same rounds: {_row_spread(one, 'single_tps')} / "
+                       f"llama-server -np 1 / -np {many.get('slots', 4)}, same rounds: "
+                       f"{_row_spread(one, 'single_tps')} / "
                        f"{_row_spread(many, 'aggregate_tps')} (JustFit {_ratio_spread(q1)} / {_ratio_spread(q4)})",
                        (SITTING, files["streams"]), f"bench/sitting.sh DIR ({commands['streams']})"))
     return out
