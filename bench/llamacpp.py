@@ -37,33 +37,55 @@ def _bench_cmd(exe: str, gguf: str, prompt: int, decode: int, cache_type: str, r
             "-ctk", cache_type, "-ctv", cache_type, "-t", str(os.cpu_count() or 1), "-d", str(depth), "-o", "json"]
 
 
-def _rate(exe: str, gguf: str, cache_type: str, repeat: int, prompt: int, decode: int, depth: int) -> float:
-    """llama-bench's mean tokens per second for one test (prompt processing or generation)."""
+def _rates(exe: str, gguf: str, cache_type: str, repeat: int, prompt: int, decode: int, depth: int) -> dict:
+    """llama-bench's mean tokens per second for each test of one run, {(n_prompt, n_gen): rate}:
+    with a depth, its prompt and generation tests share one (untimed) fill of it."""
     out = subprocess.run(_bench_cmd(exe, gguf, prompt, decode, cache_type, repeat, depth),
                          capture_output=True, text=True, timeout=3600, check=True).stdout
-    return next(t for t in json.loads(out) if t.get("n_prompt") == prompt and t.get("n_gen") == decode)["avg_ts"]
+    return {(t.get("n_prompt"), t.get("n_gen")): t["avg_ts"] for t in json.loads(out)}
+
+
+def _rate(exe: str, gguf: str, cache_type: str, repeat: int, prompt: int, decode: int, depth: int) -> float:
+    """llama-bench's mean tokens per second for one test (prompt processing or generation)."""
+    return _rates(exe, gguf, cache_type, repeat, prompt, decode, depth)[prompt, decode]
+
+
+def llama_run(llama_cpp: str, system: str, model: str, context: int, decode: int, repeat: int = 1,
+              depth: int = 0, prefill: bool = True) -> dict:
+    """One measurement of `system` (a CACHE_TYPES name), as bench.speed's workers report
+    theirs: without a depth, prompt processing of `context` tokens from none and
+    generation of `decode` tokens after `context` held (llama-bench's -d: the same
+    context as JustFit's decode); with one, both after `depth` positions held, filled
+    once, untimed (`context` prompt tokens then, `decode` generated after `depth`).
+    `prefill` False: generation only. An "error" key where llama-bench failed."""
+    exe, gguf, kv = binary(llama_cpp), _gguf(model), CACHE_TYPES[system]
+    row = {"kv_dtype": kv, "flash_attention": "auto" if kv == "f16" else True,
+           "decode_depth": depth or context, **({"prefill_depth": depth} if depth else {})}
+    try:
+        if depth:  # one fill serves both tests (llama-bench keeps the state of a depth it computed)
+            rates = _rates(exe, gguf, kv, repeat, context if prefill else 0, decode, depth)
+            pp, tg = rates.get((context, 0)) if prefill else None, rates[0, decode]
+        else:
+            pp = _rate(exe, gguf, kv, repeat, context, 0, 0) if prefill else None
+            tg = _rate(exe, gguf, kv, repeat, 0, decode, context)
+        row.update(prefill_tps=pp, decode_tps=tg, ttft_s=context / pp if pp else None,
+                   read_bytes=read_bytes(model, gguf, (depth or context) + decode, kv))
+        if prefill and pp is None:
+            raise KeyError(f"no pp{context} test in llama-bench's output")
+    except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError) as e:
+        row = {**row, "error": f"llama-bench failed: {e}"}
+    return row
 
 
 def llama_bench(llama_cpp: str, model: str, contexts: list[int], decode: int, repeat: int,
                 systems: tuple[str, ...] = tuple(CACHE_TYPES)) -> list[dict]:
-    """One row per system and context: prompt processing of `context` tokens, and
-    generation of `decode` tokens after `context` already held (llama-bench's depth:
-    the decode figure is at the same context as JustFit's), or an error row."""
-    exe, gguf = binary(llama_cpp), _gguf(model)
+    """One row per system and context (`llama_run` with `repeat` repetitions in one
+    llama-bench), or an error row."""
     rows = []
     for system in systems:
         for context in contexts:
-            kv = CACHE_TYPES[system]
-            row = {"system": system, "model": model, "context": context, "decode_tokens": decode,
-                   "kv_dtype": kv, "flash_attention": "auto" if kv == "f16" else True, "decode_depth": context}
-            try:
-                pp = _rate(exe, gguf, kv, repeat, context, 0, 0)
-                tg = _rate(exe, gguf, kv, repeat, 0, decode, context)
-                row.update(prefill_tps=pp, decode_tps=tg, ttft_s=context / pp,
-                           read_bytes=read_bytes(model, gguf, context + decode, kv))
-            except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError) as e:
-                row["error"] = f"llama-bench failed: {e}"
-            rows.append(row)
+            run = llama_run(llama_cpp, system, model, context, decode, repeat)
+            rows.append({"system": system, "model": model, "context": context, "decode_tokens": decode, **run})
     return rows
 
 

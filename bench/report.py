@@ -25,21 +25,37 @@ def _table(title: str, result: dict, columns: str, second: str, cells) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _with_range(r: dict, key: str, fmt: str) -> str:
+    """A rate's median, with its range over the rounds where there were several."""
+    if key not in r:
+        return "-"
+    spread = f" ({r[key + '_min']:{fmt}}-{r[key + '_max']:{fmt}})" if r.get("runs", 1) > 1 and key + "_min" in r else ""
+    return f"{r[key]:{fmt}}{spread}"
+
+
 def speed_markdown(result: dict) -> str:
     bw = result.get("read_bandwidth_gbs")
     title = "Speed" + (f" (decode floor: MiB read per token at {max(bw):.1f} GB/s, the best streaming read "
                        f"of {', '.join(map(str, bw))} GB/s measured before and after)" if bw else "")
     if result.get("disk_read_gbs"):
         title += f"; disk bound: KV pages on disk read once a token at {result['disk_read_gbs']} GB/s (cold)"
-    return _table(title, result, "system:l | context:r | prefill tok/s:r | decode tok/s:r | TTFT s:r | "
-                  "peak MiB:r | MiB read/token:r | floor tok/s:r | of floor:r | disk bound tok/s:r | of it:r | "
-                  "runs:r", "context", lambda r: [
-                      r["system"], f"{r['context']}{' (synthetic)' if r.get('synthetic') else ''}",
-                      f"{r['prefill_tps']:.1f}" if "prefill_tps" in r else "-", f"{r['decode_tps']:.2f}",
-                      f"{r['ttft_s']:.2f}" if "ttft_s" in r else "-", f"{r['peak_mib']:.0f}" if "peak_mib" in r else "",
-                      str(r.get("read_mib_per_token", "")), str(r.get("floor_tps", "")),
-                      f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else "", str(r.get("io_bound_tps", "")),
-                      f"{r['io_bound_fraction']:.0%}" if "io_bound_fraction" in r else "", str(r.get("runs", ""))])
+    depth = (result.get("settings") or {}).get("depth")
+    table = _table(title, result, "system:l | context:r | drafts:l | prefill tok/s:r | decode tok/s:r | TTFT s:r | "
+                   "peak MiB:r | MiB read/token:r | floor tok/s:r | of floor:r | disk bound tok/s:r | of it:r | "
+                   "runs:r", "context", lambda r: [
+                       r["system"], f"{r['context']}{f' after {depth:,}' if depth else ''}"
+                       f"{' (synthetic)' if r.get('synthetic') else ''}", str(r.get("drafts", "-")),
+                       _with_range(r, "prefill_tps", ".1f"), _with_range(r, "decode_tps", ".2f"),
+                       f"{r['ttft_s']:.2f}" if r.get("ttft_s") is not None else "-",
+                       f"{r['peak_mib']:.0f}" if "peak_mib" in r else "",
+                       str(r.get("read_mib_per_token", "")), str(r.get("floor_tps", "")),
+                       f"{r['floor_fraction']:.0%}" if "floor_fraction" in r else "", str(r.get("io_bound_tps", "")),
+                       f"{r['io_bound_fraction']:.0%}" if "io_bound_fraction" in r else "", str(r.get("runs", ""))])
+    if result.get("ratios"):  # per round, the two runs of that round; median and range over the rounds
+        table += "\n| ratio | context | rate | median | min-max | rounds |\n|---|---:|---|---:|---:|---:|\n"
+        table += "".join(f"| {q['system']} / {q['over']} | {q['context']} | {q['rate']} | {q['median']:.3f} | "
+                         f"{q['min']:.3f}-{q['max']:.3f} | {q['n']} |\n" for q in result["ratios"])
+    return table
 
 
 def quality_markdown(result: dict) -> str:

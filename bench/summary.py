@@ -33,6 +33,10 @@ _QUALITY = ("python -m bench.quality --model {} --tokens 8192 --context {} --for
 # Per model: the quality run measuring every system on the same text and positions.
 PEER_FIDELITY = {"SmolLM2": ("quality-20261205-101054", _QUALITY.format("smollm2", 8192)),
                  "Gemma 3": ("quality-20261205-105003", _QUALITY.format("gemma3", 2048))}
+# The speed rows' sitting (bench/sitting.sh): its manifest names the speed and streams
+# runs, every comparison in alternating rounds on one machine in one sitting. None: the
+# rows below from earlier single runs, said as such.
+SITTING: str | None = None
 SPEED = "speed-20261204-235541"  # SmolLM2, llama.cpp in the same run
 SPEED_GEMMA = ("speed-20261204-190058", "speed-20261204-190706")  # two runs minutes apart
 RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same run
@@ -166,7 +170,8 @@ def speed_rows(results: Path = RESULTS) -> list[Row]:
 
     prompts = " / ".join(f"{c:,}" for c in contexts)
     keys = (("prefill", "prefill_tps"), ("decode", "decode_tps"))
-    out = [Row(f"prefill and decode, SmolLM2, tok/s over / after a {prompts}-token prompt",
+    out = [Row(f"prefill and decode, SmolLM2, tok/s over / after a {prompts}-token prompt (one run, its repeats "
+               "back to back, not alternating rounds: superseded by bench/sitting.sh's rows once they sit)",
                "; ".join(f"{what} {pair(jf, key)}" for what, key in keys),
                "llama.cpp, f16 KV, same run: " + ", ".join(f"{what} {pair(ll, key)}" for what, key in keys)
                + " (JustFit " + "; ".join(ratios(key, jf, ll) for _, key in keys) + ")", (SPEED,),
@@ -181,6 +186,90 @@ def speed_rows(results: Path = RESULTS) -> list[Row]:
     out.append(Row(f"decode, Gemma 3 270M, tok/s after a {prompts}-token prompt, in each of {each} runs "
                    "minutes apart", justfit, f"llama.cpp, f16 KV, same runs: {llama} (JustFit {ratio})",
                    SPEED_GEMMA, command.format(model="gemma3")))
+    return out
+
+
+def _spread(x: dict, fmt: str = ".1f") -> str:
+    """A median with its range over rounds: '90.4 (88.1-91.0)'."""
+    return f"{x['median']:{fmt}} ({x['min']:{fmt}}-{x['max']:{fmt}})"
+
+
+def _row_spread(row: dict, key: str) -> str:
+    return _spread({"median": row[key], "min": row[f"{key}_min"], "max": row[f"{key}_max"]})
+
+
+def _ratio_spread(q: dict) -> str:
+    return f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f}x)"
+
+
+def _ratio_of(result: dict, system: str, over: str, rate: str, **where) -> dict:
+    for q in result["ratios"]:
+        if (q["system"], q["over"], q["rate"]) == (system, over, rate) and all(q.get(k) == v for k, v in where.items()):
+            return q
+    raise LookupError(f"no {system} / {over} {rate} ratio with {where} in this result")
+
+
+def sitting_rows(results: Path = RESULTS) -> list[Row]:
+    """The sitting's rows (SITTING): decode and prefill against llama-bench, one stream
+    and 4 at once against llama-server, JustFit's drafts off (llama.cpp's work) and, in
+    rows of their own, on; every figure the median (min-max) of the sitting's
+    alternating rounds, every ratio the median (min-max) of each round's pair."""
+    manifest = load(SITTING, results)
+    files = manifest["files"]
+    speed, depth, streams = (load(files[k], results) for k in ("speed", "speed_depth", "streams"))
+    rounds = manifest["settings"]["rounds"]
+    commands = {k: re.sub(r"--llama-cpp \S+", "--llama-cpp DIR", v["command"]) for k, v in manifest["steps"].items()}
+    held = depth["settings"]["depth"]
+    short = speed["settings"]["contexts"]
+    ll = "llama.cpp"
+
+    def decode(system: str) -> tuple[str, str]:
+        ours = [_find(speed, system, context=c) for c in short] + [_find(depth, system)]
+        theirs = [_find(speed, ll, context=c) for c in short] + [_find(depth, ll)]
+        qs = [_ratio_of(speed, system, ll, "decode_tps", context=c) for c in short] + \
+            [_ratio_of(depth, system, ll, "decode_tps")]
+        return (" / ".join(_row_spread(r, "decode_tps") for r in ours),
+                "llama-bench, f16 KV, same rounds: " + " / ".join(_row_spread(r, "decode_tps") for r in theirs)
+                + " (JustFit " + " / ".join(map(_ratio_spread, qs)) + ")")
+
+    positions = " / ".join(f"{c:,}" for c in [*short, held])
+    each = f"median (min-max) of {rounds} alternating rounds, one sitting"
+    sources = (SITTING, files["speed"], files["speed_depth"])
+    command = f"bench/sitting.sh DIR ({commands['speed']}; {commands['speed_depth']})"
+    out = []
+    for system, what in (("justfit-nodraft", "drafts off (one token a step, as llama-bench)"),
+                         ("justfit-drafts", "n-gram drafts on (JustFit's default; the prompt's own text drafts "
+                                            "tokens: not llama-bench's work)")):
+        jf, base = decode(system)
+        out.append(Row(f"decode, SmolLM2, tok/s after {positions} positions ({held:,}: random keys and values "
+                       f"held, llama-bench -d), {what}, {each}", jf, base, sources, command))
+    prefill_jf = [_find(speed, "justfit-nodraft", context=short[-1]), _find(depth, "justfit-nodraft")]
+    prefill_ll = [_find(speed, ll, context=short[-1]), _find(depth, ll)]
+    qs = [_ratio_of(speed, "justfit-nodraft", ll, "prefill_tps", context=short[-1]),
+          _ratio_of(depth, "justfit-nodraft", ll, "prefill_tps")]
+    after = depth["settings"]["contexts"][0]
+    out.append(Row(f"prefill, SmolLM2, tok/s of {short[-1]:,} tokens / {after:,} tokens after {held:,}, {each}",
+                   " / ".join(_row_spread(r, "prefill_tps") for r in prefill_jf),
+                   "llama-bench, f16 KV, same rounds: " + " / ".join(_row_spread(r, "prefill_tps") for r in prefill_ll)
+                   + " (JustFit " + " / ".join(map(_ratio_spread, qs)) + ")", sources, command))
+    s = streams["settings"]
+    prompt = _find(streams, "justfit-nodraft")["rounds"][0].get("prompt_tokens")
+    for system, what in (("justfit-nodraft", '`"speculate": false` (one token a step, as llama-server)'),
+                         ("justfit-drafts", '`"speculate": true` (n-gram drafts; greedy text from a small model '
+                                            "repeats, which flatters them)")):
+        jf = _find(streams, system)
+        one, many = _find(streams, "llama-server-np1"), _find(streams, "llama-server-np4")
+        q1 = _ratio_of(streams, system, "llama-server-np1", "single_tps")
+        q4 = _ratio_of(streams, system, "llama-server-np4", "aggregate_tps")
+        out.append(Row(f"greedy streams over HTTP, SmolLM2, {s['max_tokens']} tokens each after a {prompt}-token "
+                       "prompt: "
+                       f"one stream's decode tok/s / {s['streams']} streams' aggregate tok/s, {each}",
+                       f"`justfit serve`, no flags, {what}: {_row_spread(jf, 'single_tps')} / "
+                       f"{_row_spread(jf, 'aggregate_tps')}",
+                       f"llama-server -np 1 / -np {many.get('slots', 4)}, same rounds: "
+                       f"{_row_spread(one, 'single_tps')} / "
+                       f"{_row_spread(many, 'aggregate_tps')} (JustFit {_ratio_spread(q1)} / {_ratio_spread(q4)})",
+                       (SITTING, files["streams"]), f"bench/sitting.sh DIR ({commands['streams']})"))
     return out
 
 
@@ -238,7 +327,8 @@ def streams_rows(results: Path = RESULTS) -> list[Row]:
     jf, ll = _find(result, "justfit"), _find(result, "llama-server-np4")
     s = result["settings"]
     return [Row(f"{s['streams']} concurrent greedy streams over HTTP, SmolLM2, aggregate tok/s (median of {s['rounds']} rounds)",
-                f"`justfit serve`, no flags: {jf['aggregate_tps']:.1f} (one stream alone: {jf['single_tps']:.1f})",
+                f"`justfit serve`, no flags (n-gram drafts on, its default; llama-server's none): "
+                f"{jf['aggregate_tps']:.1f} (one stream alone: {jf['single_tps']:.1f})",
                 f"llama-server -np 4, same run: {ll['aggregate_tps']:.1f} (JustFit {_ratio(jf['aggregate_tps'], ll['aggregate_tps'])})",
                 (STREAMS,), f"python -m bench.streams --model smollm2 --streams {s['streams']} "
                 f"--max-tokens {s['max_tokens']} --rounds {s['rounds']} --llama-cpp DIR")]
@@ -275,8 +365,13 @@ def same_reply_rows(results: Path = RESULTS) -> list[Row]:
 
 def rows(results: Path = RESULTS) -> list[Row]:
     """Every row of the table, in the order shown."""
-    return [*capacity_rows(results), *fidelity_rows(results), *speed_rows(results), *resume_rows(results),
-            *streams_rows(results), *speculation_rows(results), *same_reply_rows(results)]
+    if SITTING:
+        speed = [*sitting_rows(results), *speed_rows(results)[1:]]  # Gemma 3's decode rows stay until it sits too
+        streams = []
+    else:
+        speed, streams = speed_rows(results), streams_rows(results)
+    return [*capacity_rows(results), *fidelity_rows(results), *speed, *resume_rows(results),
+            *streams, *speculation_rows(results), *same_reply_rows(results)]
 
 
 def block(results: Path = RESULTS) -> str:

@@ -127,17 +127,18 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
     speed(["--quick", "--model", str(tiny_llama_dir), "--json", "--llama-cpp", str(tmp_path / "no-such-binary")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["system"]: r for r in out["systems"]}
-    assert set(rows) == {"justfit-default", "mlx-lm", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"} and "machine" in out
-    for name in ("justfit-default", "mlx-lm"):
+    assert set(rows) == {"justfit-nodraft", "mlx-lm", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"} and "machine" in out
+    for name in ("justfit-nodraft", "mlx-lm"):
         r = rows[name]
         assert r["context"] == 256 and r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["ttft_s"] > 0
         assert r["blas"] and r["weights_dtype"] and r["kv_dtype"] and r["prefill_step"]
     assert rows["mlx-lm"]["kv_dtype"] == "float16" and "reference BLAS" in rows["mlx-lm"]["blas"]
     # the CLI's default pages: each layer's calibrated format, summarized
-    assert rows["justfit-default"]["kv_dtype"].endswith(" pages") and " x" in rows["justfit-default"]["kv_dtype"]
+    assert rows["justfit-nodraft"]["kv_dtype"].endswith(" pages") and " x" in rows["justfit-nodraft"]["kv_dtype"]
+    assert rows["justfit-nodraft"]["drafts"] == "none"  # the row set against llama-bench: one token a step
     # decode against the memory floor: bytes read per token over the measured bandwidth
     assert len(out["read_bandwidth_gbs"]) == 2 and min(out["read_bandwidth_gbs"]) > 0
-    for name in ("justfit-default", "mlx-lm"):
+    for name in ("justfit-nodraft", "mlx-lm"):
         r = rows[name]
         assert r["read_mib_per_token"] > 0 and r["floor_tps"] > 0
         floor = max(out["read_bandwidth_gbs"]) * 1e9 / r["read_bytes"]
@@ -146,7 +147,7 @@ def test_bench_speed_quick_follows_the_output_contract(tiny_llama_dir, tmp_path,
     for name in ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"):  # a failure is a row, never dropped
         assert "llama-bench failed" in rows[name]["error"]
     md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
-    assert "| justfit-default | 256 |" in md
+    assert "| justfit-nodraft | 256 | none |" in md
 
 
 def test_bench_sessions_four_sessions_share_a_budget(tiny_llama_dir):
