@@ -35,6 +35,11 @@ time), their median and spread (min, max):
 
     python -m bench.speculation --model smollm2 --rounds 3 --max-tokens 128 --turns 6
 
+With `--in-process` the same alternation runs in this process's engine (no server, no
+HTTP) and each reply's decode is timed in process CPU seconds from its first token to its
+last: on a machine shared with other jobs CPU time moves far less with their load than
+wall time does.
+
 Otherwise each system runs every workload in its own server, one server at a time. A row per
 system and workload: wall time, completion tokens, decode tokens per second (tokens after
 the first over the time after the first arrived), drafted and accepted tokens where the
@@ -469,6 +474,87 @@ async def alternate(system: System, args) -> dict:
     return row
 
 
+def requests_of(workload: str, args) -> tuple[list[list[dict]], bool]:
+    """A workload's conversations, and whether each turn continues the last (agent)."""
+    if workload == "code-edit":
+        return code_requests(args.prompts), False
+    if workload in ("prose", "chat"):
+        asks = PROSE if workload == "prose" else CHAT
+        return [[{"role": "user", "content": p}] for p in asks[:max(1, min(args.prompts, len(asks)))]], False
+    prompt, turns = load_trajectory()
+    return [[{"role": "system", "content": prompt}], *([{"role": "user", "content": u}] for u in
+                                                        turns[:args.turns or None])], True
+
+
+def in_process_run(engine, workload: str, args, speculate: bool) -> dict:
+    """A workload's replies in `engine`, each decode timed in process CPU seconds."""
+    from justfit import SamplingParams
+
+    convs, growing = requests_of(workload, args)
+    history = convs[0] if growing else []
+    out = {"tokens": 0, "decode_cpu_s": 0.0, "decode_wall_s": 0.0, "drafted": 0, "accepted": 0, "texts": []}
+    for conv in (convs[1:] if growing else convs):
+        messages = history + conv if growing else conv
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens or 128, speculate=speculate)
+        pieces, first, stats = [], None, None
+        for chunk in engine.generate(messages, sp):
+            if first is None and chunk.text:
+                first = (time.process_time(), time.perf_counter())
+            pieces.append(chunk.text or "")
+            stats = chunk.stats or stats
+        end = (time.process_time(), time.perf_counter())
+        text = "".join(pieces)
+        if growing:
+            history = messages + [{"role": "assistant", "content": text}]
+        out["texts"].append(hashlib.sha256(text.encode()).hexdigest())
+        if first is not None and stats is not None:
+            out["tokens"] += max(0, stats.generated_tokens - 1)
+            out["decode_cpu_s"] += end[0] - first[0]
+            out["decode_wall_s"] += end[1] - first[1]
+            out["drafted"] += stats.drafted_tokens
+            out["accepted"] += stats.accepted_tokens
+    out["cpu_tps"] = round(out["tokens"] / out["decode_cpu_s"], 2) if out["decode_cpu_s"] > 0 else None
+    out["wall_tps"] = round(out["tokens"] / out["decode_wall_s"], 2) if out["decode_wall_s"] > 0 else None
+    return out
+
+
+def alternate_in_process(args) -> dict:
+    """`alternate` in this process's engine: drafts on and off per request, order
+    alternating by round, decode timed in CPU seconds (see the module doc)."""
+    from justfit import Engine
+    from justfit.config import EngineConfig
+    from justfit.model.models import resolve
+
+    engine = Engine(str(resolve(args.model)), config=EngineConfig(draft="ngram"))
+    row = {"system": "justfit-alternating-in-process", "model": args.model, "rounds": args.rounds,
+           "load_before": [round(x, 2) for x in os.getloadavg()]}
+    runs: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    for r in range(args.rounds):
+        for workload in args.workloads:
+            pair = {"first": "on" if r % 2 == 0 else "off"}
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                pair["on" if on else "off"] = {**in_process_run(engine, workload, args, on),
+                                               "load": round(os.getloadavg()[0], 2)}
+            on_, off_ = pair["on"], pair["off"]
+            pair["identical"] = on_["texts"] == off_["texts"]
+            if on_["cpu_tps"] and off_["cpu_tps"]:
+                pair["cpu_ratio"] = round(on_["cpu_tps"] / off_["cpu_tps"], 3)
+            if on_["wall_tps"] and off_["wall_tps"]:
+                pair["wall_ratio"] = round(on_["wall_tps"] / off_["wall_tps"], 3)
+            runs[workload].append(pair)
+            print(json.dumps({"round": r, "workload": workload, "cpu_ratio": pair.get("cpu_ratio"),
+                              "wall_ratio": pair.get("wall_ratio"), "on_cpu_tps": on_["cpu_tps"],
+                              "off_cpu_tps": off_["cpu_tps"], "drafted": on_["drafted"], "accepted": on_["accepted"],
+                              "identical": pair["identical"], "load": on_["load"]}), file=sys.stderr, flush=True)
+    row["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    row["workloads"] = {w: {"rounds": pairs, **spread(pairs, "cpu_ratio", "decode"), **spread(pairs, "wall_ratio", "wall"),
+                            "identical_to_drafts_off": all(p["identical"] for p in pairs),
+                            "acceptance": round(sum(p["on"]["accepted"] for p in pairs)
+                                                / max(1, sum(p["on"]["drafted"] for p in pairs)), 3)}
+                        for w, pairs in runs.items()}
+    return row
+
+
 def spread(pairs: list[dict], key: str, name: str) -> dict:
     """The median, min and max of `key` over the rounds (as `{name}_median` etc.)."""
     values = sorted(p[key] for p in pairs if key in p)
@@ -531,6 +617,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="send each conversation as plain text to /v1/completions (a base model: gemma3 always)")
     ap.add_argument("--rounds", type=int, default=0,
                     help="JustFit only, one server: each workload N times with drafts on and off, alternating (0: off)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="with --rounds: this process's engine, decode timed in CPU seconds (no server)")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
     args.text = args.text or args.model == "gemma3"  # a base model: its chat routes refuse it
@@ -543,9 +631,9 @@ def main(argv: list[str] | None = None) -> None:
     from bench.report import publish
 
     settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context", "text",
-                                              "rounds")}
+                                              "rounds", "in_process")}
     if args.rounds:
-        rows = [asyncio.run(alternate(make_system("justfit", args), args))]
+        rows = [alternate_in_process(args) if args.in_process else asyncio.run(alternate(make_system("justfit", args), args))]
         publish("speculation", {"machine": machine_info(), "settings": {**settings, "cores": os.cpu_count()},
                                 "systems": rows}, args.json)
         return
