@@ -43,9 +43,6 @@ SPEED_GEMMA = ("speed-20261204-190058", "speed-20261204-190706")  # two runs min
 RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same run
 # Drafts on and off, llama-server with and without its n-gram drafts, the same run per model
 SPECULATION = {"SmolLM2": "speculation-20261205-145143", "Gemma 3": "speculation-20261205-151958"}
-# SmolLM2-Instruct through its chat template, drafts on and off alternating in one server:
-# today's drafts, and the drafts before they were tracked per matched n-gram (same settings)
-SPECULATION_ROUNDS = {"now": "SPEC_AFTER", "before": "SPEC_BEFORE"}
 STREAMS = "streams-20261205-145311"  # SmolLM2: 4 concurrent streams, justfit serve and llama-server -np 4, the same run
 # Same request, same reply: --deterministic per model, and the default engine on SmolLM2
 SAME_REPLY = {"SmolLM2": "same-reply-20261205-174353", "Gemma 3": "same-reply-20261205-180224"}
@@ -236,48 +233,31 @@ def resume_rows(results: Path = RESULTS) -> list[Row]:
                 + (f" --repeats {repeats}" if repeats > 1 else ""))]
 
 
-def _spread(w: dict, name: str = "decode") -> str:
-    return f"{w[name + '_median']:.2f}x ({w[name + '_min']:.2f}-{w[name + '_max']:.2f})"
-
-
 def speculation_rows(results: Path = RESULTS) -> list[Row]:
-    """Drafts from the conversation's own text. SmolLM2-Instruct through its chat
-    template: drafts on over off in one server, alternating rounds (median and spread),
-    today's drafts against the drafts before. Gemma 3 270M is a base model: its row is a
-    model continuing its own plain text, against llama-server with and without its n-gram
-    drafts in the same run."""
-    now, before = (load(SPECULATION_ROUNDS[k], results) for k in ("now", "before"))
-    a, b = _find(now, "justfit-alternating")["workloads"], _find(before, "justfit-alternating")["workloads"]
-    s = now["settings"]
-    names = [n for n in ("prose", "chat", "agent", "code-edit") if n in a and n in b]
-    same = [n for n in names if a[n].get("identical_to_drafts_off")]
-    out = [Row(f"speculative decoding, SmolLM2-Instruct (chat template), greedy: decode tok/s with drafts on over off "
-               f"on {' / '.join(names)} (median and spread of {s['rounds']} alternating rounds in one server, "
-               f"{s['max_tokens']} tokens a reply)",
-               " / ".join(_spread(a[n]) for n in names) + f"; text identical with drafts off: {', '.join(same) or 'none'}",
-               "the drafts before acceptance was tracked per matched n-gram, same settings: "
-               + " / ".join(_spread(b[n]) for n in names),
-               (SPECULATION_ROUNDS["now"], SPECULATION_ROUNDS["before"]),
-               f"python -m bench.speculation --model smollm2 --rounds {s['rounds']} --max-tokens {s['max_tokens']} "
-               f"--turns {s['turns']} --prompts {s['prompts']} --workloads {','.join(names)}")]
-    stem = SPECULATION["Gemma 3"]
-    result = load(stem, results)
-    on, off = _find(result, "justfit"), _find(result, "justfit-nodraft")
-    ll, lln = _find(result, "llama-server"), _find(result, "llama-server-ngram")
-    w = {name: (on["workloads"][name], off["workloads"][name]) for name in ("code-edit", "prose", "agent")}
-    same = [name for name, (x, _) in w.items() if x.get("identical_to_drafts_off")]
-    rate = " / ".join(f"{w[n][0]['decode_tps']:.1f} vs {w[n][1]['decode_tps']:.1f} tok/s "
-                      f"({_ratio(w[n][0]['decode_tps'], w[n][1]['decode_tps'])})" for n in ("code-edit", "prose"))
-    agent_on, agent_off = w["agent"][0]["total_s"], w["agent"][1]["total_s"]
-    out.append(Row("speculative decoding, Gemma 3 270M, greedy, a base model continuing its own plain text (not chat: "
-                   "its replies echo their prompt, so nearly every draft holds): decode on code edits / prose, drafts "
-                   f"on vs off, and a {len(w['agent'][0]['replies'])}-turn agent trajectory's total time (one run)",
-                   f"{rate}; agent {agent_on:.1f} s vs {agent_off:.1f} s ({_ratio(agent_on, agent_off)} the time); "
-                   f"text identical with drafts off: {', '.join(same) or 'none'}",
-                   f"llama-server, same run: agent {ll['workloads']['agent']['total_s']:.1f} s, with its n-gram "
-                   f"drafts {lln['workloads']['agent']['total_s']:.1f} s; code edits "
-                   f"{ll['workloads']['code-edit']['decode_tps']:.1f} / {lln['workloads']['code-edit']['decode_tps']:.1f} tok/s",
-                   (stem,), f"python -m bench.speculation --model {result['settings']['model']} --llama-cpp DIR"))
+    """Drafts from the conversation's own text: decode rate on code edits and prose, an
+    agent trajectory's total time; against llama-server with and without its n-gram
+    drafts, the same run, per model."""
+    out = []
+    for model, stem in SPECULATION.items():
+        result = load(stem, results)
+        on, off = _find(result, "justfit"), _find(result, "justfit-nodraft")
+        ll, lln = _find(result, "llama-server"), _find(result, "llama-server-ngram")
+        w = {name: (on["workloads"][name], off["workloads"][name]) for name in ("code-edit", "prose", "agent")}
+        same = [name for name, (a, _) in w.items() if a.get("identical_to_drafts_off")]
+        rate = " / ".join(f"{w[n][0]['decode_tps']:.1f} vs {w[n][1]['decode_tps']:.1f} tok/s "
+                          f"({_ratio(w[n][0]['decode_tps'], w[n][1]['decode_tps'])})" for n in ("code-edit", "prose"))
+        agent_on, agent_off = w["agent"][0]["total_s"], w["agent"][1]["total_s"]
+        text = result["settings"].get("text")
+        out.append(Row(f"speculative decoding, {model}, greedy{', a base model continuing its own plain text (not chat: its replies echo their prompt)' if text else ''}: "
+                       f"decode on code edits / prose, drafts on vs off, and a {len(w['agent'][0]['replies'])}-turn "
+                       "agent trajectory's total time; one run, one server per system (not a median of alternating "
+                       "rounds)",
+                       f"{rate}; agent {agent_on:.1f} s vs {agent_off:.1f} s ({_ratio(agent_on, agent_off)} the time); "
+                       f"text identical with drafts off: {', '.join(same) or 'none'}",
+                       f"llama-server, same run: agent {ll['workloads']['agent']['total_s']:.1f} s, with its n-gram "
+                       f"drafts {lln['workloads']['agent']['total_s']:.1f} s; code edits "
+                       f"{ll['workloads']['code-edit']['decode_tps']:.1f} / {lln['workloads']['code-edit']['decode_tps']:.1f} tok/s",
+                       (stem,), f"python -m bench.speculation --model {result['settings']['model']} --llama-cpp DIR"))
     return out
 
 
