@@ -12,6 +12,8 @@ Workloads (OpenAI-compatible /v1/chat/completions, temperature 0, streamed; with
   (textwrap, shlex) shown in the prompt, to be repeated exactly or repeated with one
   identifier renamed: replies that copy their context, where drafts should pay;
 - prose: a story from a one-line prompt: little to copy, where drafts should cost nothing;
+- chat: short questions a chat assistant answers (explanations, advice, lists): replies
+  with little to copy, where drafts should cost nothing either;
 - agent: bench/data/agent_trajectory.json, 15+ turns (files shown, tool outputs to quote,
   edits, short questions) appended to one growing conversation with the system's own
   replies, so prompt caching matters; its total completion time is reported.
@@ -22,7 +24,23 @@ Workloads (OpenAI-compatible /v1/chat/completions, temperature 0, streamed; with
   cached tokens as a share of the previous turn's context (`cached_share_min`), and
   agent-responses its total time over agent-tools' (`responses_over_chat`).
 
-Each system runs every workload in its own server, one server at a time. A row per
+On SmolLM2 (SmolLM2-135M-Instruct) every workload goes through the chat template; gemma3
+is a base model, so its rows measure a model continuing its own plain text, not chat.
+
+`--rounds N` (JustFit only): one server, each workload run N times with drafts on and
+off per request (`"speculate"`), the order alternating round by round (on first, then
+off first), so load on a shared machine falls on both alike; each workload's rows carry
+every round's drafts-on / drafts-off ratio of decode tokens per second (and of total
+time), their median and spread (min, max):
+
+    python -m bench.speculation --model smollm2 --rounds 3 --max-tokens 128 --turns 6
+
+With `--in-process` the same alternation runs in this process's engine (no server, no
+HTTP) and each reply's decode is timed in process CPU seconds from its first token to its
+last: on a machine shared with other jobs CPU time moves far less with their load than
+wall time does.
+
+Otherwise each system runs every workload in its own server, one server at a time. A row per
 system and workload: wall time, completion tokens, decode tokens per second (tokens after
 the first over the time after the first arrived), drafted and accepted tokens where the
 server reports them (JustFit's `usage.drafted_tokens` / `accepted_tokens`, llama-server's
@@ -54,7 +72,7 @@ LLAMA_CPP = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 # default lookup of 12 tokens rarely matches in short replies)
 LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16 --spec-draft-n-max 16"
 SYSTEMS = ("justfit", "justfit-nodraft", "llama-server", "llama-server-ngram")
-WORKLOADS = ("code-edit", "prose", "agent", "agent-tools", "agent-responses")
+WORKLOADS = ("code-edit", "prose", "chat", "agent", "agent-tools", "agent-responses")
 RESPONSES_ONLY = ("agent-tools", "agent-responses")  # JustFit's (llama-server has no /v1/responses)
 # The function tool the tool-bearing agent workloads offer (chat completions' form; flat on /v1/responses).
 AGENT_TOOL = {"type": "function", "function": {
@@ -71,7 +89,13 @@ CODE = [(textwrap.TextWrapper, "_wrap_chunks", "chunks", "pieces"),
         (shlex, "split", "lex", "lexer"),
         (textwrap, "indent", "predicate", "should_indent")]
 PROSE = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
-         "Write a short story about a robot learning to bake bread."]
+         "Write a short story about a robot learning to bake bread.",
+         "Describe a walk through a city market early on a winter morning.",
+         "Write a letter from a traveller to a friend about a journey across the mountains."]
+CHAT = ["What are some good ways to get better sleep?",
+        "Explain how vaccines train the immune system, in simple terms.",
+        "I have a job interview tomorrow. How should I prepare?",
+        "What is the difference between weather and climate?"]
 
 
 @dataclass
@@ -313,9 +337,10 @@ async def run_workload(http, url: str, system: System, workload: str, args) -> l
     if workload == "code-edit":
         return [await chat(http, url, m, args.max_tokens or 400, system.speculate, args.timeout, text=text)
                 for m in code_requests(args.prompts)]
-    if workload == "prose":
+    if workload in ("prose", "chat"):
+        asks = PROSE if workload == "prose" else CHAT
         return [await chat(http, url, [{"role": "user", "content": p}], args.max_tokens or 300, system.speculate,
-                           args.timeout, text=text) for p in PROSE[:max(1, min(args.prompts, len(PROSE)))]]
+                           args.timeout, text=text) for p in asks[:max(1, min(args.prompts, len(asks)))]]
     prompt, turns = load_trajectory()
     messages = [{"role": "system", "content": prompt}]
     replies: list[Reply] = []
@@ -408,6 +433,144 @@ async def measure(system: System, args) -> dict:
     return {**row, "workloads": workloads}
 
 
+async def alternate(system: System, args) -> dict:
+    """JustFit's drafts on against off in one server (`--rounds`): each round runs every
+    workload with drafts on and off per request, the order alternating by round; per
+    workload, each round's ratios and their median and spread."""
+    import aiohttp
+
+    row = {"system": "justfit-alternating", "model": system.model, "rounds": args.rounds}
+    if system.unavailable:
+        return {**row, "error": system.unavailable}
+    row["load_before"] = [round(x, 2) for x in os.getloadavg()]
+    runs: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    async with running(system) as url, aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        for r in range(args.rounds):
+            for workload in args.workloads:
+                pair = {}
+                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                    system.speculate = on
+                    replies = await run_workload(http, url, system, workload, args)
+                    pair["on" if on else "off"] = {**summarize(replies), "replies": [kept(x) for x in replies],
+                                                   "load": round(os.getloadavg()[0], 2)}
+                pair["first"] = "on" if r % 2 == 0 else "off"
+                on_, off_ = pair["on"], pair["off"]
+                pair["identical"] = ([x["text_sha256"] for x in on_["replies"]]
+                                     == [x["text_sha256"] for x in off_["replies"]])
+                if on_["decode_tps"] and off_["decode_tps"]:
+                    pair["decode_ratio"] = round(on_["decode_tps"] / off_["decode_tps"], 3)
+                if on_["total_s"] > 0:
+                    pair["time_ratio"] = round(off_["total_s"] / on_["total_s"], 3)
+                runs[workload].append(pair)
+                print(json.dumps({"round": r, "workload": workload, "decode_ratio": pair.get("decode_ratio"),
+                                  "on_tps": on_["decode_tps"], "off_tps": off_["decode_tps"],
+                                  "drafted": on_["drafted_tokens"], "accepted": on_["accepted_tokens"],
+                                  "identical": pair["identical"], "load": on_["load"]}), file=sys.stderr, flush=True)
+    row["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    row["workloads"] = {w: {"rounds": pairs, **spread(pairs, "decode_ratio", "decode"), **spread(pairs, "time_ratio", "time"),
+                            "identical_to_drafts_off": all(p["identical"] for p in pairs),
+                            "acceptance": _acceptance(pairs)}
+                        for w, pairs in runs.items()}
+    return row
+
+
+def requests_of(workload: str, args) -> tuple[list[list[dict]], bool]:
+    """A workload's conversations, and whether each turn continues the last (agent)."""
+    if workload == "code-edit":
+        return code_requests(args.prompts), False
+    if workload in ("prose", "chat"):
+        asks = PROSE if workload == "prose" else CHAT
+        return [[{"role": "user", "content": p}] for p in asks[:max(1, min(args.prompts, len(asks)))]], False
+    prompt, turns = load_trajectory()
+    return [[{"role": "system", "content": prompt}], *([{"role": "user", "content": u}] for u in
+                                                        turns[:args.turns or None])], True
+
+
+def in_process_run(engine, workload: str, args, speculate: bool) -> dict:
+    """A workload's replies in `engine`, each decode timed in process CPU seconds."""
+    from justfit import SamplingParams
+
+    convs, growing = requests_of(workload, args)
+    history = convs[0] if growing else []
+    out = {"tokens": 0, "decode_cpu_s": 0.0, "decode_wall_s": 0.0, "drafted": 0, "accepted": 0, "texts": []}
+    for conv in (convs[1:] if growing else convs):
+        messages = history + conv if growing else conv
+        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens or 128, speculate=speculate)
+        pieces, first, stats = [], None, None
+        for chunk in engine.generate(messages, sp):
+            if first is None and chunk.text:
+                first = (time.process_time(), time.perf_counter())
+            pieces.append(chunk.text or "")
+            stats = chunk.stats or stats
+        end = (time.process_time(), time.perf_counter())
+        text = "".join(pieces)
+        if growing:
+            history = messages + [{"role": "assistant", "content": text}]
+        out["texts"].append(hashlib.sha256(text.encode()).hexdigest())
+        if first is not None and stats is not None:
+            out["tokens"] += max(0, stats.generated_tokens - 1)
+            out["decode_cpu_s"] += end[0] - first[0]
+            out["decode_wall_s"] += end[1] - first[1]
+            out["drafted"] += stats.drafted_tokens
+            out["accepted"] += stats.accepted_tokens
+    out["cpu_tps"] = round(out["tokens"] / out["decode_cpu_s"], 2) if out["decode_cpu_s"] > 0 else None
+    out["wall_tps"] = round(out["tokens"] / out["decode_wall_s"], 2) if out["decode_wall_s"] > 0 else None
+    return out
+
+
+def alternate_in_process(args) -> dict:
+    """`alternate` in this process's engine: drafts on and off per request, order
+    alternating by round, decode timed in CPU seconds (see the module doc)."""
+    from justfit import Engine
+    from justfit.config import EngineConfig
+    from justfit.model.models import resolve
+
+    engine = Engine(str(resolve(args.model)), config=EngineConfig(draft="ngram"))
+    row = {"system": "justfit-alternating-in-process", "model": args.model, "rounds": args.rounds,
+           "load_before": [round(x, 2) for x in os.getloadavg()]}
+    runs: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    for r in range(args.rounds):
+        for workload in args.workloads:
+            pair = {"first": "on" if r % 2 == 0 else "off"}
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                pair["on" if on else "off"] = {**in_process_run(engine, workload, args, on),
+                                               "load": round(os.getloadavg()[0], 2)}
+            on_, off_ = pair["on"], pair["off"]
+            pair["identical"] = on_["texts"] == off_["texts"]
+            if on_["cpu_tps"] and off_["cpu_tps"]:
+                pair["cpu_ratio"] = round(on_["cpu_tps"] / off_["cpu_tps"], 3)
+            if on_["wall_tps"] and off_["wall_tps"]:
+                pair["wall_ratio"] = round(on_["wall_tps"] / off_["wall_tps"], 3)
+            runs[workload].append(pair)
+            print(json.dumps({"round": r, "workload": workload, "cpu_ratio": pair.get("cpu_ratio"),
+                              "wall_ratio": pair.get("wall_ratio"), "on_cpu_tps": on_["cpu_tps"],
+                              "off_cpu_tps": off_["cpu_tps"], "drafted": on_["drafted"], "accepted": on_["accepted"],
+                              "identical": pair["identical"], "load": on_["load"]}), file=sys.stderr, flush=True)
+    row["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    row["workloads"] = {w: {"rounds": pairs, **spread(pairs, "cpu_ratio", "decode"), **spread(pairs, "wall_ratio", "wall"),
+                            "identical_to_drafts_off": all(p["identical"] for p in pairs),
+                            "acceptance": round(sum(p["on"]["accepted"] for p in pairs)
+                                                / max(1, sum(p["on"]["drafted"] for p in pairs)), 3)}
+                        for w, pairs in runs.items()}
+    return row
+
+
+def spread(pairs: list[dict], key: str, name: str) -> dict:
+    """The median, min and max of `key` over the rounds (as `{name}_median` etc.)."""
+    values = sorted(p[key] for p in pairs if key in p)
+    if not values:
+        return {}
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return {f"{name}_median": round(median, 3), f"{name}_min": values[0], f"{name}_max": values[-1]}
+
+
+def _acceptance(pairs: list[dict]) -> float | None:
+    drafted = sum(p["on"]["drafted_tokens"] or 0 for p in pairs)
+    accepted = sum(p["on"]["accepted_tokens"] or 0 for p in pairs)
+    return round(accepted / drafted, 3) if drafted else None
+
+
 def kept(reply: Reply) -> dict:
     """What a result file keeps of a reply: its figures, and its text as a digest (the
     identity check compares digests) with its first characters to read."""
@@ -442,7 +605,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a GGUF path (the same file for both)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--prompts", type=int, default=4, help="code-edit requests (half repeat, half rename); prose: up to 2")
+    ap.add_argument("--prompts", type=int, default=4,
+                    help="code-edit requests (half repeat, half rename); prose, chat: up to 4 each")
     ap.add_argument("--turns", type=int, default=0, help="agent turns to run (0: all)")
     ap.add_argument("--max-tokens", type=int, default=0, help="per reply (0: 400 code, 300 prose, 200 agent)")
     ap.add_argument("--llama-cpp", default=LLAMA_CPP, help="llama.cpp's binaries (llama-server)")
@@ -451,6 +615,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
     ap.add_argument("--text", action="store_true",
                     help="send each conversation as plain text to /v1/completions (a base model: gemma3 always)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="JustFit only, one server: each workload N times with drafts on and off, alternating (0: off)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="with --rounds: this process's engine, decode timed in CPU seconds (no server)")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     args = ap.parse_args(argv)
     args.text = args.text or args.model == "gemma3"  # a base model: its chat routes refuse it
@@ -462,10 +630,16 @@ def main(argv: list[str] | None = None) -> None:
     from bench.common import machine_info
     from bench.report import publish
 
+    settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context", "text",
+                                              "rounds", "in_process")}
+    if args.rounds:
+        rows = [alternate_in_process(args) if args.in_process else asyncio.run(alternate(make_system("justfit", args), args))]
+        publish("speculation", {"machine": machine_info(), "settings": {**settings, "cores": os.cpu_count()},
+                                "systems": rows}, args.json)
+        return
     rows = [asyncio.run(measure(make_system(name, args), args)) for name in args.systems]  # one server at a time
     identity(rows)
     responses_over_chat(rows)
-    settings = {k: getattr(args, k) for k in ("model", "prompts", "turns", "max_tokens", "llama_spec", "context", "text")}
     publish("speculation", {"machine": machine_info(), "settings": {**settings, "cores": os.cpu_count()},
                             "systems": rows}, args.json)
 

@@ -26,8 +26,13 @@ HEADER = ("| measured | JustFit | compared with | result files | rerun |", "|---
 # SmolLM2, whole-process budgets (MiB): the runs measured to the budget on today's pages,
 # every weight resident; llama.cpp from the run beside JustFit's where there was one.
 CAPACITY = {400: "capacity-20261205-001302", 550: "capacity-20261204-234405", 800: "capacity-20261205-020651"}
-LLAMA_Q8_0 = {400: "capacity-20261202-082145", 550: "capacity-20261204-234405", 800: "capacity-20261202-082145"}
-LLAMA_F16 = dict.fromkeys((400, 550, 800), "capacity-20261205-121238")  # 1,100 MiB too, JustFit not run there
+# llama.cpp at 400 and 800 MiB: f16, q8_0 and q4_0 KV in one run on this machine; 550 MiB
+# from the earlier runs (q8_0 beside JustFit's)
+LLAMA_HERE = "capacity-20261207-192908"
+LLAMA_Q8_0 = {400: LLAMA_HERE, 550: "capacity-20261204-234405", 800: LLAMA_HERE}
+LLAMA_F16 = {400: LLAMA_HERE, 550: "capacity-20261205-121238", 800: LLAMA_HERE}
+LLAMA_Q4_0 = {400: LLAMA_HERE, 800: LLAMA_HERE}
+TRAINED_CONTEXT = 8192  # SmolLM2's: positions past it are memory held, not a context it reads well
 _QUALITY = ("python -m bench.quality --model {} --tokens 8192 --context {} --formats calibrated,q8c "
             "--reference fp16 --llama-cpp DIR --mlx-lm-kv 8 --mlx-lm-dtype float32-dense")
 # Per model: the quality run measuring every system on the same text and positions.
@@ -98,28 +103,51 @@ def _sci(x: float) -> str:
 
 
 def capacity_rows(results: Path = RESULTS) -> list[Row]:
-    """SmolLM2's positions at whole-process budgets against llama.cpp's f16 and q8_0 KV,
-    and the row that says why mlx-lm's float16 KV is not in the table."""
+    """SmolLM2's positions at whole-process budgets against llama.cpp's f16, q8_0 and q4_0
+    KV (each lossy one with its fidelity from the peer fidelity run), and the row that
+    says why mlx-lm's float16 KV is not in the table."""
     def got(files: dict[int, str], system: str) -> dict[int, dict]:
         return {b: _find(load(f, results), system, budget_mib=float(b)) for b, f in files.items()}
 
-    jf, q8, f16 = got(CAPACITY, JUSTFIT_ROW), got(LLAMA_Q8_0, "llama.cpp-q8_0"), got(LLAMA_F16, "llama.cpp")
-    command = ("python -m bench.capacity --model smollm2 --step 1024 --out 32 --systems "
-               "justfit-calibrated+resident,{llama} --llama-cpp DIR --budgets {budgets} --repeats 1 "
-               "--max-seconds 4800 --max-positions 98304 --fidelity-tokens 0")
+    jf = got(CAPACITY, JUSTFIT_ROW)
+    fidelity_stem = PEER_FIDELITY["SmolLM2"][0]
+    fidelity = {r.get("format"): r for r in load(fidelity_stem, results)["systems"]
+                if LLAMA_SYSTEM.match(str(r.get("system", ""))) and "top1" in r}
+    justfit_command = ("python -m bench.capacity --model smollm2 --step 1024 --out 32 --systems "
+                       "justfit-calibrated+resident{llama} --llama-cpp DIR --budgets {budgets} --repeats 1 "
+                       "--max-seconds 4800 --max-positions 98304 --fidelity-tokens 0")
+    here_command = ("python -m bench.capacity --model smollm2 --step 1024 --out 32 --systems "
+                    "llama.cpp,llama.cpp-q8_0,llama.cpp-q4_0 --llama-cpp DIR --budgets 400MiB,800MiB --repeats 1 "
+                    "--max-seconds 4800 --max-positions 131072 --fidelity-tokens 0")
 
-    def row(base: dict[int, dict], files: dict[int, str], name: str, llama: str) -> Row:
+    def row(files: dict[int, str], system: str, kv: str) -> Row:
+        base = got(files, system)
         budgets = sorted(set(base) & set(jf))  # where both sides were measured
-        return Row(f"capacity, SmolLM2, positions held within {' / '.join(map(str, budgets))} MiB (whole process)",
+        name = f"llama.cpp, {kv} KV, n_ctx reserved"
+        if kv == "f16":
+            name = "llama.cpp, f16 KV (its default; at JustFit's fidelity or above), n_ctx reserved"
+        elif kv in fidelity:
+            name = (f"llama.cpp, {kv} KV ({_same_top1(fidelity[kv])} against its f16 KV, JustFit's default pages "
+                    f"{_same_top1(_find(load(fidelity_stem, results), 'justfit-calibrated'))}), n_ctx reserved")
+        past = all(jf[b]["positions"] > TRAINED_CONTEXT and base[b]["positions"] > TRAINED_CONTEXT for b in budgets)
+        # JustFit's runs had the llama.cpp system beside them where a budget's row is not from this machine's run
+        beside = any(files[b] != LLAMA_HERE for b in budgets)
+        commands = [justfit_command.format(llama=f",{system}" if beside else "",
+                                           budgets=",".join(f"{b}MiB" for b in budgets))]
+        if any(files[b] == LLAMA_HERE for b in budgets):
+            commands.append(here_command)
+        return Row(f"capacity, SmolLM2, positions held within {' / '.join(map(str, budgets))} MiB (whole process)"
+                   + (f"; every figure past its trained {TRAINED_CONTEXT:,}-token context: memory held, not a "
+                      "context it reads well" if past else ""),
                    " / ".join(_positions(jf[b]) for b in budgets) + " (default pages, every weight resident)",
                    f"{name}: " + " / ".join(_positions(base[b]) for b in budgets) + " (JustFit "
                    + " / ".join(_ratio(jf[b]["positions"], base[b]["positions"]) for b in budgets) + ")",
-                   tuple(dict.fromkeys([*(CAPACITY[b] for b in budgets), *(files[b] for b in budgets)])),
-                   command.format(llama=llama, budgets=",".join(f"{b}MiB" for b in budgets)))
+                   tuple(dict.fromkeys([*(CAPACITY[b] for b in budgets), *(files[b] for b in budgets),
+                                        *([fidelity_stem] if kv in fidelity else [])])),
+                   "; ".join(commands))
 
-    return [row(f16, LLAMA_F16, "llama.cpp, f16 KV (its default; at JustFit's fidelity or above), n_ctx reserved",
-                "llama.cpp"),
-            row(q8, LLAMA_Q8_0, "llama.cpp, q8_0 KV (lossy: see the fidelity rows), n_ctx reserved", "llama.cpp-q8_0"),
+    return [row(LLAMA_F16, "llama.cpp", "f16"), row(LLAMA_Q8_0, "llama.cpp-q8_0", "q8_0"),
+            row(LLAMA_Q4_0, "llama.cpp-q4_0", "q4_0"),
             Row("capacity against mlx-lm with float16 KV (as its users run it)", "",
                 "not measured here (needs Metal)", (), "")]
 
@@ -309,9 +337,10 @@ def speculation_rows(results: Path = RESULTS) -> list[Row]:
                           f"({_ratio(w[n][0]['decode_tps'], w[n][1]['decode_tps'])})" for n in ("code-edit", "prose"))
         agent_on, agent_off = w["agent"][0]["total_s"], w["agent"][1]["total_s"]
         text = result["settings"].get("text")
-        out.append(Row(f"speculative decoding, {model}, greedy{' (plain-text prompts: a base model)' if text else ''}: "
+        out.append(Row(f"speculative decoding, {model}, greedy{', a base model continuing its own plain text (not chat: its replies echo their prompt)' if text else ''}: "
                        f"decode on code edits / prose, drafts on vs off, and a {len(w['agent'][0]['replies'])}-turn "
-                       "agent trajectory's total time",
+                       "agent trajectory's total time; one run, one server per system (not a median of alternating "
+                       "rounds)",
                        f"{rate}; agent {agent_on:.1f} s vs {agent_off:.1f} s ({_ratio(agent_on, agent_off)} the time); "
                        f"text identical with drafts off: {', '.join(same) or 'none'}",
                        f"llama-server, same run: agent {ll['workloads']['agent']['total_s']:.1f} s, with its n-gram "

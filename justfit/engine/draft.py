@@ -73,6 +73,7 @@ class NgramDrafter:
         self.acceptance = Acceptance()
         self.paused_for = 0  # tokens left before drafting resumes
         self.pause = self.first_pause
+        self.matched = 0  # the n-gram length the last proposal matched (0: none)
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
@@ -103,11 +104,13 @@ class NgramDrafter:
         min_ngram); [] when nothing matches or drafting is paused."""
         k = min(limit, self.draft_len)
         seq = self.tokens
+        self.matched = 0
         if k <= 0 or not self.active:
             return []
         for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
             at = self.index.get(self._key(n))
             if at is not None:
+                self.matched = n
                 return continuation(seq, at, k)
         return []
 

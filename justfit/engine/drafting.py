@@ -9,7 +9,8 @@ from typing import Callable
 from justfit.engine.draft import NgramDrafter
 from justfit.engine.speculate import StepCosts, TokenAcceptance, draft_length
 
-PROBE_AFTER = 64  # drafts declined in a row before a short one is verified anyway
+PROBE_AFTER = 64  # drafts declined in a row before a one-token one is verified anyway
+LONGEST_PROBE_GAP = 1024  # each probe that fails doubles the wait for the next, up to this
 
 DrafterFactory = Callable[[list[int]], NgramDrafter]
 
@@ -25,8 +26,21 @@ class DraftPolicy:
 
     def __init__(self, drafter: NgramDrafter, step_costs: StepCosts):
         self.drafter, self.step_costs = drafter, step_costs
-        self.acceptance = TokenAcceptance()  # how likely its drafted tokens are accepted
+        # How likely drafted tokens are accepted, per length of the n-gram the draft
+        # matched: in prose a two-token match (a common word pair) rarely leads where the
+        # model goes, a four-token one in copied text mostly does, and one average over
+        # both would draft prose's misses or decline the copies.
+        self.by_match: dict[int, TokenAcceptance] = {}
         self.declined = 0  # drafts proposed and not verified since the last verify
+        self.probe_after = PROBE_AFTER
+        self.matched = 0  # the n-gram length of the draft being verified
+        self.probing = False  # whether that draft is a probe
+
+    def acceptance(self, matched: int) -> TokenAcceptance:
+        """The acceptance seen for drafts that matched `matched` tokens."""
+        if matched not in self.by_match:
+            self.by_match[matched] = TokenAcceptance()
+        return self.by_match[matched]
 
     @property
     def max_draft(self) -> int:
@@ -43,18 +57,26 @@ class DraftPolicy:
         if not d.active:
             return []
         proposal = d.propose(limit) if limit > 0 else []
-        k = draft_length(len(proposal), self.acceptance.rate, self.step_costs)
-        if proposal and not k:
+        if not proposal:
+            return []
+        matched = getattr(d, "matched", 0)  # a drafter that does not say: one tracker for all
+        k = draft_length(len(proposal), self.acceptance(matched).rate, self.step_costs)
+        self.probing = False
+        if not k:
             # Declined while a step of more rows costs more than the tokens it is likely to
-            # add; now and then a short one measures the acceptance again.
+            # add; now and then one token measures the acceptance again, rarer after each
+            # probe that fails, so text with nothing to copy pays almost nothing.
             self.declined += 1
-            if self.declined >= PROBE_AFTER and self.step_costs.cost(1) is not None:
-                k = min(len(proposal), 2)
+            if self.declined >= self.probe_after and self.step_costs.cost(1) is not None:
+                k, self.probing = 1, True
         if k:
             self.declined = 0
+            self.matched = matched
         return proposal[:k]
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A verify step kept `accepted` of `drafted` tokens."""
         self.drafter.feedback(drafted, accepted)
-        self.acceptance.add(drafted, accepted)
+        self.acceptance(self.matched).add(drafted, accepted)
+        if self.probing:
+            self.probe_after = PROBE_AFTER if accepted else min(LONGEST_PROBE_GAP, 2 * self.probe_after)

@@ -129,15 +129,21 @@ class StepCosts:
         return max(one, seconds[above[0]] - PRIOR_SLOPE * one * (above[0] - rows))
 
 
-def draft_length(proposed: int, acceptance: float, costs: StepCosts) -> int:
+# A draft must beat a plain step by this share of its tokens per second: the step costs
+# time the forward pass alone (not the acceptance check and the rollback of rejected
+# positions), and on a shared machine they are noisy; a draft that only ties is a loss.
+MARGIN = 0.1
+
+
+def draft_length(proposed: int, acceptance: float, costs: StepCosts, margin: float = MARGIN) -> int:
     """How many of `proposed` drafted tokens to verify: the length that makes the most
     tokens per second, each drafted token accepted with probability `acceptance` if the
     one before it was (so a step yields 1 + a + a^2 + ... tokens); 0 when none beats a
-    plain step."""
+    plain step by `margin` (a share of its rate)."""
     plain = costs.cost(1)
     if plain is None or proposed <= 0:
         return 0  # a plain step first: it measures what a draft must beat
-    best, best_rate, expected = 0, 1.0 / plain, 1.0
+    best, best_rate, expected = 0, (1.0 + margin) / plain, 1.0
     for k in range(1, proposed + 1):
         expected += acceptance ** k
         cost = costs.cost(k + 1)
@@ -151,10 +157,13 @@ class TokenAcceptance:
     each verify's accepted run and whether it ended in a rejection (exponential averages
     over verifies). Copying comes in runs: after a draft accepted whole the next one
     mostly is too, after a rejection less often, so each case keeps its own rate and
-    `rate` is the one for the case the sequence is in."""
+    `rate` is the one for the case the sequence is in. Until a draft is accepted whole
+    the rate starts at `prior_cold`, a coin toss: prose, where n-grams match often and
+    the model seldom follows them, stops drafting after a verify or two, while a copy's
+    first accepted draft moves it to the warm case at once."""
 
-    def __init__(self, prior: float = 0.8, weight: float = 0.25):
-        self.rates = {True: prior, False: prior}  # after a draft accepted whole / after a rejection
+    def __init__(self, prior: float = 0.8, weight: float = 0.25, prior_cold: float = 0.5):
+        self.rates = {True: prior, False: prior_cold}  # after a draft accepted whole / after a rejection
         self.whole = False  # whether the last verify accepted its whole draft
         self.weight = weight
 
