@@ -272,6 +272,25 @@ class Sequence:
         self.pending = picks[-1].token
         return chunks
 
+    def may_feed_ahead(self, alone: bool) -> bool:
+        """Whether the token after the pending one may be fed before the host takes the
+        pending one (justfit.engine.batch.Pipeline): its decoder decides tokens without
+        the host, no drafts to verify (`alone`: it decodes alone, and drafts would be
+        guessed), the token this step decides is not the last the token limit allows, and the
+        position fed ahead can be dropped exactly (no page flush on its write, no pages
+        on disk) should the pending token end the reply."""
+        return (self.pending is not None and self.decoder.host_free and self.reader is None
+                and (self.drafts is None or not alone)
+                and self.stats.generated_tokens + 1 < self.sp.max_tokens and self._rows_droppable()
+                and kvexec.chunk_room(self.cache, 2) == 2)
+
+    def take_back(self) -> None:
+        """A step fed ahead is not taken: its position leaves the cache and its draw the
+        sampler's position, as though it had never been built."""
+        self._drop(1)
+        if not self.decoder.greedy:
+            self.rng["step"] -= 1
+
     def _drop(self, n: int) -> None:
         """Remove the last `n` positions from the cache (a rejected or unneeded draft)."""
         if n > 0 and not kvexec.trim(self.cache, n):
