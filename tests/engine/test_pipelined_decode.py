@@ -174,19 +174,20 @@ def test_seeded_sampled_replies_alone_and_batched(engines):
     assert runs[True] == runs[False]
 
 
-def test_smollm2_batch_ending_at_its_own_end_token(smollm2_gguf):
-    """A short answer ends at SmolLM2's end token while longer ones decode on."""
-    msgs = [[{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}],
-            [{"role": "user", "content": "Count from one to twenty in words."}],
-            [{"role": "user", "content": "Name three colors, separated by commas."}]]
+def test_smollm2_batch_ending_at_its_end_token_and_a_stop_string(smollm2_gguf):
+    """A short answer ends at SmolLM2's end token while another decodes on, to a stop string."""
     engine = Engine(str(smollm2_gguf), config=EngineConfig(draft="none"))
-    requests = [(engine.encode(m), _greedy(24, ignore_eos=False, stop=("ten",) if i == 1 else ()))
-                for i, m in enumerate(msgs)]
+    requests = [(engine.encode([{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]),
+                 _greedy(12, ignore_eos=False)),
+                (engine.encode([{"role": "user", "content": "Name three colors, separated by commas."}]),
+                 _greedy(12, ignore_eos=False, stop=(",",)))]
     replies = {}
     for on in (True, False):
         chunks, _, runner = _batch(engine, requests, pipeline=on)
         replies[on] = [_text(c) for c in chunks]
         if on:
-            assert runner.pipe.taken > 0 and runner.pipe.undone > 0
+            assert runner.pipe.taken > 0 and runner.pipe.undone == 2
     assert replies[True] == replies[False]
-    assert replies[False][0][2] == "stop" and len(replies[False][0][0]) < 24  # ended at its end token
+    (short, _, why), (colors, text, stop) = replies[False]
+    assert why == "stop" and short[-1] is None and len(short) < len(colors)  # its end token, never shown
+    assert stop == "stop" and "," not in text and len(colors) < 12
