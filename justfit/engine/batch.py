@@ -140,31 +140,10 @@ def forward(engine, live: list[Sequence], step_tokens: int, pipe: Pipeline | Non
     # next would be the same one: nothing prefilling, drafted or needing the host.
     steady = (pipe is not None and len(groups) == 1 and len(groups[0]) == len(live) and not engine.swap.offloaded
               and all(s.may_feed_ahead(alone=len(live) == 1) for s in live))
-    forwards, launched = 0, False
+    forwards = 0
     for group in groups:
-        def choose(rows: mx.array, g: list[Sequence] = group) -> list[mx.array | None]:
-            return [s.decoder.choice(rows[i]) for i, s in enumerate(g)]
-
-        with engine.swap.phase("decode") as phase:
-            if ahead is not None:
-                logits, chosen = ahead
-            else:
-                logits, chosen = decode_rows(engine.model, [s.pending for s in group], [s.cache for s in group],
-                                             choose)
-            if steady and all(c is not None for c in chosen):
-                tokens = mx.concatenate([c.reshape(-1) for c in chosen])
-                pipe.logits, pipe.chosen = launch_rows(engine.model, tokens, [s.cache for s in group], choose)
-                pipe.group, launched = list(group), True
+        out.extend(_decode(engine, group, ahead, pipe if steady else None))
         forwards += 1
-        # What a draft must beat (justfit.engine.speculate.draft_length): a step timed alone.
-        if len(group) == 1 and ahead is None and not launched:
-            engine.step_costs.note(1, phase.seconds)
-        for i, s in enumerate(group):
-            s.note_phase(phase)
-            s.fed()
-            out.append((s, s.accept(logits[i], chosen[i])))
-        if pipe is not None and any(s.finished for s in group):  # the batch changes: the step ahead is undone
-            pipe.settle()
     for s in decoding:
         if drafts[id(s)]:
             with engine.swap.phase("decode") as phase:
@@ -178,6 +157,35 @@ def forward(engine, live: list[Sequence], step_tokens: int, pipe: Pipeline | Non
         seq = min(waiting, key=lambda s: s.remaining)  # shortest remaining prefill first
         out.append((seq, seq.prefill(step_tokens if decoding else None)))
     return out, forwards
+
+
+def _decode(engine, group: list[Sequence], ahead: tuple[mx.array, list] | None, pipe: Pipeline | None) -> Produced:
+    """One decode forward for `group` (the step dispatched `ahead`, when given); with
+    `pipe`, the next one dispatched ahead of taking this one's tokens."""
+    def choose(rows: mx.array) -> list[mx.array | None]:
+        return [s.decoder.choice(rows[i]) for i, s in enumerate(group)]
+
+    launched = False
+    with engine.swap.phase("decode") as phase:
+        if ahead is not None:
+            logits, chosen = ahead
+        else:
+            logits, chosen = decode_rows(engine.model, [s.pending for s in group], [s.cache for s in group], choose)
+        if pipe is not None and all(c is not None for c in chosen):
+            tokens = mx.concatenate([c.reshape(-1) for c in chosen])
+            pipe.logits, pipe.chosen = launch_rows(engine.model, tokens, [s.cache for s in group], choose)
+            pipe.group, launched = list(group), True
+    # What a draft must beat (justfit.engine.speculate.draft_length): a step timed alone.
+    if len(group) == 1 and ahead is None and not launched:
+        engine.step_costs.note(1, phase.seconds)
+    out: Produced = []
+    for i, s in enumerate(group):
+        s.note_phase(phase)
+        s.fed()
+        out.append((s, s.accept(logits[i], chosen[i])))
+    if launched and any(s.finished for s in group):  # the batch changes: the step ahead is undone
+        pipe.settle()
+    return out
 
 
 def _groups(engine, seqs: list[Sequence]) -> list[list[Sequence]]:
