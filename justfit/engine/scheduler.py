@@ -96,9 +96,10 @@ class Scheduler:
         # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
         # the decoding replies keep their pace during a long prefill.
         self.step_tokens = step_tokens
-        # The decode step dispatched ahead (justfit.engine.batch.Pipeline): undone before
-        # anything changes a sequence's cache or stores it.
-        self.pipe = Pipeline() if engine.config.pipeline else None
+        # The decode step dispatched ahead (justfit.engine.batch.Pipeline), where the
+        # engine's settings pipeline decode steps: undone before anything changes a
+        # sequence's cache or stores it. None: never.
+        self.pipe: Pipeline | None = Pipeline()
         self._queue: deque[Job | None] = deque()  # None: the signal to stop
         self._arrived = threading.Condition()  # guards _queue; notified on every put
         self.live: list[Sequence] = []  # computing, in admission order
@@ -276,7 +277,8 @@ class Scheduler:
             self._resume()
             self._make_room()
         prefilling = any(s.remaining > 0 for s in self.live)
-        produced, forwards = forward(self.engine, self.live, self.step_tokens, self.pipe)
+        pipe = self.pipe if self.pipe is not None and self.engine.config.pipeline else None
+        produced, forwards = forward(self.engine, self.live, self.step_tokens, pipe)
         self.steps += forwards
         # Under a budget the C heap's free pages go back to the system after each prefill
         # chunk and every 16 decode steps: MLX's many small buffers fragment the heap, and
