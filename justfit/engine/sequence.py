@@ -273,12 +273,12 @@ class Sequence:
         return chunks
 
     def may_feed_ahead(self, alone: bool) -> bool:
-        """Whether the token after the pending one may be fed before the host takes the
-        pending one (justfit.engine.batch.Pipeline): its decoder decides tokens without
-        the host, no drafts to verify (`alone`: it decodes alone, and drafts would be
-        guessed), the token this step decides is not the last the token limit allows, and the
-        position fed ahead can be dropped exactly (no page flush on its write, no pages
-        on disk) should the pending token end the reply."""
+        """Whether the step after this one may be built from the token this step decides
+        before the host takes it (justfit.engine.batch.Pipeline): its decoder decides
+        tokens without the host; no drafts (`alone`: it decodes alone, and would guess);
+        this step's token is not the last its token limit allows; and the position the
+        next step writes can be dropped exactly (no page flush, no pages on disk) should
+        this step's token end the reply."""
         return (self.pending is not None and self.decoder.host_free and self.reader is None
                 and (self.drafts is None or not alone)
                 and self.stats.generated_tokens + 1 < self.sp.max_tokens and self._rows_droppable()
