@@ -74,6 +74,7 @@ class Pipeline:
 
     @property
     def ahead(self) -> bool:
+        """Whether a step is dispatched ahead."""
         return self.logits is not None
 
     def take(self, decoding: list[Sequence]) -> tuple[mx.array, list[mx.array | None]] | None:
