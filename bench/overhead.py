@@ -11,7 +11,9 @@ cache and its greedy sampler, on the model JustFit loaded with everything the ad
 installed removed: mlx-lm's modules on JustFit's converted weights, in their dtype);
 each `@native` (the default here where the kernels are built) and `@mlx` (JUSTFIT_NATIVE=0).
 Not run unless named: `justfit-mlx-cache` (JustFit's loop with mlx-lm's KV cache,
-`EngineConfig(kv=None)`, in place of its KV pages: what the pages cost per step).
+`EngineConfig(kv=None)`, in place of its KV pages: what the pages cost per step) and
+`justfit-nopipe` (JustFit's loop with its decode steps not pipelined,
+`EngineConfig(pipeline=False)`: each step waits for its tokens before the next is built).
 Rounds alternate the systems' order so a shared machine's load falls on all of them.
 
 Per decode token, on the main thread (the one that calls the step):
@@ -22,8 +24,9 @@ Per decode token, on the main thread (the one that calls the step):
   - blocked CPU: inside them (`mx.eval`, `mx.async_eval`, `array.item`,
     `array.tolist`): MLX walking the graph and handing each operation to its stream's
     thread (on the CPU backend `async_eval` waits too: it is timed with the waits).
-- blocked: wall time inside those calls; `async_eval` the part of it in that call (mlx-lm
-  dispatches the next step there before waiting for this one with `item`).
+- blocked: wall time inside those calls; `async_eval` the part of it in that call (mlx-lm,
+  and JustFit's pipelined steps, dispatch the next step there before waiting for this
+  one with `item`).
 - off-CPU: wall - blocked - host: time outside MLX's calls the thread did not run
   (preempted on a loaded machine, sleeping).
 - syncs: waiting calls (`eval`, `item`, `tolist`) per token; ops: MLX operations (graph
@@ -69,7 +72,8 @@ class SyncClock:
     syncs: int = 0
     counting: bool = False
     ops: collections.Counter = field(default_factory=collections.Counter)
-    _dispatched: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    # The arrays the last two `async_eval` calls dispatched (a step's, and the one before).
+    _dispatched: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2))
     _originals: dict = field(default_factory=dict)
     _depth: int = 0
 
@@ -77,12 +81,18 @@ class SyncClock:
         """(blocked wall, blocked CPU, async_eval wall, syncs) so far."""
         return self.blocked_wall, self.blocked_cpu, self.async_wall, self.syncs
 
-    def _count(self, arrays) -> None:
+    @staticmethod
+    def _leaves(arrays) -> list:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        leaves = [a for _, a in tree_flatten(list(arrays)) if isinstance(a, mx.array)]
-        leaves = [a for a in leaves if not any(a is d for d in self._dispatched)]
+        return [a for _, a in tree_flatten(list(arrays)) if isinstance(a, mx.array)]
+
+    def _count(self, arrays) -> None:
+        import mlx.core as mx
+
+        dispatched = {id(d) for call in self._dispatched for d in call}
+        leaves = [a for a in self._leaves(arrays) if id(a) not in dispatched]
         if leaves:
             dot = io.StringIO()
             mx.export_to_dot(dot, *leaves)
@@ -120,7 +130,7 @@ class SyncClock:
                 self.blocked_cpu += time.thread_time() - c
                 self.blocked_wall += spent
                 self.async_wall += spent
-                self._dispatched.extend(args)
+                self._dispatched.append(self._leaves(args))  # lists of arrays too (a batch's rows)
                 self._depth -= 1
         return wrapped
 
@@ -210,6 +220,8 @@ def _worker(system: str, model: str, contexts: list[int], tokens: int) -> dict:
     config = EngineConfig(draft="none", context_limit=max(contexts) + tokens + 8)
     if system.startswith("justfit-mlx-cache"):  # mlx-lm's KV cache in JustFit's loop: what the pages cost
         config = replace(config, kv=None)
+    if system.startswith("justfit-nopipe"):  # each decode step waits before the next is built
+        config = replace(config, pipeline=False)
     engine = Engine(model, config=config)
     facts = {"native": runtime.native_kernels() is not None, "weights": engine.swap.registry.resident_form}
     if system.startswith("mlx-lm"):

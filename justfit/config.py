@@ -128,6 +128,12 @@ class EngineConfig:
     # earlier match of the sequence's own suffix (prompt and reply) and verifies them in
     # one forward; "none" decodes one token per step. Replies are the same either way.
     draft: str = "ngram"
+    # Decode steps pipelined: where a step's next tokens need nothing from the host (plain
+    # greedy, or sampled with the request's keys), the next step's forward is built from
+    # them unevaluated and dispatched before this step's tokens are taken, stop text and
+    # detokenizing done while it computes (justfit.engine.batch.Pipeline). Replies and
+    # stored states are the same either way; off: each step waits, then the next is built.
+    pipeline: bool = True
     # Compiled grammars (constrained output, justfit.engine.grammar) kept by content, at
     # most this many bytes (estimated); a whole-process budget counts it from load.
     grammar_cache_bytes: int = 32 << 20

@@ -65,6 +65,10 @@ class Decoder:
         # Greedy with nothing to adjust or report: the argmax of the logits is the token
         # (the normalizing logsumexp over the vocabulary is a cost every token on the CPU).
         self.plain = self.sampler is greedy_sampler and not self.processors and sp.logprobs is None
+        # Sampled with the request's keys and nothing that needs the host between tokens:
+        # the draw is an MLX op too, computed with the logits.
+        self.keyed = (self.sampler is not greedy_sampler and not self.processors and sp.logprobs is None
+                      and grammar is None)
         self.queued: list[int] = []  # tokens the grammar forces after the last decided one, not yet taken
         self.ended = False
 
@@ -83,10 +87,19 @@ class Decoder:
         """The next token as an array computed from the (not yet evaluated) logits, to
         be evaluated with them, where it needs nothing else: plain greedy (the argmax,
         of the masked logits with a grammar: the mask depends on the tokens before only)
-        and no forced token; None otherwise (`accept` computes it)."""
+        and no forced token, or a keyed draw with nothing to adjust or report (it takes
+        the sampler's next key now); None otherwise (`accept` computes it)."""
+        if self.keyed:
+            return self.sampler((logits - mx.logsumexp(logits, keepdims=True))[None])[0]
         if not self.plain or self.forced():
             return None
         return mx.argmax(self.grammar.mask(logits) if self.grammar is not None else logits)
+
+    @property
+    def host_free(self) -> bool:
+        """Whether `choice` decides every next token without the host: the token after
+        it can be fed before this one is taken (no grammar, no processors)."""
+        return (self.plain or self.keyed) and self.grammar is None
 
     def accept(self, logits: mx.array, chosen: mx.array | None = None) -> tuple[int, Chunk]:
         """Sample from the logits after the last fed token (`chosen`: this decoder's

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from justfit import runtime
 from justfit.config import SamplingParams
-from justfit.engine.batch import Produced, forward
+from justfit.engine.batch import Pipeline, Produced, forward
 from justfit.planning.plan import RequestMeasure, measure_request
 from justfit.engine.drafting import DrafterFactory
 from justfit.engine.events import End, Event, Failure, Progress, Token
@@ -96,6 +96,10 @@ class Scheduler:
         # While any sequence decodes, a step's prefill chunk is at most step_tokens, so
         # the decoding replies keep their pace during a long prefill.
         self.step_tokens = step_tokens
+        # The decode step dispatched ahead (justfit.engine.batch.Pipeline), where the
+        # engine's settings pipeline decode steps: undone before anything changes a
+        # sequence's cache or stores it. None: never.
+        self.pipe: Pipeline | None = Pipeline()
         self._queue: deque[Job | None] = deque()  # None: the signal to stop
         self._arrived = threading.Condition()  # guards _queue; notified on every put
         self.live: list[Sequence] = []  # computing, in admission order
@@ -273,7 +277,8 @@ class Scheduler:
             self._resume()
             self._make_room()
         prefilling = any(s.remaining > 0 for s in self.live)
-        produced, forwards = forward(self.engine, self.live, self.step_tokens)
+        pipe = self.pipe if self.pipe is not None and self.engine.config.pipeline else None
+        produced, forwards = forward(self.engine, self.live, self.step_tokens, pipe)
         self.steps += forwards
         # Under a budget the C heap's free pages go back to the system after each prefill
         # chunk and every 16 decode steps: MLX's many small buffers fragment the heap, and
@@ -313,6 +318,8 @@ class Scheduler:
     def _fail_all(self, error: Exception) -> None:
         """End every sequence after a failed step, their jobs told what it means."""
         ended = self.live + self.parked
+        if self.pipe is not None:  # the caches are unknown: nothing is stored from them
+            self.pipe.discard()
         if not any(isinstance(s.source.failure(error), JustFitError) for s in ended):
             log.exception("step failed", exc_info=error)
         for seq in ended:
@@ -442,6 +449,11 @@ class Scheduler:
             self._jobs[id(seq)] = job
         self.live.append(seq)
 
+    def _settle(self) -> None:
+        """Undo the decode step dispatched ahead, if any: the batch is about to change."""
+        if self.pipe is not None:
+            self.pipe.settle()
+
     # -- preemption ------------------------------------------------------------------
     def _resume(self) -> None:
         """Parked sequences back, oldest first, while they fit."""
@@ -457,6 +469,7 @@ class Scheduler:
         """Park the most recently admitted sequences until the next step fits (one always runs)."""
         budget = self.engine.budget.bytes
         while budget is not None and len(self.live) > 1 and self._need(self.live) > budget:
+            self._settle()
             seq = self.live[-1]
             try:
                 self.swap_s += seq.park()
@@ -471,6 +484,7 @@ class Scheduler:
     def leave(self, seq: Sequence) -> None:
         """Take `seq` out, running or parked (finished, cancelled or failed), storing
         what it computed; the one place a request is measured as it ends."""
+        self._settle()
         if seq in self.live:
             self.live.remove(seq)
         if seq in self.parked:

@@ -272,6 +272,25 @@ class Sequence:
         self.pending = picks[-1].token
         return chunks
 
+    def may_feed_ahead(self, alone: bool) -> bool:
+        """Whether the step after this one may be built from the token this step decides
+        before the host takes it (justfit.engine.batch.Pipeline): its decoder decides
+        tokens without the host; no drafts (`alone`: it decodes alone, and would guess);
+        this step's token is not the last its token limit allows; and the position the
+        next step writes can be dropped exactly (no page flush, no pages on disk) should
+        this step's token end the reply."""
+        return (self.pending is not None and self.decoder.host_free and self.reader is None
+                and (self.drafts is None or not alone)
+                and self.stats.generated_tokens + 1 < self.sp.max_tokens and self._rows_droppable()
+                and kvexec.chunk_room(self.cache, 2) == 2)
+
+    def take_back(self) -> None:
+        """A step fed ahead is not taken: its position leaves the cache and its draw the
+        sampler's position, as though it had never been built."""
+        self._drop(1)
+        if not self.decoder.greedy:
+            self.rng["step"] -= 1
+
     def _drop(self, n: int) -> None:
         """Remove the last `n` positions from the cache (a rejected or unneeded draft)."""
         if n > 0 and not kvexec.trim(self.cache, n):

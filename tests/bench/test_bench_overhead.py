@@ -21,8 +21,9 @@ def test_bench_overhead_splits_each_token_and_counts_operations(tiny_llama_dir, 
         assert r["host_ms"] + r["blocked_ms"] <= r["wall_ms"] * 1.02 + 0.05
         assert abs(r["thread_cpu_ms"] - r["host_ms"] - r["blocked_cpu_ms"]) <= 0.01 * r["thread_cpu_ms"] + 0.01
         assert r["ops"] > 0 and sum(r["top_ops"].values()) <= r["ops"] and r["syncs"] >= 1
-        # mlx-lm waits in async_eval and item, JustFit in eval and item, never async_eval
-        assert (r["async_eval_ms"] > 0) == system.startswith("mlx-lm")
+        # both dispatch the next step with async_eval (JustFit's decode steps are pipelined)
+        # before waiting for this one's token with item
+        assert r["async_eval_ms"] > 0
     assert rows["justfit@mlx", 8]["native"] is False and rows["mlx-lm@mlx", 8]["kv"].startswith("mlx-lm KVCache")
     ratios = {(r["path"], r["context"]): r for r in result["host_ratios"]}
     assert set(ratios) == {(p, c) for p in ("native", "mlx") for c in (8, 40)}
