@@ -13,7 +13,11 @@ and with its n-gram drafts as rows of their own):
 - prefill of 512 tokens and decode after 16,384 positions held (JustFit: random keys and
   values stored, `bench.speed --depth`; llama-bench: -d, filled for real, once a round);
 - one greedy stream (96 tokens after a ~20-token prompt) and 4 at once, over HTTP:
-  `justfit serve` (`"speculate": false` / true) against llama-server -np 1 and -np 4.
+  `justfit serve` (`"speculate": false` / true) against llama-server -np 1 and -np 4;
+- where a decode step's time goes (`bench.overhead`), native and MLX-only, beside
+  mlx-lm's `generate_step` on the MLX-only path;
+- drafts on against drafts off in one `justfit serve` (`bench.speculation --rounds`): chat
+  prose, chat, the agent trajectory's first turns and code edits on the chat model.
 
 Each step saves its result into bench/results/new/ as usual; the manifest records each
 step's command, result file, wall time and the load average around it. To cite them:
@@ -42,6 +46,12 @@ def steps(model: str, llama_cpp: str, rounds: int, decode: int = 64) -> dict[str
         "streams": ["-m", "bench.streams", "--model", model, "--systems",
                     "justfit-nodraft,justfit-drafts,llama-server-np1,llama-server-np4", "--streams", "4",
                     "--max-tokens", "96", "--rounds", str(rounds), "--llama-cpp", llama_cpp],
+        "overhead": ["-m", "bench.overhead", "--model", model, "--contexts", "16,1024", "--tokens", str(decode),
+                     "--rounds", str(rounds), "--systems",
+                     "justfit@native,justfit-nopipe@native,justfit@mlx,justfit-nopipe@mlx,mlx-lm@mlx"],
+        "speculation": ["-m", "bench.speculation", "--model", model, "--systems", "justfit", "--rounds", str(rounds),
+                        "--max-tokens", "96", "--prompts", "2", "--turns", "4",
+                        "--workloads", "prose,chat,agent,code-edit"],
     }
 
 
