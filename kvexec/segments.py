@@ -43,6 +43,13 @@ class Segment:
     # a decode step then makes no new views (slices) of a segment it read last step.
     block: object = field(default=None, repr=False, compare=False)
 
+    def __setattr__(self, name: str, value) -> None:
+        # New storage (spilled, re-encoded, joined, given back) drops the kept block:
+        # it would hold the old arrays in memory.
+        if name in ("keys", "values", "fmt"):
+            object.__setattr__(self, "block", None)
+        object.__setattr__(self, name, value)
+
     @property
     def nbytes(self) -> int:
         """Bytes of its storage in memory, allocated capacity included (0 once spilled)."""
