@@ -19,7 +19,7 @@ import mlx.core as mx
 from kvexec.formats import KVFormat, get_format
 from kvexec.rotated import unrotate
 from kvexec.kernels import rows_kernel
-from kvexec.fused import fused_attention
+from kvexec.fused import available as fused_available, fused_attention
 from kvexec.online import fold_block, softmax, softmax_step, softmax_step_numpy
 
 # Query rows (heads per KV head x queries) up to which blocks are scored in place.
@@ -47,9 +47,17 @@ class Block:
     stored_keys: dict[str, mx.array]  # stored form: [B, kv_heads, ...], holding at least `length`
     stored_values: dict[str, mx.array]  # tokens from the first (a segment's storage holds more)
     fmt: KVFormat
-    start: int  # position of the first key
-    length: int
+    start: int  # position of the first key (after the lead)
+    length: int  # keys, the lead's included
     tag: object = None  # what the block came from (the store's segment)
+    # Keys first in the block whose positions are 0 .. lead - 1, the rest from `start` on
+    # (the sinks copied in front of the hot window: kvexec/hot.py); layers without a window.
+    lead: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the position of the last key."""
+        return self.start + self.length - self.lead
 
     # The block's own tokens, made when first read: native decode attention reads the
     # storage itself, and slicing every segment at every step costs Python time there.
@@ -91,6 +99,22 @@ def _visibility(q_start: int, L: int, k_start: int, n: int, window: int | None):
     return mask
 
 
+def _block_sees(q_start: int, L: int, block: Block, window: int | None) -> bool:
+    """`_sees` for a block (one with a lead: positions 0 on, seen by any query)."""
+    return True if block.lead else _sees(q_start, L, block.start, block.length, window)
+
+
+def _block_visibility(q_start: int, L: int, block: Block, window: int | None):
+    """`_visibility` for a block: a lead (positions 0 .. lead - 1) is seen causally too."""
+    if not block.lead:
+        return _visibility(q_start, L, block.start, block.length, window)
+    parts = [_visibility(q_start, L, 0, block.lead, None), _visibility(q_start, L, block.start, block.length - block.lead, None)]
+    if parts[0] is None and parts[1] is None:
+        return None
+    return mx.concatenate([mx.full((L, n), p is None) if isinstance(p, bool) or p is None else p
+                           for p, n in zip(parts, (block.lead, block.length - block.lead))], axis=1)
+
+
 def _merged(blocks, rows: int, limit: int):
     """For many query rows (prefill), fold adjacent small blocks into decoded blocks of
     up to `limit` keys: fewer, larger GEMMs, and the same per-call transient whatever
@@ -105,7 +129,10 @@ def _merged(blocks, rows: int, limit: int):
         return Block({"x": keys}, {"x": values}, get_format("fp32"), pending[0].start, keys.shape[-2])
 
     for block in blocks:
-        if rows // block.kv_heads <= DIRECT_ROWS:
+        if rows // block.kv_heads <= DIRECT_ROWS or block.lead:
+            if pending:  # (a block with a lead keeps its own positions: not joined)
+                yield flush()
+                pending = []
             yield block
             continue
         fits = pending and pending[-1].start + pending[-1].length == block.start and \
@@ -183,6 +210,8 @@ def invariant_rows(queries: mx.array, blocks: list, q_start: int, scale: float, 
     where the kernel is not built or cannot take these blocks, or where one position's
     scores alone take more (the transient stays bounded: past about TWO_PASS_SCORES /
     heads positions, rows are not computed as lone queries)."""
+    if not fused_available():
+        return None
     B, H, L, D = queries.shape
     total = sum(b.length for b in blocks)
     if B * H * total > TWO_PASS_SCORES:
@@ -211,7 +240,7 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
     fold = getattr(native, "attention_fold", None) if D % 16 == 0 else None
     for block in blocks:
         n = block.length
-        if not _sees(q_start, L, block.start, n, window):
+        if not _block_sees(q_start, L, block, window):
             continue
         kvh = block.kv_heads
         rep = H // kvh
@@ -231,7 +260,7 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
             pv = block.fmt.values.weighted(p, block.values) if direct else p @ block.fmt.values.decode(block.values)
             l, acc = l * corr + rows, acc * corr + pv
         else:
-            visible = _visibility(q_start, L, block.start, n, window)
+            visible = _block_visibility(q_start, L, block, window)
             step = softmax_step_numpy if big and _on_cpu() else softmax_step
             # The scores go straight into the step: no name here outlives the numpy overwrite.
             p, corr, m_new, m_safe = step(_block_scores(q, block, visible, rep, L, direct), m)
@@ -263,28 +292,36 @@ def _online(queries, blocks, q_start, scale, window, sinks, observe, block_token
 def _two_pass(queries, blocks, q_start, scale, window, sinks, observe) -> mx.array:
     """Few query rows: score every block on its stored form, one softmax over all the
     scores (the transient is rows x context, kept small by TWO_PASS_SCORES), then sum
-    each block's probability-weighted values."""
+    each block's probability-weighted values. At decode this runs per layer and step,
+    so it makes as few MLX operations as it can: no mask where every key is visible,
+    one softmax over a lone block's scores as they are, one split of the probabilities."""
     B, H, L, D = queries.shape
     kvh = blocks[0].kv_heads
     rep = H // kvh
     q = (queries.astype(mx.float32) * scale).reshape(B, kvh, rep * L, D)
-    used, scores = [], []
+    used, scores, ends, end = [], [], [], 0
     for block in blocks:
-        visible = _visibility(q_start, L, block.start, block.length, window)
-        if visible is False:
-            continue
+        if window is None and block.end <= q_start + 1:
+            visible = None  # every key at or before the first query: all seen by all
+        else:
+            visible = _block_visibility(q_start, L, block, window)
+            if visible is False:
+                continue
         s = block.fmt.keys.scores(q, block.keys)
         used.append(block)
-        scores.append(_masked(s, visible, rep, L))
+        scores.append(s if visible is None else _masked(s, visible, rep, L))
+        end += block.length
+        ends.append(end)
     if not used:
         raise ValueError("no key is visible to these queries")
     if sinks is not None:  # a per-head logit that takes probability mass, no value
         scores.append(_sink_logits(sinks, B, kvh, rep, L))
-    p = softmax(mx.concatenate(scores, axis=-1))
-    sums, offset = {}, 0  # rotated values or not -> sum of p V over those blocks
-    for block in used:
-        pb = p[..., offset:offset + block.length]
-        offset += block.length
+    else:
+        ends.pop()  # the last block's probabilities run to the end
+    p = softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1))
+    parts = mx.split(p, ends, axis=-1) if ends else [p]  # one operation, not a slice per block
+    sums = {}  # rotated values or not -> sum of p V over those blocks
+    for block, pb in zip(used, parts):
         rotated = block.fmt.values.rotated  # the same rotation for every such codec
         pv = block.fmt.values.weighted(pb, block.values, rotate=False)
         sums[rotated] = pv + sums[rotated] if rotated in sums else pv

@@ -128,7 +128,7 @@ class PagedKVCache(_BaseCache):
             after = reader.after(id(store))
             if after is not None and after is not store:
                 reader.schedule(id(after), after.spilled())
-        out = blockwise_attention(queries, store.blocks(queries, loaded), q_start, scale, store.window, sinks,
+        out = blockwise_attention(queries, store.blocks(queries, loaded, newest=True), q_start, scale, store.window, sinks,
                                   observe=store.observe if scoring else None,
                                   block_tokens=store.config.block_tokens, tokens_major=tokens_major,
                                   row_invariant=store.row_invariant)

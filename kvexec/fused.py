@@ -29,6 +29,11 @@ def _kernel():
     return ext if ext is not None and hasattr(ext, "decode_attention") else None
 
 
+def available() -> bool:
+    """Whether the native decode attention runs here (built, on, computing on the CPU)."""
+    return _kernel() is not None
+
+
 @functools.lru_cache(maxsize=1024)
 def _layout(fmt: KVFormat, widths: tuple[int, ...]):
     """What the kernel needs of a quantized format, looked up once per format: (the spec's

@@ -11,7 +11,7 @@ pages under a limit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -39,6 +39,16 @@ class Segment:
     # Where its storage lies on disk once spilled (kvexec.disk_pages); keys and values are
     # then empty until read back.
     extent: Extent | None = None
+    # The attention block over it, kept while its storage and length stay as they are:
+    # a decode step then makes no new views (slices) of a segment it read last step.
+    block: object = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        # New storage (spilled, re-encoded, joined, given back) drops the kept block:
+        # it would hold the old arrays in memory.
+        if name in ("keys", "values", "fmt"):
+            object.__setattr__(self, "block", None)
+        object.__setattr__(self, name, value)
 
     @property
     def nbytes(self) -> int:

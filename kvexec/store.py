@@ -22,12 +22,23 @@ from kvexec.config import KVConfig
 from kvexec.disk_pages import Extent, PageFile, PageReader, read_now, segment_arrays
 from kvexec.exact import ExactPoint, paged_end
 from kvexec.formats import KVFormat, get_format
+from kvexec.fused import available as fused_available
 from kvexec.hot import HotWindow
 from kvexec.pressure import ladder, step_down
 from kvexec.retention import RetentionPolicy, observe
 from kvexec.segments import (Segment, merge_with_previous, next_segment_capacity, reencode, release_unwritten,
                              segment_capacity)
 from kvexec.selection import select_pages
+
+
+def _segment_block(seg: Segment) -> Block:
+    """`seg`'s attention block, the one made last time while its storage and length
+    are unchanged (its views of a partly written segment are then made once)."""
+    b = seg.block
+    if b is None or b.length != seg.length or b.stored_keys is not seg.keys or b.stored_values is not seg.values \
+            or b.fmt is not seg.fmt or b.start != seg.start:
+        b = seg.block = Block(seg.keys, seg.values, seg.fmt, seg.start, seg.length, tag=seg)
+    return b
 
 
 def _cat(a: mx.array | None, b: mx.array) -> mx.array:
@@ -68,13 +79,17 @@ class PageStore:
         # (kvexec.attention.invariant_rows): set where the engine promises the same
         # reply however a token was computed (kvexec.row_invariant).
         self.row_invariant = False
+        self._sinks_kept: tuple | None = None  # (sink_k, sink_v, their block): `_sink_block`
+        self._head_dim: int | None = None  # the head_dim appends were checked for
 
     # -- writing -------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add [B, kv_heads, L, D] keys/values at positions offset .. offset + L - 1."""
         L, D = keys.shape[-2], keys.shape[-1]
-        if not self.fmt.supports_head_dim(D):
-            raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
+        if D != self._head_dim:  # checked once, not per layer and step
+            if not self.fmt.supports_head_dim(D):
+                raise ValueError(f"KV format {self.fmt.name} needs a head_dim divisible by 32, not {D}")
+            self._head_dim = D
         if self._ladder is None:
             self._ladder = ladder(self.config, D)
         keys, values = keys.astype(self._full_dtype(keys.dtype)), values.astype(self._full_dtype(values.dtype))
@@ -103,7 +118,8 @@ class PageStore:
         P = self.config.page_size
         while self._hot_len() >= self.config.hot_window + P:
             start = self.offset - self._hot_len()
-            k, v = self.hot.keys_room[..., :P, :], self.hot.values_room[..., :P, :]
+            a = self.hot.lead  # the window's oldest tokens follow the room's lead
+            k, v = self.hot.keys_room[..., a : a + P, :], self.hot.values_room[..., a : a + P, :]
             seg = self.segments[-1] if self.segments else None
             if seg is None or seg.length + P > seg.capacity:
                 lead, D = tuple(k.shape[:2]), k.shape[-1]
@@ -115,6 +131,7 @@ class PageStore:
                 seg = Segment(start, cap, self.fmt.keys.allocate(lead, cap, D),
                               self.fmt.values.allocate(lead, cap, D), self.fmt)
                 self.segments.append(seg)
+            seg.block = None  # its views would hold the storage: the write would copy it
             seg.fmt.keys.write(seg.keys, seg.fmt.keys.encode(k), seg.length, P)
             seg.fmt.values.write(seg.values, seg.fmt.values.encode(v), seg.length, P)
             seg.length += P
@@ -204,21 +221,59 @@ class PageStore:
             return self.segments[0].start
         return self.offset - self._hot_len()
 
-    def blocks(self, queries: mx.array | None = None, loaded: dict | None = None):
+    def blocks(self, queries: mx.array | None = None, loaded: dict | None = None, newest: bool = False):
         """Blocks in position order, in their stored form; each at most block_tokens.
         Given decode `queries` and select_pages, only the selected pages come. Spilled
-        segments come from `loaded` (PageReader.take), else are read now."""
-        if self.sink_k is not None:
-            yield Block({"x": self.sink_k}, {"x": self.sink_v}, self.full, 0, self.sink_k.shape[-2])
+        segments come from `loaded` (PageReader.take), else are read now. `newest`: the
+        queries are the newest positions (what PagedKVCache.attend gets), so the sinks may
+        come with the hot window as one block (`_sinks_with_hot`)."""
+        n = self._hot_len()
+        together = newest and self._sinks_with_hot(n)
+        if self.sink_k is not None and not together:
+            yield self._sink_block()
         for seg in select_pages(self.segments, queries, self.config.select_pages):
-            keys, values = seg.keys, seg.values
-            if seg.extent is not None:
-                buffers = (loaded or {}).get(seg.extent)
-                keys, values = read_now(seg.extent) if buffers is None else segment_arrays(seg.extent, buffers)
+            if seg.extent is None:
+                yield _segment_block(seg)
+                continue
+            buffers = (loaded or {}).get(seg.extent)
+            keys, values = read_now(seg.extent) if buffers is None else segment_arrays(seg.extent, buffers)
             yield Block(keys, values, seg.fmt, seg.start, seg.length, tag=seg)
-        if self._hot_len():
-            yield Block({"x": self.hot.keys_room}, {"x": self.hot.values_room}, self.full,
-                        self.offset - self._hot_len(), self._hot_len())
+        if together:
+            # The sinks (the room's lead) and the window as one block: one decode query
+            # sees all of them, so where they lie does not matter, only that all are read.
+            yield Block({"x": self.hot.keys_room}, {"x": self.hot.values_room}, self.full, self.offset - n,
+                        self.hot.lead + n, lead=self.hot.lead)
+        elif n and self.hot.lead:
+            yield Block({"x": self.hot.keys()}, {"x": self.hot.values()}, self.full, self.offset - n, n)
+        elif n:
+            yield Block({"x": self.hot.keys_room}, {"x": self.hot.values_room}, self.full, self.offset - n, n)
+
+    def _sinks_with_hot(self, n: int) -> bool:
+        """Whether the sinks are read with the hot window as one block (a decode step:
+        one product and no softmax pieces to join for both), for queries at the newest
+        positions, every query so (a decode step's rows in a prefill chunk's order),
+        where MLX computes attention (the native kernel reads the room's first tokens as
+        the window's); the sinks are then copied (once) in front of the window in its
+        room (HotWindow's lead)."""
+        if self.window is not None or self.sink_k is None or not n or fused_available():
+            return False
+        if self.hot.lead_k is not self.sink_k or self.hot.lead_v is not self.sink_v:
+            self.hot.set_lead(self.sink_k, self.sink_v)
+        return True
+
+    def _sink_block(self) -> Block:
+        """The sinks' block, kept while the sinks stay the same arrays. Where MLX computes
+        attention (no native decode kernel), it holds them in float32, as attention reads
+        them: the cast (exact) is made once, not per layer and step; a few positions."""
+        kept = self._sinks_kept
+        if kept is not None and kept[0] is self.sink_k and kept[1] is self.sink_v:
+            return kept[2]
+        k, v = self.sink_k, self.sink_v
+        if not fused_available():
+            k, v = k.astype(mx.float32), v.astype(mx.float32)
+        block = Block({"x": k}, {"x": v}, self.full, 0, k.shape[-2])
+        self._sinks_kept = (self.sink_k, self.sink_v, block)
+        return block
 
     @property
     def hot_k(self) -> mx.array | None:
@@ -228,7 +283,7 @@ class PageStore:
     @hot_k.setter
     def hot_k(self, keys: mx.array | None) -> None:
         """Hold exactly `keys` in the hot window (set hot_v next)."""
-        self.hot.set(keys, self.hot.values_room)
+        self.hot.set(keys, self.hot.values())  # the tokens, not the room: it may hold a lead
 
     @property
     def hot_v(self) -> mx.array | None:
@@ -238,7 +293,7 @@ class PageStore:
     @hot_v.setter
     def hot_v(self, values: mx.array | None) -> None:
         """Hold exactly `values` in the hot window (after hot_k)."""
-        self.hot.set(self.hot.keys_room, values)
+        self.hot.set(self.hot.keys(), values)
 
     # -- pages on disk -------------------------------------------------------
     def spilled(self) -> tuple[Extent, ...]:
