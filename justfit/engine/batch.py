@@ -105,6 +105,8 @@ class Pipeline:
 
     def discard(self) -> None:
         """Forget the step dispatched ahead (after a failed step the caches are unknown anyway)."""
+        for s in self.group:
+            s.pipeline = None
         self.group, self.logits, self.chosen = [], None, []
 
 
@@ -176,6 +178,8 @@ def _decode(engine, group: list[Sequence], ahead: tuple[mx.array, list] | None, 
             tokens = mx.concatenate([c.reshape(-1) for c in chosen])
             pipe.logits, pipe.chosen = launch_rows(engine.model, tokens, [s.cache for s in group], choose)
             pipe.group, launched = list(group), True
+            for s in group:
+                s.pipeline = pipe
     # What a draft must beat (justfit.engine.speculate.draft_length): a step timed alone.
     if len(group) == 1 and ahead is None and not launched:
         engine.step_costs.note(1, phase.seconds)

@@ -68,6 +68,7 @@ class Sequence:
         self.parked: Parked | None = None  # the snapshot while set aside on disk
         self._parked_at = 0.0
         self.admitted = 0  # the scheduler's admission number: the latest admitted is parked first
+        self.pipeline = None  # the batch's Pipeline while a step is dispatched ahead with this sequence in it
 
     @property
     def finished(self) -> bool:
@@ -106,6 +107,8 @@ class Sequence:
         """Set this sequence aside: its exact state written to disk through StateTrans,
         its cache let go (what it sampled, its stops and text stay here); the seconds
         the write took. Raises, with the cache kept, when the write fails."""
+        if self.pipeline is not None:  # a step dispatched ahead is undone first: the state is what was taken
+            self.pipeline.settle()
         started = time.perf_counter()  # the time set aside counts the write too
         self.parked = park(self.engine.states, self.held, self.cache, self.rng, self.scope)
         pages.release(self.cache, self.reader)
