@@ -12,9 +12,8 @@ installed removed: mlx-lm's modules on JustFit's converted weights, in their dty
 each `@native` (the default here where the kernels are built) and `@mlx` (JUSTFIT_NATIVE=0).
 Not run unless named: `justfit-mlx-cache` (JustFit's loop with mlx-lm's KV cache,
 `EngineConfig(kv=None)`, in place of its KV pages: what the pages cost per step) and
-`justfit-pipe` / `justfit-nopipe` (JustFit's loop with its decode steps pipelined or not
-whatever the device, `EngineConfig(pipeline=True/False)`; `justfit` takes the default:
-pipelined on a GPU only).
+`justfit-nopipe` (JustFit's loop with its decode steps not pipelined,
+`EngineConfig(pipeline=False)`: each step waits for its tokens before the next is built).
 Rounds alternate the systems' order so a shared machine's load falls on all of them.
 
 Per decode token, on the main thread (the one that calls the step):
@@ -223,8 +222,6 @@ def _worker(system: str, model: str, contexts: list[int], tokens: int) -> dict:
         config = replace(config, kv=None)
     if system.startswith("justfit-nopipe"):  # each decode step waits before the next is built
         config = replace(config, pipeline=False)
-    if system.startswith("justfit-pipe"):  # the next step dispatched before this one's tokens are taken
-        config = replace(config, pipeline=True)
     engine = Engine(model, config=config)
     facts = {"native": runtime.native_kernels() is not None, "weights": engine.swap.registry.resident_form}
     if system.startswith("mlx-lm"):

@@ -48,7 +48,7 @@ def steps(model: str, llama_cpp: str, rounds: int, decode: int = 64) -> dict[str
                     "--max-tokens", "96", "--rounds", str(rounds), "--llama-cpp", llama_cpp],
         "overhead": ["-m", "bench.overhead", "--model", model, "--contexts", "16,1024", "--tokens", str(decode),
                      "--rounds", str(rounds), "--systems",
-                     "justfit@native,justfit-pipe@native,justfit@mlx,justfit-pipe@mlx,mlx-lm@mlx"],
+                     "justfit@native,justfit-nopipe@native,justfit@mlx,justfit-nopipe@mlx,mlx-lm@mlx"],
         "speculation": ["-m", "bench.speculation", "--model", model, "--systems", "justfit", "--rounds", str(rounds),
                         "--max-tokens", "96", "--prompts", "2", "--turns", "4",
                         "--workloads", "prose,chat,agent,code-edit"],

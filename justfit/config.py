@@ -133,10 +133,7 @@ class EngineConfig:
     # them unevaluated and dispatched before this step's tokens are taken, stop text and
     # detokenizing done while it computes (justfit.engine.batch.Pipeline). Replies and
     # stored states are the same either way; off: each step waits, then the next is built.
-    # None: on where MLX evaluates asynchronously (a GPU); on its CPU backend `async_eval`
-    # returns only when the step is nearly done, so nothing overlaps and dispatching ahead
-    # only adds host work (docs/BENCHMARKS.md, "Where a decode step's time goes").
-    pipeline: bool | None = None
+    pipeline: bool = True
     # Compiled grammars (constrained output, justfit.engine.grammar) kept by content, at
     # most this many bytes (estimated); a whole-process budget counts it from load.
     grammar_cache_bytes: int = 32 << 20

@@ -62,12 +62,6 @@ def launch_rows(model: nn.Module, tokens: mx.array, caches: list[list],
     return logits, chosen
 
 
-def pipelined(config) -> bool:
-    """Whether decode steps are dispatched ahead under `config` (EngineConfig.pipeline;
-    None: where MLX's default device is a GPU, which computes while the host builds)."""
-    return config.pipeline if config.pipeline is not None else mx.default_device().type == mx.gpu
-
-
 class Pipeline:
     """The decode step dispatched ahead, if any: `group` fed the tokens their last step
     chose (the host has not taken them yet), its `logits` and `chosen` tokens in flight."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from justfit import runtime
 from justfit.config import SamplingParams
-from justfit.engine.batch import Pipeline, Produced, forward, pipelined
+from justfit.engine.batch import Pipeline, Produced, forward
 from justfit.planning.plan import RequestMeasure, measure_request
 from justfit.engine.drafting import DrafterFactory
 from justfit.engine.events import End, Event, Failure, Progress, Token
@@ -277,7 +277,7 @@ class Scheduler:
             self._resume()
             self._make_room()
         prefilling = any(s.remaining > 0 for s in self.live)
-        pipe = self.pipe if self.pipe is not None and pipelined(self.engine.config) else None
+        pipe = self.pipe if self.pipe is not None and self.engine.config.pipeline else None
         produced, forwards = forward(self.engine, self.live, self.step_tokens, pipe)
         self.steps += forwards
         # Under a budget the C heap's free pages go back to the system after each prefill

@@ -176,7 +176,7 @@ def test_seeded_sampled_replies_alone_and_batched(engines):
 
 def test_smollm2_batch_ending_at_its_end_token_and_a_stop_string(smollm2_gguf):
     """A short answer ends at SmolLM2's end token while another decodes on, to a stop string."""
-    engine = Engine(str(smollm2_gguf), config=EngineConfig(draft="none", pipeline=True))
+    engine = Engine(str(smollm2_gguf), config=EngineConfig(draft="none"))
     requests = [(engine.encode([{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]),
                  _greedy(12, ignore_eos=False)),
                 (engine.encode([{"role": "user", "content": "Name three colors, separated by commas."}]),

@@ -49,9 +49,6 @@ def model_dir(request, tmp_path_factory):
 
 
 def _engine(path, state_dir, chunk: int = 512, **config) -> Engine:
-    # Decode steps pipelined, as a GPU runs them by default (off by default on the CPU):
-    # the matrix holds for that path on every machine.
-    config.setdefault("pipeline", True)
     return Engine(str(path), config=EngineConfig(kv=KV, prefill_chunk=chunk, state_dir=str(state_dir),
                                                  deterministic=True, **config))
 
