@@ -41,7 +41,7 @@ PEER_FIDELITY = {"SmolLM2": ("quality-20261205-101054", _QUALITY.format("smollm2
 # The speed rows' sitting (bench/sitting.sh): its manifest names the speed and streams
 # runs, every comparison in alternating rounds on one machine in one sitting. None: the
 # rows below from earlier single runs, said as such.
-SITTING: str | None = None
+SITTING: str | None = "sitting-20261207-233251"  # the speed rows: SmolLM2, llama.cpp in the same sitting
 SPEED = "speed-20261204-235541"  # SmolLM2, llama.cpp in the same run
 SPEED_GEMMA = ("speed-20261204-190058", "speed-20261204-190706")  # two runs minutes apart
 RESUME = "resume-peers-20261205-111320"  # JustFit and llama-server, the same run
@@ -301,6 +301,35 @@ def sitting_rows(results: Path = RESULTS) -> list[Row]:
     return out
 
 
+def sitting_speculation_row(results: Path = RESULTS) -> Row:
+    """The sitting's drafts on against off in one `justfit serve` (bench.speculation
+    --rounds): per workload the decode-rate ratio (the agent's: its total time, off over
+    on) as the median (min-max) of the alternating rounds."""
+    manifest = load(SITTING, results)
+    stem = manifest["files"]["speculation"]
+    result = load(stem, results)
+    system = result["systems"][0]
+    work = system["workloads"]
+    command = re.sub(r"--llama-cpp \S+", "--llama-cpp DIR", manifest["steps"]["speculation"]["command"])
+
+    def q(name: str, key: str) -> str:
+        w = work[name]
+        return _ratio_spread({"median": w[f"{key}_median"], "min": w[f"{key}_min"], "max": w[f"{key}_max"]})
+
+    names = [n for n in ("prose", "chat", "code-edit") if n in work]
+    rates = "; ".join(f"{n} {q(n, 'decode')} (drafts accepted {work[n]['acceptance'] or 0:.0%})" for n in names)
+    agent = f"; the agent trajectory {q('agent', 'time')} (its time with drafts off over on)" if "agent" in work else ""
+    differ = [n for n in work if not work[n].get("identical_to_drafts_off")]
+    same = ("replies identical with drafts off in every round" if not differ else
+            f"replies identical with drafts off except in some round of: {', '.join(differ)} (the default engine's "
+            "numerics: a verified draft's rows are computed as one forward)")
+    return Row(f"speculative decoding, SmolLM2 (its chat template), greedy, {result['settings']['max_tokens']} tokens: "
+               f"decode rate with n-gram drafts over without, one `justfit serve`, each request alternating, "
+               f"median (min-max) of {system['rounds']} rounds, one sitting",
+               f"{rates}{agent}; {same}", "drafts off, the same server and rounds",
+               (SITTING, stem), f"bench/sitting.sh DIR ({command})")
+
+
 def resume_rows(results: Path = RESULTS) -> list[Row]:
     """A long conversation's next turn: JustFit's prefix cache and named session against
     llama-server's prompt cache and slot save/restore, the same run."""
@@ -394,13 +423,15 @@ def same_reply_rows(results: Path = RESULTS) -> list[Row]:
 
 def rows(results: Path = RESULTS) -> list[Row]:
     """Every row of the table, in the order shown."""
+    speculation = speculation_rows(results)
     if SITTING:
         speed = [*sitting_rows(results), *speed_rows(results)[1:]]  # Gemma 3's decode rows stay until it sits too
         streams = []
+        speculation = [sitting_speculation_row(results), *speculation[1:]]  # SmolLM2's sat; Gemma 3's stays
     else:
         speed, streams = speed_rows(results), streams_rows(results)
     return [*capacity_rows(results), *fidelity_rows(results), *speed, *resume_rows(results),
-            *streams, *speculation_rows(results), *same_reply_rows(results)]
+            *streams, *speculation, *same_reply_rows(results)]
 
 
 def block(results: Path = RESULTS) -> str:
