@@ -346,7 +346,7 @@ def transient_bytes(rows: int, context: int, heads: int, kv_heads: int, head_dim
     number with `row_invariant`) hold one group's scores, at most TWO_PASS_SCORES."""
     invariant = 0
     if ((rows <= INVARIANT_POSITIONS or row_invariant) and not observed and rows_kernel() is not None
-            and heads * context <= TWO_PASS_SCORES):
+            and 0 < heads * context <= TWO_PASS_SCORES):
         group = min(rows, TWO_PASS_SCORES // (heads * context))
         invariant = heads * group * context * 4 + 2 * heads * rows * head_dim * 4  # a group's scores; queries, result
     return max(invariant, _blockwise_transient(rows, context, heads, kv_heads, head_dim, block_tokens, observed))

@@ -106,3 +106,12 @@ def test_the_planner_counts_what_prefill_attention_holds(fold, monkeypatch):
     if fold:  # the block's scores never exist whole: a third of what the unfolded path holds
         monkeypatch.delattr(native.kernels(), "attention_fold")
         assert 3 * counted < transient_bytes(128, store.offset, 9, 3, 64, 2048)
+
+
+def test_attention_over_no_positions():
+    """The planner asks at 0 positions (a budget that holds none with the pages on disk):
+    a decode row holds nothing, a chunk's rows only their running state, with and without
+    row-invariant groups."""
+    assert transient_bytes(1, 0, 9, 3, 64, 2048) == transient_bytes(1, 0, 9, 3, 64, 2048, row_invariant=True) == 0
+    state = 2 * 9 * 128 * (64 + 2) * 4
+    assert 0 < transient_bytes(128, 0, 9, 3, 64, 2048, row_invariant=True) <= 2 * state

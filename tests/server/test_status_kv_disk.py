@@ -34,3 +34,12 @@ def test_status_says_what_pages_on_disk_cost(live):
     assert disk["bandwidth"]["method"] and bw > 0
     most = disk["at_max"]
     assert most["predicted_tok_s"] == pytest.approx(bw / most["read_per_token"], rel=1e-3)
+
+
+def test_costs_at_no_positions_on_disk(live):
+    """A budget that holds no position with every growing layer's pages on disk: the status's
+    figures at 0 positions are figures, not a server error."""
+    planner = live.server.engine.planner
+    probe = planner.edge_footprint(disk_layers=planner.edge_footprint().shape.full_layers)
+    zero = probe.at(0)
+    assert zero.positions == 0 and zero.total > 0
