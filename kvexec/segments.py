@@ -44,9 +44,9 @@ class Segment:
     block: object = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:
-        # New storage (spilled, re-encoded, joined, given back) drops the kept block:
-        # it would hold the old arrays in memory.
-        if name in ("keys", "values", "fmt"):
+        # New storage (spilled, re-encoded, joined, given back) drops the kept block: it
+        # would hold the old arrays in memory. So does a new extent (a trim, a join).
+        if name in ("keys", "values", "fmt", "start", "length"):
             object.__setattr__(self, "block", None)
         object.__setattr__(self, name, value)
 

@@ -32,13 +32,12 @@ from kvexec.selection import select_pages
 
 
 def _segment_block(seg: Segment) -> Block:
-    """`seg`'s attention block, the one made last time while its storage and length
-    are unchanged (its views of a partly written segment are then made once)."""
-    b = seg.block
-    if b is None or b.length != seg.length or b.stored_keys is not seg.keys or b.stored_values is not seg.values \
-            or b.fmt is not seg.fmt or b.start != seg.start:
-        b = seg.block = Block(seg.keys, seg.values, seg.fmt, seg.start, seg.length, tag=seg)
-    return b
+    """`seg`'s attention block, the one made last time while its storage and extent are
+    unchanged (Segment drops it when they change; its views of a partly written segment
+    are then made once)."""
+    if seg.block is None:
+        seg.block = Block(seg.keys, seg.values, seg.fmt, seg.start, seg.length, tag=seg)
+    return seg.block
 
 
 def _cat(a: mx.array | None, b: mx.array) -> mx.array:
